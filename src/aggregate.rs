@@ -1,0 +1,274 @@
+//! Reducing a per-token loss `ℓ [B, T]` under a mask `m [B, T]` to the scalar an optimiser
+//! minimises, in a way that does not depend on how a batch is split.
+//!
+//! | mode | formula |
+//! |---|---|
+//! | [`AggregationMode::TokenMean`] | `Σ_{i,t} m ℓ / N` |
+//! | [`AggregationMode::TokenSum`] | `Σ_{i,t} m ℓ` |
+//! | [`AggregationMode::SeqMeanTokenSum`] | `(1/S) Σ_i Σ_t m ℓ` |
+//! | [`AggregationMode::SeqMeanTokenMean`] | `(1/S) Σ_i (Σ_t m ℓ / L_i)` |
+//! | [`AggregationMode::SeqMeanTokenSumNorm`] | `(1/S) Σ_i Σ_t m ℓ / L` (`L` a fixed length) |
+//!
+//! `L_i = Σ_t m_{i,t}` is a sequence's length. `N` (the number of unmasked tokens) and `S` (the
+//! number of sequences) come from a [`Normalizer`]: by default the counts of the tensors passed in,
+//! or, for gradient accumulation and data parallelism, the counts of the *whole* optimiser batch.
+//! With global counts, the sum of the losses of the micro-batches equals the loss of the full batch,
+//! value and gradient, whatever the split. Normalising each micro-batch by its own counts (the
+//! default of several public trainers) changes the update with the micro-batch size.
+//!
+//! Every mode weighs all tokens of one sequence equally, so each reduces to `Σ_i α_i Σ_t m ℓ`
+//! with a per-sequence weight `α_i`; [`sequence_weights`] returns it.
+
+use crate::error::LossError;
+use crate::validate;
+use tch::{Kind, Tensor};
+
+/// How per-token losses are reduced to a scalar. The names are verl's `loss_agg_mode` values.
+///
+/// Reference: verl `agg_loss`; Dr. GRPO (Liu et al., arXiv 2503.20783) for the fixed-length norm.
+///
+/// # Example
+/// ```
+/// use topr_loss::AggregationMode;
+/// assert_eq!(AggregationMode::default(), AggregationMode::TokenMean);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum AggregationMode {
+    /// `Σ m ℓ / N`: every token weighs the same (PPO in verl, DAPO, Trinity-RFT).
+    #[default]
+    TokenMean,
+    /// `Σ m ℓ`: no normalisation.
+    TokenSum,
+    /// `(1/S) Σ_i Σ_t m ℓ`: every sequence weighs the same, long ones push harder.
+    SeqMeanTokenSum,
+    /// `(1/S) Σ_i Σ_t m ℓ / L_i`: every sequence weighs the same, its tokens averaged (GRPO).
+    SeqMeanTokenMean,
+    /// `(1/S) Σ_i Σ_t m ℓ / L`: as `SeqMeanTokenSum` divided by a fixed length `L` (Dr. GRPO).
+    SeqMeanTokenSumNorm {
+        /// The fixed length `L` (> 0), e.g. the maximum generation length.
+        length: f64,
+    },
+}
+
+/// The counts an aggregation divides by. `None` means "count the tensors of this call".
+///
+/// For exact gradient accumulation, compute the counts once over the whole optimiser batch
+/// (all micro-batches, all data-parallel ranks) and pass the same `Normalizer` to every
+/// micro-batch: the micro-batch losses then sum to the full-batch loss.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::Normalizer;
+///
+/// let mask_a = Tensor::from_slice2(&[[1i64, 1, 0], [1, 0, 0]]);
+/// let mask_b = Tensor::from_slice2(&[[1i64, 1, 1]]);
+/// let n = Normalizer::from_masks(&[&mask_a, &mask_b])?;
+/// assert_eq!(n, Normalizer::global(6.0, 3.0));
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Normalizer {
+    /// Total number of unmasked tokens `N` (used by `TokenMean`).
+    pub tokens: Option<f64>,
+    /// Total number of sequences `S` (used by the `SeqMean*` modes).
+    pub sequences: Option<f64>,
+}
+
+impl Normalizer {
+    /// Counts taken from the tensors of each call (not split-invariant).
+    pub fn local() -> Self {
+        Self {
+            tokens: None,
+            sequences: None,
+        }
+    }
+
+    /// Fixed global counts: `tokens` unmasked tokens in `sequences` sequences.
+    pub fn global(tokens: f64, sequences: f64) -> Self {
+        Self {
+            tokens: Some(tokens),
+            sequences: Some(sequences),
+        }
+    }
+
+    /// Global counts from the masks `[B_k, T_k]` of all micro-batches of one optimiser step.
+    /// A sequence counts when it has at least one unmasked token.
+    ///
+    /// # Errors
+    /// [`LossError::WrongRank`] or [`LossError::WrongDtype`] for a mask that is not a 2-D
+    /// bool/integer/0-1 tensor.
+    pub fn from_masks(masks: &[&Tensor]) -> Result<Self, LossError> {
+        let (mut tokens, mut sequences) = (0.0, 0.0);
+        for mask in masks {
+            let m = validate::bool_mask(mask, "masks")?;
+            validate::rank(&m, "masks", 2, "[B, T] tokens")?;
+            let lengths = m.f_sum_dim_intlist(1, false, Kind::Int64)?;
+            tokens += lengths.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
+            sequences += lengths.f_gt(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
+        }
+        Ok(Self::global(tokens, sequences))
+    }
+
+    fn check(&self) -> Result<(), LossError> {
+        for (v, field) in [
+            (self.tokens, "Normalizer::tokens"),
+            (self.sequences, "Normalizer::sequences"),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(LossError::InvalidConfig {
+                        field,
+                        value: v,
+                        reason: "a normalising count must be finite and > 0".into(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The per-sequence weights `α [B]` such that `aggregate(ℓ) = Σ_i α_i Σ_t m_{i,t} ℓ_{i,t}`.
+///
+/// ```text
+/// TokenMean: 1/N    TokenSum: 1    SeqMeanTokenSum: 1/S    SeqMeanTokenMean: 1/(S L_i)
+/// SeqMeanTokenSumNorm{L}: 1/(S L)
+/// ```
+///
+/// A sequence with no unmasked token gets `α = 0`. `mask` is a bool tensor `[B, T]`; the weights
+/// are in `kind`.
+pub(crate) fn sequence_weights_checked(
+    mask: &Tensor,
+    mode: AggregationMode,
+    norm: &Normalizer,
+    kind: Kind,
+) -> Result<Tensor, LossError> {
+    norm.check()?;
+    let lengths = mask.f_sum_dim_intlist(1, false, kind)?; // [B]
+    let has_tokens = lengths.f_gt(0.0)?;
+    let local_tokens = lengths.f_sum(Kind::Double)?.f_double_value(&[])?;
+    let local_seqs = has_tokens.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
+    let seqs = norm.sequences.unwrap_or(local_seqs);
+    let tokens = norm.tokens.unwrap_or(local_tokens);
+    let needs_tokens = matches!(mode, AggregationMode::TokenMean);
+    if (needs_tokens && tokens == 0.0) || (!needs_tokens && seqs == 0.0) {
+        return Err(LossError::EmptyBatch {
+            argument: "mask",
+            found: mask.size(),
+            unit: "unmasked token",
+        });
+    }
+    let ones = has_tokens.f_to_kind(kind)?;
+    Ok(match mode {
+        AggregationMode::TokenMean => ones.f_div_scalar(tokens)?,
+        AggregationMode::TokenSum => ones,
+        AggregationMode::SeqMeanTokenSum => ones.f_div_scalar(seqs)?,
+        AggregationMode::SeqMeanTokenMean => {
+            // 1 / (S L_i) where L_i > 0, else 0 (never divides by zero).
+            let safe = lengths.f_clamp_min(1.0)?;
+            ones.f_div(&safe)?.f_div_scalar(seqs)?
+        }
+        AggregationMode::SeqMeanTokenSumNorm { length } => {
+            if !(length.is_finite() && length > 0.0) {
+                return Err(LossError::InvalidConfig {
+                    field: "AggregationMode::SeqMeanTokenSumNorm::length",
+                    value: length,
+                    reason: "the fixed length must be finite and > 0".into(),
+                });
+            }
+            ones.f_div_scalar(seqs * length)?
+        }
+    })
+}
+
+/// The per-sequence weights `α_i` of an aggregation mode (see the module docs).
+///
+/// # Arguments
+/// * `mask` — `[B, T]`, bool, integer or 0/1 floating; true/nonzero marks a real token.
+/// * `mode`, `norm` — the aggregation and its counts.
+///
+/// # Returns
+/// `α [B]` in f32, with `aggregate(ℓ) = Σ_i α_i Σ_t m ℓ`.
+///
+/// # Errors
+/// [`LossError::WrongRank`], [`LossError::WrongDtype`] for a bad mask; [`LossError::EmptyBatch`]
+/// when nothing is unmasked and no global count is given; [`LossError::InvalidConfig`] for a
+/// non-positive count or length.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{sequence_weights, AggregationMode, Normalizer};
+///
+/// let mask = Tensor::from_slice2(&[[1i64, 1, 0, 0], [1, 1, 1, 1]]);
+/// let a = sequence_weights(&mask, AggregationMode::SeqMeanTokenMean, &Normalizer::local())?;
+/// assert_eq!(Vec::<f32>::try_from(&a)?, vec![0.25, 0.125]); // 1/(2·2), 1/(2·4)
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn sequence_weights(mask: &Tensor, mode: AggregationMode, norm: &Normalizer) -> Result<Tensor, LossError> {
+    let m = validate::bool_mask(mask, "mask")?;
+    validate::rank(&m, "mask", 2, "[B, T] tokens")?;
+    sequence_weights_checked(&m, mode, norm, Kind::Float)
+}
+
+/// Reduces a per-token loss `ℓ [B, T]` to a scalar under a mask, split-invariantly when `norm`
+/// holds global counts.
+///
+/// ```text
+/// aggregate(ℓ) = Σ_i α_i Σ_t m_{i,t} ℓ_{i,t}      (α_i from the mode, see the module table)
+/// ```
+///
+/// Masked positions get exactly zero gradient even when `ℓ` holds NaN or inf there (they are
+/// replaced, not multiplied by zero). Unmasked non-finite values are an error.
+///
+/// Reference: verl `agg_loss` (mode names); the split-invariance requirement is the bug class
+/// reported against verl, TRL and torchtune gradient accumulation.
+///
+/// # Arguments
+/// * `loss` — `[B, T]` per-token losses, floating (bf16/f16 upcast to f32).
+/// * `mask` — `[B, T]`, bool, integer or 0/1 floating.
+///
+/// # Errors
+/// Shape, dtype, device, empty and non-finite checks as named in [`LossError`].
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{aggregate, AggregationMode, Normalizer};
+///
+/// let loss = Tensor::from_slice2(&[[1.0f64, 2.0, f64::NAN], [3.0, 4.0, 5.0]]);
+/// let mask = Tensor::from_slice2(&[[true, true, false], [true, true, true]]);
+/// let full = aggregate(&loss, &mask, AggregationMode::TokenMean, &Normalizer::local())?;
+/// assert!((full.double_value(&[]) - 3.0).abs() < 1e-12); // (1+2+3+4+5)/5
+///
+/// // Two micro-batches with the global count add up to the same loss.
+/// let g = Normalizer::global(5.0, 2.0);
+/// let a = aggregate(&loss.narrow(0, 0, 1), &mask.narrow(0, 0, 1), AggregationMode::TokenMean, &g)?;
+/// let b = aggregate(&loss.narrow(0, 1, 1), &mask.narrow(0, 1, 1), AggregationMode::TokenMean, &g)?;
+/// assert!((a.double_value(&[]) + b.double_value(&[]) - 3.0).abs() < 1e-12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn aggregate(loss: &Tensor, mask: &Tensor, mode: AggregationMode, norm: &Normalizer) -> Result<Tensor, LossError> {
+    let kind = validate::compute_kind(&[validate::float_tensor(loss, "loss")?]);
+    let shape = validate::rank(loss, "loss", 2, "[B, T] per-token losses")?;
+    let m = validate::bool_mask(mask, "mask")?;
+    validate::same_shape(&m, "mask", &shape, "the shape of `loss`")?;
+    validate::same_device(&m, "mask", loss.device(), "loss")?;
+    validate::finite(loss, "loss", Some(&m))?;
+    let alpha = sequence_weights_checked(&m, mode, norm, kind)?;
+    let clean = masked_fill_zero(&loss.f_to_kind(kind)?, &m)?;
+    weighted_sum(&clean, &alpha)
+}
+
+/// `where(mask, t, 0)`: masked entries replaced by zero, with zero gradient, whatever they held.
+pub(crate) fn masked_fill_zero(t: &Tensor, mask: &Tensor) -> Result<Tensor, LossError> {
+    let zero = t.f_zeros_like()?;
+    Ok(t.f_where_self(mask, &zero)?)
+}
+
+/// `Σ_i α_i Σ_t ℓ_{i,t}` for a zero-filled `ℓ [B, T]` and `α [B]`.
+pub(crate) fn weighted_sum(clean: &Tensor, alpha: &Tensor) -> Result<Tensor, LossError> {
+    let per_seq = clean.f_sum_dim_intlist(1, false, None::<Kind>)?;
+    Ok(per_seq.f_mul(alpha)?.f_sum(None::<Kind>)?)
+}

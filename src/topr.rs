@@ -1,0 +1,285 @@
+//! TOPR, Tapered Off-Policy REINFORCE, and the off-policy REINFORCE family it generalises,
+//! on sequence log-probabilities `[B]`.
+//!
+//! Per sample τ_i drawn from μ, with `R'_i = R_i − c`, `δ_i = log π(τ_i) − log μ(τ_i)`,
+//! `x_i = exp(δ_i)` and the limits `(a, b) = (a+, b+)` when `R'_i ≥ 0`, else `(a−, b−)`:
+//!
+//! ```text
+//! loss     = −(1/B) Σ_i R'_i · T(x_i; a, b)                 (T the taper, see `taper`)
+//! ∇ loss   = −(1/B) Σ_i R'_i · [x_i]_a^b · ∇ log π(τ_i)     (the weight held constant)
+//! ```
+//!
+//! | preset | a+ | b+ | a− | b− | |
+//! |---|---|---|---|---|---|
+//! | [`ToprConfig::canonical`] (default) | 1 | 1 | 0 | 1 | SFT on positives, truncated IS on negatives |
+//! | [`ToprConfig::naive_reinforce`] | 1 | 1 | 1 | 1 | unbounded below with negatives |
+//! | [`ToprConfig::sft`] | 1 | 1 | 0 | 0 | negatives ignored |
+//! | [`ToprConfig::tis`] | 0 | 1 | 0 | 1 | truncated importance sampling |
+//! | [`ToprConfig::importance_sampling`] | 0 | ∞ | 0 | ∞ | unbiased, unbounded weights |
+//!
+//! Reference: Le Roux, Bellemare et al., *Tapered Off-Policy REINFORCE: Stable and efficient
+//! reinforcement learning for LLMs*, arXiv 2503.14286.
+
+use crate::error::{LossError, kind_name};
+use crate::taper::taper_unchecked;
+use crate::validate;
+use tch::{Kind, Tensor};
+
+/// Truncation limits and baseline of the off-policy REINFORCE family.
+///
+/// A sample whose shifted reward `R − baseline` is `≥ 0` is weighted by `[π/μ]` truncated to
+/// `[a_pos, b_pos]`; the others by `[π/μ]` truncated to `[a_neg, b_neg]`. Limits satisfy
+/// `0 ≤ a ≤ b ≤ ∞` with `a` finite; `baseline` is finite.
+///
+/// `Default` is canonical TOPR, `(1, 1, 0, 1)` with `c = 0`.
+///
+/// Reference: Le Roux, Bellemare et al., arXiv 2503.14286, §3 and Table 1.
+///
+/// # Example
+/// ```
+/// use topr_loss::ToprConfig;
+///
+/// let cfg = ToprConfig { baseline: -0.5, ..ToprConfig::canonical() };
+/// assert_eq!((cfg.a_pos, cfg.b_pos, cfg.a_neg, cfg.b_neg), (1.0, 1.0, 0.0, 1.0));
+/// assert!(cfg.validate().is_ok());
+/// assert!(ToprConfig { a_neg: 2.0, ..cfg }.validate().is_err()); // a− > b−
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ToprConfig {
+    /// Lower limit `a+` of the weight of samples with `R − c ≥ 0`.
+    pub a_pos: f64,
+    /// Upper limit `b+` of the weight of samples with `R − c ≥ 0` (may be `f64::INFINITY`).
+    pub b_pos: f64,
+    /// Lower limit `a−` of the weight of samples with `R − c < 0`.
+    pub a_neg: f64,
+    /// Upper limit `b−` of the weight of samples with `R − c < 0` (may be `f64::INFINITY`).
+    pub b_neg: f64,
+    /// The baseline `c` subtracted from every reward.
+    pub baseline: f64,
+}
+
+impl Default for ToprConfig {
+    fn default() -> Self {
+        Self::canonical()
+    }
+}
+
+impl ToprConfig {
+    const fn limits(a_pos: f64, b_pos: f64, a_neg: f64, b_neg: f64) -> Self {
+        Self {
+            a_pos,
+            b_pos,
+            a_neg,
+            b_neg,
+            baseline: 0.0,
+        }
+    }
+
+    /// Canonical TOPR `(a+, b+, a−, b−) = (1, 1, 0, 1)`: an SFT update on positives (weight 1,
+    /// whatever the ratio) and a truncated-IS update on negatives (weight `min(π/μ, 1)`, which
+    /// fades as π moves away from them). Le Roux, Bellemare et al., arXiv 2503.14286.
+    pub const fn canonical() -> Self {
+        Self::limits(1.0, 1.0, 0.0, 1.0)
+    }
+
+    /// Naive off-policy REINFORCE `(1, 1, 1, 1)`: weight 1 everywhere. With negative rewards its
+    /// loss is unbounded below: it drives `log π` of sampled negatives to `−∞`.
+    pub const fn naive_reinforce() -> Self {
+        Self::limits(1.0, 1.0, 1.0, 1.0)
+    }
+
+    /// Supervised fine-tuning on positives `(1, 1, 0, 0)`: negatives contribute nothing.
+    pub const fn sft() -> Self {
+        Self::limits(1.0, 1.0, 0.0, 0.0)
+    }
+
+    /// Truncated importance sampling `(0, 1, 0, 1)`: weight `min(π/μ, 1)` on every sample.
+    pub const fn tis() -> Self {
+        Self::limits(0.0, 1.0, 0.0, 1.0)
+    }
+
+    /// Plain importance sampling `(0, ∞, 0, ∞)`: unbiased, unbounded weight `π/μ`. The loss
+    /// returns [`LossError::Overflow`] rather than `inf` when the weight exceeds the compute dtype.
+    pub const fn importance_sampling() -> Self {
+        Self::limits(0.0, f64::INFINITY, 0.0, f64::INFINITY)
+    }
+
+    /// The same limits with baseline `c`.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// assert_eq!(ToprConfig::tis().with_baseline(0.3).baseline, 0.3);
+    /// ```
+    pub const fn with_baseline(self, baseline: f64) -> Self {
+        Self { baseline, ..self }
+    }
+
+    /// Checks the config: every limit non-negative and not NaN, `a ≤ b`, `a` finite, baseline finite.
+    ///
+    /// # Errors
+    /// [`LossError::InvalidConfig`] naming the field.
+    pub fn validate(&self) -> Result<(), LossError> {
+        validate::limits(self.a_pos, self.b_pos, "a_pos", "b_pos")?;
+        validate::limits(self.a_neg, self.b_neg, "a_neg", "b_neg")?;
+        validate::finite_field(self.baseline, "baseline")
+    }
+}
+
+/// Which branch a sample whose shifted reward is exactly zero belongs to. It carries no weight
+/// either way (`R' = 0`), but the choice shows in diagnostics and matters when the rewards are
+/// used only for the branch (see the docs' table of published implementations).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TieRule {
+    /// `R − c ≥ 0` is positive: the paper's rule.
+    #[default]
+    Positive,
+    /// `R − c > 0` is positive; ties are tapered with the negative limits (Trinity-RFT, ROLL).
+    Tapered,
+}
+
+/// `−R' · T(exp(s); a±, b±)` per entry, the branch chosen by `positive`, each branch evaluated only
+/// on its own entries (the others see `s = 0`), so that no inf from an unselected branch can
+/// turn into a NaN gradient. `s`, `r_prime` and `positive` broadcast together.
+pub(crate) fn tapered_terms(
+    s: &Tensor,
+    r_prime: &Tensor,
+    positive: &Tensor,
+    cfg: &ToprConfig,
+) -> Result<Tensor, LossError> {
+    let zero = s.f_zeros_like()?;
+    let s_pos = s.f_where_self(positive, &zero)?;
+    let s_neg = zero.f_where_self(positive, s)?;
+    let t_pos = taper_unchecked(&s_pos, cfg.a_pos, cfg.b_pos)?;
+    let t_neg = taper_unchecked(&s_neg, cfg.a_neg, cfg.b_neg)?;
+    let t = t_pos.f_where_self(positive, &t_neg)?;
+    Ok(t.f_mul(r_prime)?.f_neg()?)
+}
+
+/// The branch mask `R' ≥ 0` (or `> 0` under [`TieRule::Tapered`]).
+pub(crate) fn positive_branch(r_prime: &Tensor, tie: TieRule) -> Result<Tensor, LossError> {
+    Ok(match tie {
+        TieRule::Positive => r_prime.f_ge(0.0)?,
+        TieRule::Tapered => r_prime.f_gt(0.0)?,
+    })
+}
+
+/// With an infinite upper limit, turns a non-finite loss into [`LossError::Overflow`], naming the
+/// unbounded branch with the largest log-ratio `s`.
+pub(crate) fn guard_overflow(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &ToprConfig) -> Result<(), LossError> {
+    if (cfg.b_pos.is_finite() && cfg.b_neg.is_finite()) || loss.f_double_value(&[])?.is_finite() {
+        return Ok(());
+    }
+    let negative = positive.f_logical_not()?;
+    let floor = s.f_full_like(f64::NEG_INFINITY)?;
+    let mut worst = ("b_pos", f64::NAN);
+    for (field, b, rows) in [("b_pos", cfg.b_pos, positive), ("b_neg", cfg.b_neg, &negative)] {
+        if b.is_infinite() {
+            let max = s.f_where_self(rows, &floor)?.f_max()?.f_double_value(&[])?;
+            if worst.1.is_nan() || max > worst.1 {
+                worst = (field, max);
+            }
+        }
+    }
+    Err(LossError::Overflow {
+        field: worst.0,
+        max_log_ratio: worst.1,
+        compute_dtype: kind_name(s.kind()),
+    })
+}
+
+/// Checked `[B]` inputs of the sequence-level losses, upcast to the compute dtype.
+pub(crate) struct SequenceInputs {
+    pub logp: Tensor,
+    pub logp_mu: Tensor,
+    pub rewards: Tensor,
+}
+
+pub(crate) fn check_sequence_inputs(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+) -> Result<SequenceInputs, LossError> {
+    let kinds = [
+        validate::float_tensor(logp, "logp")?,
+        validate::float_tensor(logp_mu, "logp_mu")?,
+        validate::float_tensor(rewards, "rewards")?,
+    ];
+    let shape = validate::rank(logp, "logp", 1, "[B] sequence log-probabilities")?;
+    validate::non_empty(&shape, "logp", "sequence")?;
+    validate::same_shape(logp_mu, "logp_mu", &shape, "the shape of `logp`")?;
+    validate::same_shape(rewards, "rewards", &shape, "the shape of `logp`")?;
+    let device = logp.device();
+    validate::same_device(logp_mu, "logp_mu", device, "logp")?;
+    validate::same_device(rewards, "rewards", device, "logp")?;
+    validate::finite(logp, "logp", None)?;
+    validate::finite(logp_mu, "logp_mu", None)?;
+    validate::finite(rewards, "rewards", None)?;
+    let kind = validate::compute_kind(&kinds);
+    Ok(SequenceInputs {
+        logp: logp.f_to_kind(kind)?,
+        logp_mu: logp_mu.f_detach()?.f_to_kind(kind)?,
+        rewards: rewards.f_detach()?.f_to_kind(kind)?,
+    })
+}
+
+/// The TOPR loss on sequence log-probabilities: the negative of the tapered off-policy objective,
+/// averaged over the batch.
+///
+/// ```text
+/// R'_i = R_i − c,   δ_i = logp_i − sg(logp_mu_i),   (a, b) = (a+, b+) if R'_i ≥ 0 else (a−, b−)
+///
+/// loss   = −(1/B) Σ_i R'_i · T(e^{δ_i}; a, b)
+/// ∇loss  = −(1/B) Σ_i R'_i · [e^{δ_i}]_a^b · ∇logp_i
+/// ```
+///
+/// The value is the objective itself (a lower bound on the expected reward where the paper
+/// proves it, Proposition 3.1), not only a surrogate with the right gradient. Everything is
+/// computed in log space: for finite inputs and finite limits, value and gradient are finite for
+/// any `δ` (`±1e4` included). bf16 and f16 inputs are computed in f32, f64 in f64; the loss has
+/// the compute dtype.
+///
+/// With an infinite upper limit ([`ToprConfig::importance_sampling`]) the weight `e^δ` is
+/// unbounded: when it overflows the compute dtype the function returns [`LossError::Overflow`]
+/// instead of `inf` (this check reads the loss value back, one device sync).
+///
+/// Reference: Le Roux, Bellemare et al., *Tapered Off-Policy REINFORCE*, arXiv 2503.14286, eq. (7)
+/// and §3.
+///
+/// # Arguments
+/// * `logp` — `[B]`, `log π(τ_i)` under the policy being trained, differentiable.
+/// * `logp_mu` — `[B]`, `log μ(τ_i)` under the policy that generated the data; detached.
+/// * `rewards` — `[B]`, `R(τ_i)`.
+/// * `cfg` — limits and baseline.
+///
+/// # Errors
+/// [`LossError::InvalidConfig`] for a bad config; [`LossError::UnsupportedTensor`],
+/// [`LossError::WrongDtype`], [`LossError::WrongRank`], [`LossError::ShapeMismatch`],
+/// [`LossError::EmptyBatch`], [`LossError::DeviceMismatch`] and [`LossError::NonFinite`] for bad
+/// tensors; [`LossError::Overflow`] as above.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{topr_loss, ToprConfig};
+///
+/// let logp = Tensor::from_slice(&[-2.0f64, -3.0, -1.5]).set_requires_grad(true);
+/// let logp_mu = Tensor::from_slice(&[-2.5f64, -2.0, -1.5]);
+/// let rewards = Tensor::from_slice(&[1.0f64, -1.0, -1.0]);
+/// let loss = topr_loss(&logp, &logp_mu, &rewards, &ToprConfig::default())?;
+/// loss.backward();
+/// // Positive: weight 1. Negatives: weight min(π/μ, 1) = e^{-1} and 1.
+/// let g = Vec::<f64>::try_from(&logp.grad())?;
+/// let expected = [-1.0 / 3.0, (-1.0f64).exp() / 3.0, 1.0 / 3.0];
+/// for (g, e) in g.iter().zip(expected) { assert!((g - e).abs() < 1e-12); }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn topr_loss(logp: &Tensor, logp_mu: &Tensor, rewards: &Tensor, cfg: &ToprConfig) -> Result<Tensor, LossError> {
+    cfg.validate()?;
+    let x = check_sequence_inputs(logp, logp_mu, rewards)?;
+    let r_prime = x.rewards.f_sub_scalar(cfg.baseline)?;
+    let positive = positive_branch(&r_prime, TieRule::Positive)?;
+    let delta = x.logp.f_sub(&x.logp_mu)?;
+    let loss = tapered_terms(&delta, &r_prime, &positive, cfg)?.f_mean(None::<Kind>)?;
+    guard_overflow(&loss, &delta.f_detach()?, &positive, cfg)?;
+    Ok(loss)
+}

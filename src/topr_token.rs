@@ -1,0 +1,289 @@
+//! TOPR on per-token log-probabilities `[B, T]` with a padding mask: the form a training loop
+//! feeds, with the ratio level and aggregation of each published implementation.
+//!
+//! Every setting gives, per unmasked token `t` of sequence `i`, the gradient
+//!
+//! ```text
+//! ∇ℓ_{i,t} = −R'_i · [ρ]_a^b · ∇log π(y_{i,t})         ρ the ratio at the chosen level:
+//!   RatioLevel::Sequence      ρ_i   = exp(Σ_t δ_{i,t})         (the paper)
+//!   RatioLevel::SequenceMean  ρ_i   = exp((1/L_i) Σ_t δ_{i,t}) (verl's `topr` loss mode)
+//!   RatioLevel::Token         ρ_i,t = exp(δ_{i,t})             (Trinity-RFT, ROLL)
+//! ```
+//!
+//! reduced by an [`AggregationMode`] (`loss = Σ_i α_i Σ_t m ℓ_{i,t}`). The *value* is the tapered
+//! objective whose gradient that is: a sequence contributes `−R'_i T(ρ_i)` (its tokens share it)
+//! at the `Sequence` level, `−L_i R'_i T(ρ_i)` at the `SequenceMean` level (each token carries
+//! `−R'_i T(ρ_i)`, as each token of verl's surrogate carries the same weight), and
+//! `Σ_t −R'_i T(ρ_{i,t})` at the `Token` level. So published settings map one to one:
+//!
+//! | implementation | `ratio` | `aggregation` | `tie` |
+//! |---|---|---|---|
+//! | paper, length-normalised loss | `Sequence` | `SeqMeanTokenMean` | `Positive` |
+//! | paper, no length normalisation | `Sequence` | `SeqMeanTokenSum` | `Positive` |
+//! | verl `loss_mode=topr` | `SequenceMean` | `SeqMeanTokenMean` (verl's `loss_agg_mode`) | `Positive` |
+//! | Trinity-RFT `topr` | `Token` | `TokenMean` | `Tapered` |
+//!
+//! Padding (mask false/0) may hold anything, NaN and inf included: it is replaced before any
+//! arithmetic, so it gets exactly zero gradient.
+
+use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked};
+use crate::error::LossError;
+use crate::topr::{TieRule, ToprConfig, guard_overflow, positive_branch, tapered_terms};
+use crate::validate;
+use tch::{Kind, Tensor};
+
+/// At which level the importance ratio `π/μ` is formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RatioLevel {
+    /// The sequence ratio `exp(Σ_t δ_t)` = `π(τ)/μ(τ)`: the paper's.
+    #[default]
+    Sequence,
+    /// The length-normalised (geometric-mean) ratio `exp(mean_t δ_t)`: verl's.
+    SequenceMean,
+    /// One ratio per token, `exp(δ_t)`: Trinity-RFT's and ROLL's.
+    Token,
+}
+
+/// Configuration of [`topr_token_loss`]: the family's limits and baseline, the ratio level, the
+/// aggregation and the tie rule.
+///
+/// `Default` is the paper: canonical limits, sequence ratio, each sequence's loss divided by its
+/// length (`SeqMeanTokenMean`), ties positive.
+///
+/// # Example
+/// ```
+/// use topr_loss::{AggregationMode, RatioLevel, ToprTokenConfig};
+///
+/// let cfg = ToprTokenConfig::trinity();
+/// assert_eq!(cfg.ratio, RatioLevel::Token);
+/// assert_eq!(cfg.aggregation, AggregationMode::TokenMean);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ToprTokenConfig {
+    /// Truncation limits and baseline.
+    pub topr: ToprConfig,
+    /// The ratio level.
+    pub ratio: RatioLevel,
+    /// How per-token losses are reduced.
+    pub aggregation: AggregationMode,
+    /// Which branch `R − c = 0` goes to.
+    pub tie: TieRule,
+}
+
+impl Default for ToprTokenConfig {
+    fn default() -> Self {
+        Self::paper()
+    }
+}
+
+impl ToprTokenConfig {
+    /// The paper (Le Roux, Bellemare et al., arXiv 2503.14286): canonical limits, sequence ratio
+    /// `π(τ)/μ(τ)`, each sequence's loss divided by its length, ties positive.
+    pub fn paper() -> Self {
+        Self {
+            topr: ToprConfig::canonical(),
+            ratio: RatioLevel::Sequence,
+            aggregation: AggregationMode::SeqMeanTokenMean,
+            tie: TieRule::Positive,
+        }
+    }
+
+    /// verl's `loss_mode=topr` (as proposed in its open pull request): canonical limits on the
+    /// length-normalised ratio `exp(mean_t δ_t)`, `loss_agg_mode=seq-mean-token-mean`, weight 1
+    /// when the advantage is `≥ 0`.
+    pub fn verl() -> Self {
+        Self {
+            ratio: RatioLevel::SequenceMean,
+            ..Self::paper()
+        }
+    }
+
+    /// Trinity-RFT's `topr` policy loss: per-token ratios, weight `clamp(exp(δ_t), 0, 1)` where
+    /// the advantage is `≤ 0` (threshold 0), weight 1 elsewhere, token-mean.
+    pub fn trinity() -> Self {
+        Self {
+            topr: ToprConfig::canonical(),
+            ratio: RatioLevel::Token,
+            aggregation: AggregationMode::TokenMean,
+            tie: TieRule::Tapered,
+        }
+    }
+}
+
+/// TOPR (and every member of its family) on per-token log-probabilities with a padding mask.
+///
+/// ```text
+/// R'_i = R_i − c   (or R'_{i,t} with per-token rewards at the Token level)
+/// δ_{i,t} = m_{i,t} (log π_{i,t} − sg(log μ_{i,t}))
+/// s_i = Σ_t δ_{i,t}  (Sequence)   |   Σ_t δ_{i,t} / L_i  (SequenceMean)   |   s_{i,t} = δ_{i,t}  (Token)
+/// V_i = −R'_i T(e^{s_i})           |   −L_i R'_i T(e^{s_i})                |   Σ_t m −R'_{i,t} T(e^{s_{i,t}})
+/// loss = Σ_i α_i V_i               (α_i from the aggregation mode and `norm`)
+/// ```
+///
+/// with the limits `(a+, b+)` where `R' ≥ 0` (`> 0` under [`TieRule::Tapered`]), else `(a−, b−)`.
+/// The gradient per unmasked token is `−α_i R' [ρ]_a^b ∇log π_{i,t}` (times `L_i` at the
+/// `SequenceMean` level, see the module docs), with the truncated weight held constant.
+///
+/// Pass [`Normalizer::global`] counts of the whole optimiser batch to make the loss
+/// split-invariant under gradient accumulation. A sequence with no unmasked token contributes
+/// nothing.
+///
+/// Reference: Le Roux, Bellemare et al., arXiv 2503.14286; verl and Trinity-RFT `topr` losses.
+///
+/// # Arguments
+/// * `logp` — `[B, T]`, per-token `log π(y_t | ·)`, differentiable.
+/// * `logp_mu` — `[B, T]`, per-token `log μ(y_t | ·)` of the data-generating policy; detached.
+/// * `rewards` — `[B]` per-sequence rewards, or `[B, T]` per-token rewards/advantages at the
+///   `Token` level.
+/// * `mask` — `[B, T]`, bool, integer or 0/1 floating; true/1 marks a real completion token.
+/// * `cfg` — see [`ToprTokenConfig`]; `norm` — the aggregation counts.
+///
+/// # Errors
+/// As [`crate::topr_loss`], plus [`LossError::EmptyBatch`] when no token is unmasked.
+///
+/// # Example
+/// ```
+/// use tch::{Kind, Tensor};
+/// use topr_loss::{topr_token_loss, Normalizer, ToprTokenConfig};
+///
+/// // Two sequences of lengths 2 and 3; the padding holds NaN.
+/// let logp = Tensor::from_slice2(&[[-0.5f64, -1.0, f64::NAN], [-0.2, -0.3, -0.4]]).set_requires_grad(true);
+/// let logp_mu = Tensor::from_slice2(&[[-0.5f64, -1.0, f64::NAN], [-0.1, -0.3, -0.4]]);
+/// let mask = Tensor::from_slice2(&[[true, true, false], [true, true, true]]);
+/// let rewards = Tensor::from_slice(&[1.0f64, -1.0]);
+/// let loss = topr_token_loss(&logp, &logp_mu, &rewards, &mask, &ToprTokenConfig::paper(), &Normalizer::local())?;
+/// loss.backward();
+/// let g = logp.grad();
+/// assert_eq!(g.double_value(&[0, 2]), 0.0); // padding: exactly zero
+/// // The negative sequence has ratio e^{-0.1}: each of its tokens gets e^{-0.1} / (B · L) = e^{-0.1}/6.
+/// assert!((g.double_value(&[1, 0]) - (-0.1f64).exp() / 6.0).abs() < 1e-12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn topr_token_loss(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+    mask: &Tensor,
+    cfg: &ToprTokenConfig,
+    norm: &Normalizer,
+) -> Result<Tensor, LossError> {
+    cfg.topr.validate()?;
+    let x = check_token_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
+    let alpha = sequence_weights_checked(&x.mask, cfg.aggregation, norm, x.kind)?;
+    let r = level_terms(&x, cfg)?;
+    let per_seq = match cfg.ratio {
+        RatioLevel::Sequence => r.terms.f_mul(&x.has_tokens)?,
+        RatioLevel::SequenceMean => r.terms.f_mul(&x.lengths)?,
+        RatioLevel::Token => masked_fill_zero(&r.terms, &x.mask)?.f_sum_dim_intlist(1, false, None::<Kind>)?,
+    };
+    let loss = per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?;
+    guard_overflow(&loss, &r.s.f_detach()?, &r.positive, &cfg.topr)?;
+    Ok(loss)
+}
+
+/// Checked, sanitised token-level inputs in the compute dtype.
+pub(crate) struct TokenInputs {
+    pub kind: Kind,
+    /// `[B, T]` bool.
+    pub mask: Tensor,
+    /// `[B, T]`, zero on padding.
+    pub delta: Tensor,
+    /// `[B]` or `[B, T]` (zero on padding), `R − c`.
+    pub r_prime: Tensor,
+    /// `[B]`, `L_i` in the compute dtype.
+    pub lengths: Tensor,
+    /// `[B]`, 1 where `L_i > 0`, in the compute dtype.
+    pub has_tokens: Tensor,
+}
+
+pub(crate) fn check_token_inputs(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+    mask: &Tensor,
+    ratio: RatioLevel,
+) -> Result<TokenInputs, LossError> {
+    let kinds = [
+        validate::float_tensor(logp, "logp")?,
+        validate::float_tensor(logp_mu, "logp_mu")?,
+        validate::float_tensor(rewards, "rewards")?,
+    ];
+    let shape = validate::rank(logp, "logp", 2, "[B, T] per-token log-probabilities")?;
+    validate::non_empty(&shape, "logp", "sequence")?;
+    validate::same_shape(logp_mu, "logp_mu", &shape, "the shape of `logp`")?;
+    let m = validate::bool_mask(mask, "mask")?;
+    validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
+    let per_token_rewards = rewards.dim() == 2;
+    if per_token_rewards && ratio == RatioLevel::Token {
+        validate::same_shape(rewards, "rewards", &shape, "the shape of `logp` (per-token rewards)")?;
+    } else {
+        validate::same_shape(
+            rewards,
+            "rewards",
+            &shape[..1],
+            "[B], one reward per sequence of `logp`",
+        )?;
+    }
+    let device = logp.device();
+    validate::same_device(logp_mu, "logp_mu", device, "logp")?;
+    validate::same_device(rewards, "rewards", device, "logp")?;
+    validate::same_device(&m, "mask", device, "logp")?;
+    validate::finite(logp, "logp", Some(&m))?;
+    validate::finite(logp_mu, "logp_mu", Some(&m))?;
+    validate::finite(rewards, "rewards", per_token_rewards.then_some(&m))?;
+
+    let kind = validate::compute_kind(&kinds);
+    let lp = masked_fill_zero(&logp.f_to_kind(kind)?, &m)?;
+    let lm = masked_fill_zero(&logp_mu.f_detach()?.f_to_kind(kind)?, &m)?;
+    let rewards = rewards.f_detach()?.f_to_kind(kind)?;
+    let rewards = if per_token_rewards {
+        masked_fill_zero(&rewards, &m)?
+    } else {
+        rewards
+    };
+    let lengths = m.f_sum_dim_intlist(1, false, kind)?;
+    let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
+    Ok(TokenInputs {
+        kind,
+        delta: lp.f_sub(&lm)?,
+        r_prime: rewards,
+        lengths,
+        has_tokens,
+        mask: m,
+    })
+}
+
+/// The log-ratio at the configured level, the branch and `−R' T(e^s)` per entry.
+pub(crate) struct LevelTerms {
+    /// `[B]` (sequence levels) or `[B, T]` (token level).
+    pub s: Tensor,
+    /// `R − c`, broadcastable to `s`.
+    pub r_prime: Tensor,
+    /// Branch mask, broadcastable to `s`.
+    pub positive: Tensor,
+    /// `−R' T(e^s; a±, b±)`, the shape of `s`.
+    pub terms: Tensor,
+}
+
+pub(crate) fn level_terms(x: &TokenInputs, cfg: &ToprTokenConfig) -> Result<LevelTerms, LossError> {
+    let s = match cfg.ratio {
+        RatioLevel::Sequence => x.delta.f_sum_dim_intlist(1, false, None::<Kind>)?,
+        RatioLevel::SequenceMean => x
+            .delta
+            .f_sum_dim_intlist(1, false, None::<Kind>)?
+            .f_div(&x.lengths.f_clamp_min(1.0)?)?,
+        RatioLevel::Token => x.delta.shallow_clone(),
+    };
+    let mut r_prime = x.r_prime.f_sub_scalar(cfg.topr.baseline)?;
+    if cfg.ratio == RatioLevel::Token && r_prime.dim() == 1 {
+        r_prime = r_prime.f_unsqueeze(1)?; // [B, 1], broadcast over tokens
+    }
+    let positive = positive_branch(&r_prime, cfg.tie)?;
+    let terms = tapered_terms(&s, &r_prime, &positive, &cfg.topr)?;
+    Ok(LevelTerms {
+        s,
+        r_prime,
+        positive,
+        terms,
+    })
+}

@@ -1,0 +1,223 @@
+//! Argument checks shared by every public function. Each returns a [`LossError`] naming the
+//! argument; none panics, whatever the tensor (undefined, sparse, complex, empty).
+
+use crate::error::LossError;
+use tch::{Device, Kind, Tensor};
+
+/// Checks that `t` is a defined, dense tensor of a floating dtype this crate computes with
+/// (f16, bf16, f32, f64) and returns its dtype.
+pub(crate) fn float_tensor(t: &Tensor, argument: &'static str) -> Result<Kind, LossError> {
+    dense_tensor(t, argument)?;
+    let kind = t.f_kind().map_err(|_| LossError::WrongDtype {
+        argument,
+        found: "unknown".into(),
+        expected: "a floating dtype (f16, bf16, f32 or f64)",
+    })?;
+    match kind {
+        Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double => Ok(kind),
+        other => Err(LossError::WrongDtype {
+            argument,
+            found: format!("{other:?}"),
+            expected: "a floating dtype (f16, bf16, f32 or f64)",
+        }),
+    }
+}
+
+/// Checks that `t` is defined and dense.
+pub(crate) fn dense_tensor(t: &Tensor, argument: &'static str) -> Result<(), LossError> {
+    if !t.defined() {
+        return Err(LossError::UnsupportedTensor {
+            argument,
+            what: "undefined",
+        });
+    }
+    if t.is_sparse() {
+        return Err(LossError::UnsupportedTensor {
+            argument,
+            what: "sparse",
+        });
+    }
+    Ok(())
+}
+
+/// Checks the rank of `t` and returns its shape.
+pub(crate) fn rank(
+    t: &Tensor,
+    argument: &'static str,
+    expected_rank: usize,
+    meaning: &'static str,
+) -> Result<Vec<i64>, LossError> {
+    let found = t.size();
+    if found.len() != expected_rank {
+        return Err(LossError::WrongRank {
+            argument,
+            found,
+            expected_rank,
+            meaning,
+        });
+    }
+    Ok(found)
+}
+
+/// Checks that `t` has exactly the shape `expected`.
+pub(crate) fn same_shape(
+    t: &Tensor,
+    argument: &'static str,
+    expected: &[i64],
+    reason: &'static str,
+) -> Result<(), LossError> {
+    let found = t.size();
+    if found != expected {
+        return Err(LossError::ShapeMismatch {
+            argument,
+            found,
+            expected: expected.to_vec(),
+            reason,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `t` lives on `device`, the device of `other`.
+pub(crate) fn same_device(
+    t: &Tensor,
+    argument: &'static str,
+    device: Device,
+    other: &'static str,
+) -> Result<(), LossError> {
+    let found = t.device();
+    if found != device {
+        return Err(LossError::DeviceMismatch {
+            argument,
+            found,
+            other,
+            expected: device,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that the first dimension is non-empty.
+pub(crate) fn non_empty(shape: &[i64], argument: &'static str, unit: &'static str) -> Result<(), LossError> {
+    if shape.iter().any(|&d| d == 0) {
+        return Err(LossError::EmptyBatch {
+            argument,
+            found: shape.to_vec(),
+            unit,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that every entry of `t` where `valid` is true (every entry when `valid` is `None`)
+/// is finite. `valid` must broadcast to `t`'s shape.
+pub(crate) fn finite(t: &Tensor, argument: &'static str, valid: Option<&Tensor>) -> Result<(), LossError> {
+    let mut bad = t.f_isfinite()?.f_logical_not()?;
+    if let Some(valid) = valid {
+        bad = bad.f_logical_and(valid)?;
+    }
+    let count = bad.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    if count > 0 {
+        let idx = bad.f_nonzero()?; // [count, rank]
+        let first_index = (0..idx.size()[1])
+            .map(|j| idx.f_int64_value(&[0, j]))
+            .collect::<Result<Vec<_>, _>>()?;
+        return Err(LossError::NonFinite {
+            argument,
+            count,
+            first_index,
+        });
+    }
+    Ok(())
+}
+
+/// Turns a mask (bool, integer or floating with values 0/1) into a bool tensor, checking that a
+/// floating mask holds only 0 and 1.
+pub(crate) fn bool_mask(mask: &Tensor, argument: &'static str) -> Result<Tensor, LossError> {
+    dense_tensor(mask, argument)?;
+    let kind = mask.f_kind().map_err(|_| LossError::WrongDtype {
+        argument,
+        found: "unknown".into(),
+        expected: "a bool, integer or 0/1 floating mask",
+    })?;
+    match kind {
+        Kind::Bool => Ok(mask.shallow_clone()),
+        Kind::Uint8 | Kind::Int8 | Kind::Int16 | Kind::Int | Kind::Int64 => Ok(mask.f_ne(0)?),
+        Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double => {
+            let is_zero = mask.f_eq(0.0)?;
+            let is_one = mask.f_eq(1.0)?;
+            let other = is_zero.f_logical_or(&is_one)?.f_logical_not()?;
+            let count = other.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+            if count > 0 {
+                return Err(LossError::WrongDtype {
+                    argument,
+                    found: format!("{kind:?} holding {count} value(s) other than 0 and 1"),
+                    expected: "a bool, integer or 0/1 floating mask",
+                });
+            }
+            Ok(is_one)
+        }
+        other => Err(LossError::WrongDtype {
+            argument,
+            found: format!("{other:?}"),
+            expected: "a bool, integer or 0/1 floating mask",
+        }),
+    }
+}
+
+/// The dtype a loss is computed in: f64 when any input is f64, else f32 (f16 and bf16 are upcast).
+pub(crate) fn compute_kind(kinds: &[Kind]) -> Kind {
+    if kinds.contains(&Kind::Double) {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
+/// Checks a truncation pair `a ≤ b`, both non-negative and not NaN, `a` finite.
+pub(crate) fn limits(a: f64, b: f64, a_name: &'static str, b_name: &'static str) -> Result<(), LossError> {
+    for (v, name) in [(a, a_name), (b, b_name)] {
+        if v.is_nan() {
+            return Err(LossError::InvalidConfig {
+                field: name,
+                value: v,
+                reason: "a truncation limit cannot be NaN".into(),
+            });
+        }
+        if v < 0.0 {
+            return Err(LossError::InvalidConfig {
+                field: name,
+                value: v,
+                reason: "a truncation limit bounds an importance ratio, which is never negative; use a value >= 0"
+                    .into(),
+            });
+        }
+    }
+    if a.is_infinite() {
+        return Err(LossError::InvalidConfig {
+            field: a_name,
+            value: a,
+            reason: "the lower limit must be finite (only the upper limit may be infinite)".into(),
+        });
+    }
+    if a > b {
+        return Err(LossError::InvalidConfig {
+            field: a_name,
+            value: a,
+            reason: format!("the lower limit must not exceed the upper limit `{b_name}` = {b}"),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that a scalar is finite.
+pub(crate) fn finite_field(v: f64, field: &'static str) -> Result<(), LossError> {
+    if !v.is_finite() {
+        return Err(LossError::InvalidConfig {
+            field,
+            value: v,
+            reason: "must be finite".into(),
+        });
+    }
+    Ok(())
+}
