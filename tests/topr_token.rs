@@ -1,0 +1,297 @@
+//! `topr_token_loss` against a scalar reference for every ratio level and aggregation mode,
+//! padding that holds NaN/inf, finite differences, split invariance and diagnostics.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use tch::{Kind, Tensor};
+use topr_loss::{
+    AggregationMode, LossError, Normalizer, RatioLevel, TieRule, ToprConfig, ToprTokenConfig, topr_token_diagnostics,
+    topr_token_loss,
+};
+
+const MODES: [AggregationMode; 5] = [
+    AggregationMode::TokenMean,
+    AggregationMode::TokenSum,
+    AggregationMode::SeqMeanTokenSum,
+    AggregationMode::SeqMeanTokenMean,
+    AggregationMode::SeqMeanTokenSumNorm { length: 7.0 },
+];
+const LEVELS: [RatioLevel; 3] = [RatioLevel::Sequence, RatioLevel::SequenceMean, RatioLevel::Token];
+
+/// One batch: per-token log-probs, mask, per-sequence rewards.
+#[derive(Debug, Clone)]
+struct Batch {
+    logp: Vec<Vec<f64>>,
+    mu: Vec<Vec<f64>>,
+    mask: Vec<Vec<bool>>,
+    rewards: Vec<f64>,
+}
+
+impl Batch {
+    fn tensors(&self, padding: f64) -> (Tensor, Tensor, Tensor, Tensor) {
+        let fill = |v: &[Vec<f64>]| -> Vec<Vec<f64>> {
+            v.iter()
+                .zip(&self.mask)
+                .map(|(row, m)| row.iter().zip(m).map(|(x, m)| if *m { *x } else { padding }).collect())
+                .collect()
+        };
+        let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
+        (t2(&fill(&self.logp)), t2(&fill(&self.mu)), t1(&self.rewards), Tensor::stack(&mask, 0))
+    }
+}
+
+fn batch() -> impl Strategy<Value = Batch> {
+    (1usize..6, 1usize..7).prop_flat_map(|(b, t)| {
+        (
+            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, t), b),
+            prop::collection::vec(prop::collection::vec(-0.8f64..0.8, t), b),
+            prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.8), t), b),
+            prop::collection::vec(prop_oneof![Just(1.0f64), Just(-1.0), Just(0.0), -2.0f64..2.0], b),
+        )
+            .prop_map(|(logp, delta, mut mask, rewards)| {
+                mask[0][0] = true; // at least one real token
+                let mu = logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
+                Batch { logp, mu, mask, rewards }
+            })
+    })
+}
+
+/// `α_i` of each mode, from the definitions (sequences with no token get 0).
+fn ref_alpha(mask: &[Vec<bool>], mode: AggregationMode, global: Option<(f64, f64)>) -> Vec<f64> {
+    let lens: Vec<f64> = mask.iter().map(|r| r.iter().filter(|m| **m).count() as f64).collect();
+    let n_tok: f64 = lens.iter().sum();
+    let n_seq = lens.iter().filter(|l| **l > 0.0).count() as f64;
+    let (n_tok, n_seq) = global.unwrap_or((n_tok, n_seq));
+    lens.iter()
+        .map(|&l| {
+            if l == 0.0 {
+                return 0.0;
+            }
+            match mode {
+                AggregationMode::TokenMean => 1.0 / n_tok,
+                AggregationMode::TokenSum => 1.0,
+                AggregationMode::SeqMeanTokenSum => 1.0 / n_seq,
+                AggregationMode::SeqMeanTokenMean => 1.0 / (n_seq * l),
+                AggregationMode::SeqMeanTokenSumNorm { length } => 1.0 / (n_seq * length),
+            }
+        })
+        .collect()
+}
+
+/// Value and per-token gradient of the token-level loss, by plain loops.
+fn ref_token(b: &Batch, cfg: &ToprTokenConfig, global: Option<(f64, f64)>) -> (f64, Vec<Vec<f64>>) {
+    let lim = [cfg.topr.a_pos, cfg.topr.b_pos, cfg.topr.a_neg, cfg.topr.b_neg];
+    let ties_positive = cfg.tie == TieRule::Positive;
+    let alpha = ref_alpha(&b.mask, cfg.aggregation, global);
+    let mut value = 0.0;
+    let mut grad = vec![vec![0.0; b.mask[0].len()]; b.mask.len()];
+    for i in 0..b.mask.len() {
+        let rp = b.rewards[i] - cfg.topr.baseline;
+        let (a, bb) = ref_limits(rp, lim, ties_positive);
+        let toks: Vec<usize> = (0..b.mask[i].len()).filter(|&t| b.mask[i][t]).collect();
+        if toks.is_empty() {
+            continue;
+        }
+        let deltas: Vec<f64> = toks.iter().map(|&t| b.logp[i][t] - b.mu[i][t]).collect();
+        let l = toks.len() as f64;
+        match cfg.ratio {
+            RatioLevel::Sequence | RatioLevel::SequenceMean => {
+                let s: f64 = deltas.iter().sum::<f64>() / if cfg.ratio == RatioLevel::Sequence { 1.0 } else { l };
+                let x = s.exp();
+                let scale = if cfg.ratio == RatioLevel::Sequence { 1.0 } else { l };
+                value += alpha[i] * scale * -rp * ref_taper(x, a, bb);
+                for &t in &toks {
+                    grad[i][t] = alpha[i] * -rp * ref_weight(x, a, bb);
+                }
+            }
+            RatioLevel::Token => {
+                for (&t, d) in toks.iter().zip(&deltas) {
+                    let x = d.exp();
+                    value += alpha[i] * -rp * ref_taper(x, a, bb);
+                    grad[i][t] = alpha[i] * -rp * ref_weight(x, a, bb);
+                }
+            }
+        }
+    }
+    (value, grad)
+}
+
+fn run(b: &Batch, cfg: &ToprTokenConfig, norm: &Normalizer, padding: f64) -> (f64, Vec<f64>) {
+    let (lp, mu, r, m) = b.tensors(padding);
+    let lp = leaf(&lp);
+    let loss = topr_token_loss(&lp, &mu, &r, &m, cfg, norm).unwrap();
+    loss.backward();
+    (scalar(&loss), vec1(&lp.grad()))
+}
+
+fn configs() -> Vec<ToprTokenConfig> {
+    let mut out = vec![];
+    for topr in [
+        ToprConfig::canonical().with_baseline(0.2),
+        ToprConfig::tis().with_baseline(-0.3),
+        ToprConfig::sft(),
+        ToprConfig { a_pos: 0.5, b_pos: 1.5, a_neg: 0.1, b_neg: 0.9, baseline: 0.1 },
+    ] {
+        for ratio in LEVELS {
+            for aggregation in MODES {
+                for tie in [TieRule::Positive, TieRule::Tapered] {
+                    out.push(ToprTokenConfig { topr, ratio, aggregation, tie });
+                }
+            }
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn matches_scalar_reference_with_nan_padding(b in batch()) {
+        for cfg in configs() {
+            let (v, g) = run(&b, &cfg, &Normalizer::local(), f64::NAN);
+            let (rv, rg) = ref_token(&b, &cfg, None);
+            assert_close(&[v], &[rv], 1e-10, &format!("{cfg:?} value"));
+            assert_close(&g, &rg.concat(), 1e-10, &format!("{cfg:?} grad"));
+        }
+    }
+
+    #[test]
+    fn padding_gets_exactly_zero_gradient_whatever_it_holds(b in batch(), pad in prop_oneof![Just(f64::NAN), Just(f64::INFINITY), Just(f64::NEG_INFINITY), Just(1e30)]) {
+        for cfg in [ToprTokenConfig::paper(), ToprTokenConfig::verl(), ToprTokenConfig::trinity()] {
+            let (v, g) = run(&b, &cfg, &Normalizer::local(), pad);
+            let (v0, g0) = run(&b, &cfg, &Normalizer::local(), 0.0);
+            prop_assert!(v.is_finite());
+            prop_assert_eq!(v, v0);
+            for (k, m) in b.mask.concat().iter().enumerate() {
+                if !m { prop_assert_eq!(g[k].to_bits(), 0.0f64.to_bits()); }
+            }
+            prop_assert_eq!(g, g0);
+        }
+    }
+
+    #[test]
+    fn split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
+        prop_assume!(b.mask.len() > 1);
+        let split = split.min(b.mask.len() - 1);
+        let (lp, mu, r, m) = b.tensors(f64::NAN);
+        let norm = Normalizer::from_masks(&[&m]).unwrap();
+        for ratio in LEVELS {
+            for aggregation in MODES {
+                let cfg = ToprTokenConfig { topr: ToprConfig::canonical().with_baseline(0.1), ratio, aggregation, tie: TieRule::Positive };
+                let full_lp = leaf(&lp);
+                let full = topr_token_loss(&full_lp, &mu, &r, &m, &cfg, &norm).unwrap();
+                full.backward();
+                let parts_lp = leaf(&lp);
+                let n = b.mask.len() as i64;
+                let s = split as i64;
+                let l1 = topr_token_loss(&parts_lp.narrow(0, 0, s), &mu.narrow(0, 0, s), &r.narrow(0, 0, s), &m.narrow(0, 0, s), &cfg, &norm);
+                let l2 = topr_token_loss(&parts_lp.narrow(0, s, n - s), &mu.narrow(0, s, n - s), &r.narrow(0, s, n - s), &m.narrow(0, s, n - s), &cfg, &norm);
+                // A micro-batch made only of padding has nothing to contribute.
+                let total = match (l1, l2) {
+                    (Ok(a), Ok(b)) => a + b,
+                    (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
+                    other => panic!("{other:?}"),
+                };
+                total.backward();
+                assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{ratio:?} {aggregation:?} split value"));
+                assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{ratio:?} {aggregation:?} split grad"));
+            }
+        }
+    }
+
+    #[test]
+    fn sequence_level_matches_topr_loss_on_summed_log_probs(b in batch()) {
+        // With the paper's sequence ratio and SeqMeanTokenSum, the token form is `topr_loss` on Σ_t logp.
+        let cfg = ToprTokenConfig { aggregation: AggregationMode::SeqMeanTokenSum, ..ToprTokenConfig::paper() };
+        prop_assume!(b.mask.iter().all(|r| r.iter().any(|m| *m)));
+        let (lp, mu, r, m) = b.tensors(0.0);
+        let mf = m.to_kind(Kind::Double);
+        let seq = topr_loss::topr_loss(&(&lp * &mf).sum_dim_intlist(1, false, None::<Kind>), &(&mu * &mf).sum_dim_intlist(1, false, None::<Kind>), &r, &cfg.topr).unwrap();
+        let tok = topr_token_loss(&lp, &mu, &r, &m, &cfg, &Normalizer::local()).unwrap();
+        assert_close(&[scalar(&tok)], &[scalar(&seq)], 1e-12, "token vs sequence form");
+    }
+}
+
+#[test]
+fn gradient_matches_finite_differences_at_every_level() {
+    let b = Batch {
+        logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
+        mu: vec![vec![-0.9, -1.0, -0.6], vec![-1.7, -0.45, -1.4], vec![-0.2, -0.9, -0.3]],
+        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
+        rewards: vec![1.0, -1.0, -0.5],
+    };
+    for cfg in configs() {
+        let (_, g) = run(&b, &cfg, &Normalizer::local(), 0.0);
+        let flat = b.logp.concat();
+        let f = |x: &[f64]| {
+            let mut bb = b.clone();
+            bb.logp = x.chunks(3).map(|c| c.to_vec()).collect();
+            let (lp, mu, r, m) = bb.tensors(0.0);
+            scalar(&topr_token_loss(&lp, &mu, &r, &m, &cfg, &Normalizer::local()).unwrap())
+        };
+        let fd = finite_difference(&flat, 1e-6, f);
+        assert_close(&g, &fd, 1e-7, &format!("{cfg:?} finite differences"));
+    }
+}
+
+#[test]
+fn per_token_rewards_at_the_token_level() {
+    let logp = Tensor::from_slice2(&[[-0.5f64, -1.0], [-0.3, f64::NAN]]);
+    let mu = Tensor::from_slice2(&[[-0.7f64, -0.6], [-0.3, 0.0]]);
+    let mask = Tensor::from_slice2(&[[true, true], [true, false]]);
+    let adv = Tensor::from_slice2(&[[1.0f64, -1.0], [-0.5, f64::NAN]]);
+    let lp = leaf(&logp);
+    let loss = topr_token_loss(&lp, &mu, &adv, &mask, &ToprTokenConfig::trinity(), &Normalizer::local()).unwrap();
+    loss.backward();
+    let g = vec1(&lp.grad());
+    // Token-mean over 3 tokens: weights 1 (positive), min(e^{-0.4}, 1), min(e^0, 1).
+    let want = [-1.0 / 3.0, (-0.4f64).exp() / 3.0, 0.5 / 3.0, 0.0];
+    assert_close(&g, &want, 1e-12, "per-token advantages");
+    // Per-token rewards need the token level.
+    let err = topr_token_loss(&leaf(&logp), &mu, &adv, &mask, &ToprTokenConfig::paper(), &Normalizer::local()).unwrap_err();
+    assert!(matches!(err, LossError::ShapeMismatch { argument: "rewards", .. }), "{err}");
+}
+
+#[test]
+fn extreme_token_log_ratios_stay_finite() {
+    for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
+        for cfg in [ToprTokenConfig::paper(), ToprTokenConfig::verl(), ToprTokenConfig::trinity()] {
+            let logp = Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]]).to_kind(kind).set_requires_grad(true);
+            let mu = Tensor::from_slice2(&[[0.0f64, -1.0e4], [-1.0e4, 0.0]]).to_kind(kind);
+            let r = Tensor::from_slice(&[1.0f64, -1.0]).to_kind(kind);
+            let m = Tensor::from_slice2(&[[1i64, 1], [1, 1]]);
+            let loss = topr_token_loss(&logp, &mu, &r, &m, &cfg, &Normalizer::local()).unwrap();
+            assert!(scalar(&loss).is_finite(), "{kind:?} {cfg:?}");
+            loss.backward();
+            assert!(vec1(&logp.grad()).iter().all(|g| g.is_finite()), "{kind:?} {cfg:?}");
+        }
+    }
+}
+
+#[test]
+fn diagnostics_count_tokens_and_branches() {
+    let b = Batch {
+        logp: vec![vec![-1.0, -1.0], vec![-1.0, -2.0]],
+        mu: vec![vec![-1.5, -0.5], vec![-1.0, 9.0]],
+        mask: vec![vec![true, true], vec![true, false]],
+        rewards: vec![1.0, -1.0],
+    };
+    let (lp, mu, r, m) = b.tensors(f64::NAN);
+    // Token level: ratios e^{0.5}, e^{-0.5} (positive, both cut to 1), e^0 (negative, kept).
+    let d = topr_token_diagnostics(&lp, &mu, &r, &m, &ToprTokenConfig::trinity()).unwrap();
+    assert_eq!(d.samples, 3);
+    assert!((d.negative_fraction - 1.0 / 3.0).abs() < 1e-12);
+    assert_eq!(d.truncated_fraction_pos, 1.0);
+    assert_eq!(d.truncated_fraction_neg, 0.0);
+    assert_eq!((d.weight_min, d.weight_max, d.weight_mean), (1.0, 1.0, 1.0));
+    assert_eq!(d.effective_positive_proportion, Some(2.0 / 3.0));
+    // Sequence level: sequence 0 has ratio e^0 = 1 (not truncated), sequence 1 ratio 1.
+    let d = topr_token_diagnostics(&lp, &mu, &r, &m, &ToprTokenConfig::paper()).unwrap();
+    assert_eq!(d.samples, 2);
+    assert_eq!(d.truncated_fraction_pos, 0.0);
+    assert_eq!(d.effective_positive_proportion, Some(0.5));
+    assert_eq!(d.log_ratio_mean, 0.0);
+}
