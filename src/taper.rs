@@ -157,7 +157,7 @@ pub(crate) fn taper_unchecked(delta: &Tensor, a: f64, b: f64) -> Result<Tensor, 
 /// assert!(taper_scalar(-3.0f64, 1.0, 1.0) <= (-3.0f64).exp());
 /// ```
 pub fn taper_scalar<F: Float>(delta: F, a: F, b: F) -> F {
-    if a.is_nan() || b.is_nan() || a < F::zero() || a > b {
+    if !a.is_finite() || b.is_nan() || a < F::zero() || a > b {
         return F::nan();
     }
     if b == F::zero() {

@@ -38,7 +38,12 @@ impl Batch {
                 .collect()
         };
         let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
-        (t2(&fill(&self.logp)), t2(&fill(&self.mu)), t1(&self.rewards), Tensor::stack(&mask, 0))
+        (
+            t2(&fill(&self.logp)),
+            t2(&fill(&self.mu)),
+            t1(&self.rewards),
+            Tensor::stack(&mask, 0),
+        )
     }
 }
 
@@ -52,8 +57,17 @@ fn batch() -> impl Strategy<Value = Batch> {
         )
             .prop_map(|(logp, delta, mut mask, rewards)| {
                 mask[0][0] = true; // at least one real token
-                let mu = logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
-                Batch { logp, mu, mask, rewards }
+                let mu = logp
+                    .iter()
+                    .zip(&delta)
+                    .map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect())
+                    .collect();
+                Batch {
+                    logp,
+                    mu,
+                    mask,
+                    rewards,
+                }
             })
     })
 }
@@ -132,12 +146,23 @@ fn configs() -> Vec<ToprTokenConfig> {
         ToprConfig::canonical().with_baseline(0.2),
         ToprConfig::tis().with_baseline(-0.3),
         ToprConfig::sft(),
-        ToprConfig { a_pos: 0.5, b_pos: 1.5, a_neg: 0.1, b_neg: 0.9, baseline: 0.1 },
+        ToprConfig {
+            a_pos: 0.5,
+            b_pos: 1.5,
+            a_neg: 0.1,
+            b_neg: 0.9,
+            baseline: 0.1,
+        },
     ] {
         for ratio in LEVELS {
             for aggregation in MODES {
                 for tie in [TieRule::Positive, TieRule::Tapered] {
-                    out.push(ToprTokenConfig { topr, ratio, aggregation, tie });
+                    out.push(ToprTokenConfig {
+                        topr,
+                        ratio,
+                        aggregation,
+                        tie,
+                    });
                 }
             }
         }
@@ -220,7 +245,11 @@ fn gradient_matches_finite_differences_at_every_level() {
     let b = Batch {
         logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
         mu: vec![vec![-0.9, -1.0, -0.6], vec![-1.7, -0.45, -1.4], vec![-0.2, -0.9, -0.3]],
-        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
+        mask: vec![
+            vec![true, true, true],
+            vec![true, true, false],
+            vec![true, false, false],
+        ],
         rewards: vec![1.0, -1.0, -0.5],
     };
     for cfg in configs() {
@@ -251,15 +280,38 @@ fn per_token_rewards_at_the_token_level() {
     let want = [-1.0 / 3.0, (-0.4f64).exp() / 3.0, 0.5 / 3.0, 0.0];
     assert_close(&g, &want, 1e-12, "per-token advantages");
     // Per-token rewards need the token level.
-    let err = topr_token_loss(&leaf(&logp), &mu, &adv, &mask, &ToprTokenConfig::paper(), &Normalizer::local()).unwrap_err();
-    assert!(matches!(err, LossError::ShapeMismatch { argument: "rewards", .. }), "{err}");
+    let err = topr_token_loss(
+        &leaf(&logp),
+        &mu,
+        &adv,
+        &mask,
+        &ToprTokenConfig::paper(),
+        &Normalizer::local(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LossError::ShapeMismatch {
+                argument: "rewards",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
 fn extreme_token_log_ratios_stay_finite() {
     for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
-        for cfg in [ToprTokenConfig::paper(), ToprTokenConfig::verl(), ToprTokenConfig::trinity()] {
-            let logp = Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]]).to_kind(kind).set_requires_grad(true);
+        for cfg in [
+            ToprTokenConfig::paper(),
+            ToprTokenConfig::verl(),
+            ToprTokenConfig::trinity(),
+        ] {
+            let logp = Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]])
+                .to_kind(kind)
+                .set_requires_grad(true);
             let mu = Tensor::from_slice2(&[[0.0f64, -1.0e4], [-1.0e4, 0.0]]).to_kind(kind);
             let r = Tensor::from_slice(&[1.0f64, -1.0]).to_kind(kind);
             let m = Tensor::from_slice2(&[[1i64, 1], [1, 1]]);

@@ -1,0 +1,258 @@
+//! Bad input gives a typed error naming the argument, and nothing in the public API panics,
+//! whatever tensors and configs it is given.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use tch::{Kind, Tensor};
+use topr_loss::*;
+
+fn arbitrary_tensor() -> impl Strategy<Value = (Option<Kind>, Vec<i64>, u8)> {
+    let kind = prop_oneof![
+        Just(None), // undefined
+        Just(Some(Kind::Float)),
+        Just(Some(Kind::Double)),
+        Just(Some(Kind::Half)),
+        Just(Some(Kind::BFloat16)),
+        Just(Some(Kind::Int64)),
+        Just(Some(Kind::Bool)),
+        Just(Some(Kind::Uint8)),
+        Just(Some(Kind::ComplexFloat)),
+    ];
+    // contents: 0 normal, 1 has NaN, 2 has inf
+    (kind, prop::collection::vec(0i64..4, 0..4), 0u8..3)
+}
+
+fn make((kind, shape, contents): &(Option<Kind>, Vec<i64>, u8)) -> Tensor {
+    let Some(kind) = kind else { return Tensor::new() };
+    let t = Tensor::randn(shape.as_slice(), (Kind::Double, tch::Device::Cpu));
+    let numel: i64 = shape.iter().product();
+    if numel > 0 && *contents > 0 {
+        let bad = if *contents == 1 { f64::NAN } else { f64::INFINITY };
+        let _ = t.flatten(0, -1).get(0).fill_(bad);
+    }
+    t.to_kind(*kind)
+}
+
+fn arbitrary_limit() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        Just(0.0),
+        Just(1.0),
+        Just(f64::INFINITY),
+        Just(f64::NAN),
+        Just(-1.0),
+        Just(f64::NEG_INFINITY),
+        0.0f64..3.0
+    ]
+}
+
+fn arbitrary_config() -> impl Strategy<Value = ToprConfig> {
+    (
+        arbitrary_limit(),
+        arbitrary_limit(),
+        arbitrary_limit(),
+        arbitrary_limit(),
+        prop_oneof![Just(0.0), Just(f64::NAN), Just(f64::INFINITY), -1.0f64..1.0],
+    )
+        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| ToprConfig {
+            a_pos,
+            b_pos,
+            a_neg,
+            b_neg,
+            baseline,
+        })
+}
+
+fn no_panic<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => panic!("{what} panicked"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn no_public_function_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), cfg in arbitrary_config(), p in arbitrary_limit(), q in arbitrary_limit()) {
+        let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
+        let tcfg = ToprTokenConfig { topr: cfg, ..ToprTokenConfig::default() };
+        let r = no_panic("topr_loss", || topr_loss(&a, &b, &c, &cfg));
+        if cfg.validate().is_err() { prop_assert!(r.is_err()); }
+        if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+        let _ = no_panic("topr_diagnostics", || topr_diagnostics(&a, &b, &c, &cfg));
+        for ratio in [RatioLevel::Sequence, RatioLevel::SequenceMean, RatioLevel::Token] {
+            let tcfg = ToprTokenConfig { ratio, ..tcfg };
+            let r = no_panic("topr_token_loss", || topr_token_loss(&a, &b, &c, &m, &tcfg, &Normalizer::local()));
+            if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+            let _ = no_panic("topr_token_diagnostics", || topr_token_diagnostics(&a, &b, &c, &m, &tcfg));
+        }
+        let _ = no_panic("aggregate", || aggregate(&a, &m, AggregationMode::SeqMeanTokenSumNorm { length: p }, &Normalizer { tokens: Some(q), sequences: None }));
+        let _ = no_panic("sequence_weights", || sequence_weights(&m, AggregationMode::TokenMean, &Normalizer::local()));
+        let _ = no_panic("Normalizer::from_masks", || Normalizer::from_masks(&[&m, &a]));
+        let _ = no_panic("taper", || taper(&a, p, q));
+        let _ = no_panic("truncated_weight", || truncated_weight(&a, p, q));
+        let _ = no_panic("effective_positive_proportion", || effective_positive_proportion(p, q));
+        let _ = no_panic("baseline_for_effective_proportion", || baseline_for_effective_proportion(p, q));
+        let _ = no_panic("effective_positive_proportion_of_rewards", || effective_positive_proportion_of_rewards(&a, p));
+        let _ = no_panic("baseline_for_rewards", || baseline_for_rewards(&a, p));
+    }
+}
+
+fn ok_inputs() -> (Tensor, Tensor, Tensor) {
+    (t1(&[-1.0, -2.0]), t1(&[-1.5, -2.5]), t1(&[1.0, -1.0]))
+}
+
+#[test]
+fn each_bad_argument_is_named() {
+    let (lp, mu, r) = ok_inputs();
+    let cfg = ToprConfig::default();
+    let e = topr_loss(&Tensor::new(), &mu, &r, &cfg).unwrap_err();
+    assert_eq!(
+        e,
+        LossError::UnsupportedTensor {
+            argument: "logp",
+            what: "undefined"
+        }
+    );
+    let e = topr_loss(&lp, &mu, &Tensor::from_slice(&[1i64, 0]), &cfg).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LossError::WrongDtype {
+                argument: "rewards",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("Int64"), "{e}");
+    let e = topr_loss(&lp.reshape([1, 2]), &mu, &r, &cfg).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LossError::WrongRank {
+                argument: "logp",
+                expected_rank: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = topr_loss(&lp, &mu, &t1(&[1.0]), &cfg).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LossError::ShapeMismatch {
+                argument: "rewards",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = topr_loss(&t1(&[]), &t1(&[]), &t1(&[]), &cfg).unwrap_err();
+    assert!(matches!(e, LossError::EmptyBatch { argument: "logp", .. }), "{e}");
+    let e = topr_loss(&lp, &t1(&[-1.0, f64::NAN]), &r, &cfg).unwrap_err();
+    assert_eq!(
+        e,
+        LossError::NonFinite {
+            argument: "logp_mu",
+            count: 1,
+            first_index: vec![1]
+        }
+    );
+    assert_eq!(
+        e.to_string(),
+        "`logp_mu` holds 1 non-finite value(s) (NaN or inf) in unmasked positions; the first is at index [1]"
+    );
+    let e = topr_loss(&lp, &mu, &r, &ToprConfig { a_neg: f64::NAN, ..cfg }).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "a_neg", .. }), "{e}");
+    let e = topr_loss(
+        &lp,
+        &mu,
+        &r,
+        &ToprConfig {
+            b_pos: -1.0,
+            a_pos: 0.0,
+            ..cfg
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "b_pos", .. }), "{e}");
+    let e = topr_loss(&lp, &mu, &r, &ToprConfig { a_pos: 2.0, ..cfg }).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "a_pos", .. }), "{e}");
+    assert!(e.to_string().contains("must not exceed"), "{e}");
+    let e = topr_loss(&lp, &mu, &r, &cfg.with_baseline(f64::INFINITY)).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "baseline", .. }), "{e}");
+}
+
+#[test]
+fn token_level_errors() {
+    let lp = Tensor::from_slice2(&[[-1.0f64, f64::NAN]]);
+    let mu = Tensor::from_slice2(&[[-1.0f64, 0.0]]);
+    let r = t1(&[1.0]);
+    let cfg = ToprTokenConfig::default();
+    let n = Normalizer::local();
+    // NaN under the mask is fine; NaN where the mask says "real" is not.
+    assert!(topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, false]]), &cfg, &n).is_ok());
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, true]]), &cfg, &n).unwrap_err();
+    assert_eq!(
+        e,
+        LossError::NonFinite {
+            argument: "logp",
+            count: 1,
+            first_index: vec![0, 1]
+        }
+    );
+    // Nothing unmasked.
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[false, false]]), &cfg, &n).unwrap_err();
+    assert!(matches!(e, LossError::EmptyBatch { argument: "mask", .. }), "{e}");
+    // A float mask must be 0/1.
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[1.0f32, 0.5]]), &cfg, &n).unwrap_err();
+    assert!(matches!(e, LossError::WrongDtype { argument: "mask", .. }), "{e}");
+    // Mask of the wrong shape.
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice(&[true, false]), &cfg, &n).unwrap_err();
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "mask", .. }), "{e}");
+    // Bad global counts.
+    let e = topr_token_loss(
+        &lp,
+        &mu,
+        &r,
+        &Tensor::from_slice2(&[[true, false]]),
+        &cfg,
+        &Normalizer::global(0.0, 1.0),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LossError::InvalidConfig {
+                field: "Normalizer::tokens",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn device_mismatch_is_an_error_when_a_gpu_is_present() {
+    // Only checkable with a second device; on a CPU-only machine this test checks nothing else.
+    if !tch::Cuda::is_available() {
+        return;
+    }
+    let (lp, mu, r) = ok_inputs();
+    let e = topr_loss(&lp, &mu.to_device(tch::Device::Cuda(0)), &r, &ToprConfig::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LossError::DeviceMismatch {
+                argument: "logp_mu",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
