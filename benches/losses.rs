@@ -37,6 +37,22 @@ fn token_level(c: &mut Criterion) {
             let mask = Tensor::arange(t, (Kind::Int64, Device::Cpu))
                 .unsqueeze(0)
                 .lt_tensor(&lengths);
+            // Context: Trinity-RFT's surrogate written directly in tch, with no input checks, no
+            // log-space guard and no value beyond the surrogate. The gap is what checks cost.
+            g.bench_function(format!("unchecked_surrogate/B={b}/T={t}"), |bench| {
+                bench.iter(|| {
+                    let ratio = (&logp - &logp_mu).exp();
+                    let r = rewards.unsqueeze(1);
+                    let alpha = ratio
+                        .clamp(0.0, 1.0)
+                        .where_self(&r.le(0.0), &ratio.ones_like())
+                        .detach();
+                    let mf = mask.to_kind(Kind::Float);
+                    let loss = (-(alpha * &r * &logp) * &mf).sum(Kind::Float) / mf.sum(Kind::Float);
+                    loss.backward();
+                    black_box(loss)
+                })
+            });
             for (name, cfg) in [
                 ("paper", ToprTokenConfig::paper()),
                 ("verl", ToprTokenConfig::verl()),

@@ -77,6 +77,11 @@ pub struct Normalizer {
 
 impl Normalizer {
     /// Counts taken from the tensors of each call (not split-invariant).
+    ///
+    /// ```
+    /// use topr_loss::Normalizer;
+    /// assert_eq!(Normalizer::local(), Normalizer::default());
+    /// ```
     pub fn local() -> Self {
         Self {
             tokens: None,
@@ -85,6 +90,11 @@ impl Normalizer {
     }
 
     /// Fixed global counts: `tokens` unmasked tokens in `sequences` sequences.
+    ///
+    /// ```
+    /// use topr_loss::Normalizer;
+    /// assert_eq!(Normalizer::global(100.0, 8.0).tokens, Some(100.0));
+    /// ```
     pub fn global(tokens: f64, sequences: f64) -> Self {
         Self {
             tokens: Some(tokens),

@@ -29,6 +29,16 @@ use tch::{Kind, Tensor};
 ///
 /// Reference: the quantities the TOPR paper (arXiv 2503.14286) plots and discusses: effective
 /// positive proportion (§4), truncation of the negative branch (§3).
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{topr_diagnostics, ToprConfig};
+/// let lp = Tensor::from_slice(&[-1.0f32, -2.0]);
+/// let d = topr_diagnostics(&lp, &lp, &Tensor::from_slice(&[1.0f32, -1.0]), &ToprConfig::tis())?;
+/// assert_eq!((d.samples, d.log_ratio_mean, d.weight_mean), (2, 0.0, 1.0)); // on-policy
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ToprDiagnostics {
     /// Number of samples (sequences, or unmasked tokens at the token level).

@@ -50,7 +50,7 @@ pub enum LossError {
         found: Vec<i64>,
         /// The rank the function takes.
         expected_rank: usize,
-        /// What the dimensions mean, e.g. "[B] sequences".
+        /// What the dimensions mean, e.g. `"[B] sequence log-probabilities"`.
         meaning: &'static str,
     },
 
@@ -147,6 +147,16 @@ pub enum LossError {
         field: &'static str,
         /// The largest log-ratio δ seen in the offending branch.
         max_log_ratio: f64,
+        /// The dtype the loss was computed in.
+        compute_dtype: &'static str,
+    },
+
+    /// The loss is not finite although every input is: the shifted rewards are so large that
+    /// `|R − c| · T` overflows the compute dtype.
+    #[error(
+        "the loss overflows {compute_dtype} although every input is finite: the rewards (minus the baseline) are too large; rescale them"
+    )]
+    NonFiniteLoss {
         /// The dtype the loss was computed in.
         compute_dtype: &'static str,
     },

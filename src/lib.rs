@@ -68,6 +68,8 @@
 //! - Inputs are validated first; a bad argument gives a [`LossError`] that names it.
 //! - Padding may hold NaN or inf; it gets exactly zero gradient.
 
+#![warn(missing_docs)]
+
 mod aggregate;
 mod baseline;
 mod diagnostics;

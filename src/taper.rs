@@ -129,8 +129,12 @@ pub(crate) fn taper_unchecked(delta: &Tensor, a: f64, b: f64) -> Result<Tensor, 
         // only of such rows still yields a loss one can call backward() on.
         return Ok(delta.f_mul_scalar(0.0)?);
     }
-    let d = clamp_log(delta, a, b)?;
-    let slope = delta.f_sub(&d)?.f_add_scalar(1.0)?; // 1 + δ − d
+    taper_from_clamped(delta, &clamp_log(delta, a, b)?)
+}
+
+/// `T = exp(d) (1 + δ − d)` from `δ` and `d = clamp(δ, ln a, ln b)`.
+pub(crate) fn taper_from_clamped(delta: &Tensor, d: &Tensor) -> Result<Tensor, LossError> {
+    let slope = delta.f_sub(d)?.f_add_scalar(1.0)?; // 1 + δ − d
     Ok(d.f_exp()?.f_mul(&slope)?)
 }
 

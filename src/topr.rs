@@ -21,8 +21,8 @@
 //! reinforcement learning for LLMs*, arXiv 2503.14286.
 
 use crate::error::{LossError, kind_name};
-use crate::taper::taper_unchecked;
-use crate::validate;
+use crate::taper::taper_from_clamped;
+use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
 
 /// Truncation limits and baseline of the off-policy REINFORCE family.
@@ -78,28 +78,56 @@ impl ToprConfig {
     /// Canonical TOPR `(a+, b+, a−, b−) = (1, 1, 0, 1)`: an SFT update on positives (weight 1,
     /// whatever the ratio) and a truncated-IS update on negatives (weight `min(π/μ, 1)`, which
     /// fades as π moves away from them). Le Roux, Bellemare et al., arXiv 2503.14286.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// assert_eq!(ToprConfig::canonical(), ToprConfig::default());
+    /// ```
     pub const fn canonical() -> Self {
         Self::limits(1.0, 1.0, 0.0, 1.0)
     }
 
     /// Naive off-policy REINFORCE `(1, 1, 1, 1)`: weight 1 everywhere. With negative rewards its
     /// loss is unbounded below: it drives `log π` of sampled negatives to `−∞`.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// let c = ToprConfig::naive_reinforce();
+    /// assert_eq!((c.a_pos, c.b_pos, c.a_neg, c.b_neg), (1.0, 1.0, 1.0, 1.0));
+    /// ```
     pub const fn naive_reinforce() -> Self {
         Self::limits(1.0, 1.0, 1.0, 1.0)
     }
 
     /// Supervised fine-tuning on positives `(1, 1, 0, 0)`: negatives contribute nothing.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// let c = ToprConfig::sft();
+    /// assert_eq!((c.a_neg, c.b_neg), (0.0, 0.0));
+    /// ```
     pub const fn sft() -> Self {
         Self::limits(1.0, 1.0, 0.0, 0.0)
     }
 
     /// Truncated importance sampling `(0, 1, 0, 1)`: weight `min(π/μ, 1)` on every sample.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// let c = ToprConfig::tis();
+    /// assert_eq!((c.a_pos, c.b_pos, c.a_neg, c.b_neg), (0.0, 1.0, 0.0, 1.0));
+    /// ```
     pub const fn tis() -> Self {
         Self::limits(0.0, 1.0, 0.0, 1.0)
     }
 
     /// Plain importance sampling `(0, ∞, 0, ∞)`: unbiased, unbounded weight `π/μ`. The loss
     /// returns [`LossError::Overflow`] rather than `inf` when the weight exceeds the compute dtype.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// assert!(ToprConfig::importance_sampling().b_pos.is_infinite());
+    /// ```
     pub const fn importance_sampling() -> Self {
         Self::limits(0.0, f64::INFINITY, 0.0, f64::INFINITY)
     }
@@ -118,6 +146,12 @@ impl ToprConfig {
     ///
     /// # Errors
     /// [`LossError::InvalidConfig`] naming the field.
+    ///
+    /// ```
+    /// use topr_loss::{LossError, ToprConfig};
+    /// let bad = ToprConfig { b_neg: f64::NAN, ..ToprConfig::default() };
+    /// assert!(matches!(bad.validate(), Err(LossError::InvalidConfig { field: "b_neg", .. })));
+    /// ```
     pub fn validate(&self) -> Result<(), LossError> {
         validate::limits(self.a_pos, self.b_pos, "a_pos", "b_pos")?;
         validate::limits(self.a_neg, self.b_neg, "a_neg", "b_neg")?;
@@ -128,6 +162,12 @@ impl ToprConfig {
 /// Which branch a sample whose shifted reward is exactly zero belongs to. It carries no weight
 /// either way (`R' = 0`), but the choice shows in diagnostics and matters when the rewards are
 /// used only for the branch (see the docs' table of published implementations).
+///
+/// ```
+/// use topr_loss::{TieRule, ToprTokenConfig};
+/// assert_eq!(ToprTokenConfig::paper().tie, TieRule::Positive);
+/// assert_eq!(ToprTokenConfig::trinity().tie, TieRule::Tapered);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TieRule {
     /// `R − c ≥ 0` is positive: the paper's rule.
@@ -137,22 +177,38 @@ pub enum TieRule {
     Tapered,
 }
 
-/// `−R' · T(exp(s); a±, b±)` per entry, the branch chosen by `positive`, each branch evaluated only
-/// on its own entries (the others see `s = 0`), so that no inf from an unselected branch can
-/// turn into a NaN gradient. `s`, `r_prime` and `positive` broadcast together.
+/// `(ln a, ln b, on)` for one branch: `ln 0 = −∞` and `ln ∞ = ∞` leave that side unclamped;
+/// `b = 0` (`T ≡ 0`) is switched off by `on = 0`, with finite dummy limits.
+fn log_limits(a: f64, b: f64) -> (f64, f64, f64) {
+    if b == 0.0 {
+        (0.0, 0.0, 0.0)
+    } else {
+        (a.ln(), b.ln(), 1.0)
+    }
+}
+
+/// `−R' · T(exp(s); a±, b±)` per entry, the limits picked per entry by `positive`. One
+/// evaluation of the taper with per-entry limits (`clamp` against tensors), so no unused branch
+/// is computed whose `inf` could turn into a NaN gradient. `s`, `r_prime` and `positive`
+/// broadcast together; the limits take the shape of `positive` (`[B]` or `[B, 1]`), cheap.
 pub(crate) fn tapered_terms(
     s: &Tensor,
     r_prime: &Tensor,
     positive: &Tensor,
     cfg: &ToprConfig,
 ) -> Result<Tensor, LossError> {
-    let zero = s.f_zeros_like()?;
-    let s_pos = s.f_where_self(positive, &zero)?;
-    let s_neg = zero.f_where_self(positive, s)?;
-    let t_pos = taper_unchecked(&s_pos, cfg.a_pos, cfg.b_pos)?;
-    let t_neg = taper_unchecked(&s_neg, cfg.a_neg, cfg.b_neg)?;
-    let t = t_pos.f_where_self(positive, &t_neg)?;
-    Ok(t.f_mul(r_prime)?.f_neg()?)
+    let kind = s.f_kind()?;
+    let (lo_p, hi_p, on_p) = log_limits(cfg.a_pos, cfg.b_pos);
+    let (lo_n, hi_n, on_n) = log_limits(cfg.a_neg, cfg.b_neg);
+    let options = (kind, s.device());
+    let pick = |p: f64, n: f64| -> Result<Tensor, LossError> {
+        let n = Tensor::f_scalar_tensor(n, options)?;
+        Ok(Tensor::f_scalar_tensor(p, options)?.f_where_self(positive, &n)?)
+    };
+    let (lo, hi, on) = (pick(lo_p, lo_n)?, pick(hi_p, hi_n)?, pick(on_p, on_n)?);
+    let d = s.f_clamp_tensor(Some(&lo), Some(&hi))?;
+    let t = taper_from_clamped(s, &d)?;
+    Ok(t.f_mul(&r_prime.f_mul(&on)?.f_neg()?)?)
 }
 
 /// The branch mask `R' ≥ 0` (or `> 0` under [`TieRule::Tapered`]).
@@ -163,28 +219,40 @@ pub(crate) fn positive_branch(r_prime: &Tensor, tie: TieRule) -> Result<Tensor, 
     })
 }
 
-/// With an infinite upper limit, turns a non-finite loss into [`LossError::Overflow`], naming the
-/// unbounded branch with the largest log-ratio `s`.
-pub(crate) fn guard_overflow(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &ToprConfig) -> Result<(), LossError> {
-    if (cfg.b_pos.is_finite() && cfg.b_neg.is_finite()) || loss.f_double_value(&[])?.is_finite() {
+/// Turns a non-finite loss into an error: [`LossError::Overflow`] when an infinite upper limit
+/// let the importance weight overflow (naming the unbounded branch with the largest log-ratio
+/// `s`), else [`LossError::NonFiniteLoss`] (rewards too large for the compute dtype). Reads the
+/// loss back: one device sync.
+pub(crate) fn guard_finite(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &ToprConfig) -> Result<(), LossError> {
+    if loss.f_double_value(&[])?.is_finite() {
         return Ok(());
     }
+    let compute_dtype = kind_name(s.kind());
+    let max_exponent = if s.kind() == Kind::Double {
+        f64::MAX.ln()
+    } else {
+        (f32::MAX as f64).ln()
+    };
     let negative = positive.f_logical_not()?;
     let floor = s.f_full_like(f64::NEG_INFINITY)?;
-    let mut worst = ("b_pos", f64::NAN);
+    let mut worst: Option<(&'static str, f64)> = None;
     for (field, b, rows) in [("b_pos", cfg.b_pos, positive), ("b_neg", cfg.b_neg, &negative)] {
         if b.is_infinite() {
             let max = s.f_where_self(rows, &floor)?.f_max()?.f_double_value(&[])?;
-            if worst.1.is_nan() || max > worst.1 {
-                worst = (field, max);
+            if worst.is_none_or(|(_, w)| max > w) {
+                worst = Some((field, max));
             }
         }
     }
-    Err(LossError::Overflow {
-        field: worst.0,
-        max_log_ratio: worst.1,
-        compute_dtype: kind_name(s.kind()),
-    })
+    match worst {
+        // The weight e^δ alone exceeds the square root of the dtype's range: the ratio overflowed.
+        Some((field, max_log_ratio)) if max_log_ratio > 0.5 * max_exponent => Err(LossError::Overflow {
+            field,
+            max_log_ratio,
+            compute_dtype,
+        }),
+        _ => Err(LossError::NonFiniteLoss { compute_dtype }),
+    }
 }
 
 /// Checked `[B]` inputs of the sequence-level losses, upcast to the compute dtype.
@@ -211,15 +279,24 @@ pub(crate) fn check_sequence_inputs(
     let device = logp.device();
     validate::same_device(logp_mu, "logp_mu", device, "logp")?;
     validate::same_device(rewards, "rewards", device, "logp")?;
-    validate::finite(logp, "logp", None)?;
-    validate::finite(logp_mu, "logp_mu", None)?;
-    validate::finite(rewards, "rewards", None)?;
     let kind = validate::compute_kind(&kinds);
-    Ok(SequenceInputs {
+    let x = SequenceInputs {
         logp: logp.f_to_kind(kind)?,
         logp_mu: logp_mu.f_detach()?.f_to_kind(kind)?,
         rewards: rewards.f_detach()?.f_to_kind(kind)?,
-    })
+    };
+    let check = |clean, original, argument| FiniteCheck {
+        clean,
+        original,
+        argument,
+        valid: None,
+    };
+    validate::all_finite(&[
+        check(&x.logp, logp, "logp"),
+        check(&x.logp_mu, logp_mu, "logp_mu"),
+        check(&x.rewards, rewards, "rewards"),
+    ])?;
+    Ok(x)
 }
 
 /// The TOPR loss on sequence log-probabilities: the negative of the tapered off-policy objective,
@@ -240,7 +317,9 @@ pub(crate) fn check_sequence_inputs(
 ///
 /// With an infinite upper limit ([`ToprConfig::importance_sampling`]) the weight `e^δ` is
 /// unbounded: when it overflows the compute dtype the function returns [`LossError::Overflow`]
-/// instead of `inf` (this check reads the loss value back, one device sync).
+/// instead of `inf`. Any other non-finite result (rewards near the dtype's largest value) is
+/// [`LossError::NonFiniteLoss`]. These checks read the loss back (one device sync), as the
+/// input checks do.
 ///
 /// Reference: Le Roux, Bellemare et al., *Tapered Off-Policy REINFORCE*, arXiv 2503.14286, eq. (7)
 /// and §3.
@@ -255,7 +334,7 @@ pub(crate) fn check_sequence_inputs(
 /// [`LossError::InvalidConfig`] for a bad config; [`LossError::UnsupportedTensor`],
 /// [`LossError::WrongDtype`], [`LossError::WrongRank`], [`LossError::ShapeMismatch`],
 /// [`LossError::EmptyBatch`], [`LossError::DeviceMismatch`] and [`LossError::NonFinite`] for bad
-/// tensors; [`LossError::Overflow`] as above.
+/// tensors; [`LossError::Overflow`] and [`LossError::NonFiniteLoss`] as above.
 ///
 /// # Example
 /// ```
@@ -280,6 +359,6 @@ pub fn topr_loss(logp: &Tensor, logp_mu: &Tensor, rewards: &Tensor, cfg: &ToprCo
     let positive = positive_branch(&r_prime, TieRule::Positive)?;
     let delta = x.logp.f_sub(&x.logp_mu)?;
     let loss = tapered_terms(&delta, &r_prime, &positive, cfg)?.f_mean(None::<Kind>)?;
-    guard_overflow(&loss, &delta.f_detach()?, &positive, cfg)?;
+    guard_finite(&loss, &delta.f_detach()?, &positive, cfg)?;
     Ok(loss)
 }

@@ -28,11 +28,19 @@
 
 use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked};
 use crate::error::LossError;
-use crate::topr::{TieRule, ToprConfig, guard_overflow, positive_branch, tapered_terms};
-use crate::validate;
+use crate::topr::{TieRule, ToprConfig, guard_finite, positive_branch, tapered_terms};
+use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
 
 /// At which level the importance ratio `π/μ` is formed.
+///
+/// Reference: the paper (arXiv 2503.14286) uses `Sequence`; verl `SequenceMean`; Trinity-RFT and
+/// ROLL `Token`.
+///
+/// ```
+/// use topr_loss::{RatioLevel, ToprTokenConfig};
+/// assert_eq!(ToprTokenConfig::verl().ratio, RatioLevel::SequenceMean);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RatioLevel {
     /// The sequence ratio `exp(Σ_t δ_t)` = `π(τ)/μ(τ)`: the paper's.
@@ -79,6 +87,12 @@ impl Default for ToprTokenConfig {
 impl ToprTokenConfig {
     /// The paper (Le Roux, Bellemare et al., arXiv 2503.14286): canonical limits, sequence ratio
     /// `π(τ)/μ(τ)`, each sequence's loss divided by its length, ties positive.
+    ///
+    /// ```
+    /// use topr_loss::{AggregationMode, RatioLevel, ToprConfig, ToprTokenConfig};
+    /// let c = ToprTokenConfig::paper();
+    /// assert_eq!((c.topr, c.ratio, c.aggregation), (ToprConfig::canonical(), RatioLevel::Sequence, AggregationMode::SeqMeanTokenMean));
+    /// ```
     pub fn paper() -> Self {
         Self {
             topr: ToprConfig::canonical(),
@@ -91,6 +105,12 @@ impl ToprTokenConfig {
     /// verl's `loss_mode=topr` (as proposed in its open pull request): canonical limits on the
     /// length-normalised ratio `exp(mean_t δ_t)`, `loss_agg_mode=seq-mean-token-mean`, weight 1
     /// when the advantage is `≥ 0`.
+    ///
+    /// ```
+    /// use topr_loss::{AggregationMode, RatioLevel, ToprTokenConfig};
+    /// let c = ToprTokenConfig::verl();
+    /// assert_eq!((c.ratio, c.aggregation), (RatioLevel::SequenceMean, AggregationMode::SeqMeanTokenMean));
+    /// ```
     pub fn verl() -> Self {
         Self {
             ratio: RatioLevel::SequenceMean,
@@ -100,6 +120,11 @@ impl ToprTokenConfig {
 
     /// Trinity-RFT's `topr` policy loss: per-token ratios, weight `clamp(exp(δ_t), 0, 1)` where
     /// the advantage is `≤ 0` (threshold 0), weight 1 elsewhere, token-mean.
+    ///
+    /// ```
+    /// use topr_loss::{TieRule, ToprTokenConfig};
+    /// assert_eq!(ToprTokenConfig::trinity().tie, TieRule::Tapered);
+    /// ```
     pub fn trinity() -> Self {
         Self {
             topr: ToprConfig::canonical(),
@@ -177,7 +202,7 @@ pub fn topr_token_loss(
         RatioLevel::Token => masked_fill_zero(&r.terms, &x.mask)?.f_sum_dim_intlist(1, false, None::<Kind>)?,
     };
     let loss = per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?;
-    guard_overflow(&loss, &r.s.f_detach()?, &r.positive, &cfg.topr)?;
+    guard_finite(&loss, &r.s.f_detach()?, &r.positive, &cfg.topr)?;
     Ok(loss)
 }
 
@@ -228,25 +253,41 @@ pub(crate) fn check_token_inputs(
     validate::same_device(logp_mu, "logp_mu", device, "logp")?;
     validate::same_device(rewards, "rewards", device, "logp")?;
     validate::same_device(&m, "mask", device, "logp")?;
-    validate::finite(logp, "logp", Some(&m))?;
-    validate::finite(logp_mu, "logp_mu", Some(&m))?;
-    validate::finite(rewards, "rewards", per_token_rewards.then_some(&m))?;
-
     let kind = validate::compute_kind(&kinds);
     let lp = masked_fill_zero(&logp.f_to_kind(kind)?, &m)?;
     let lm = masked_fill_zero(&logp_mu.f_detach()?.f_to_kind(kind)?, &m)?;
-    let rewards = rewards.f_detach()?.f_to_kind(kind)?;
-    let rewards = if per_token_rewards {
-        masked_fill_zero(&rewards, &m)?
+    let r = rewards.f_detach()?.f_to_kind(kind)?;
+    let r = if per_token_rewards {
+        masked_fill_zero(&r, &m)?
     } else {
-        rewards
+        r
     };
+    validate::all_finite(&[
+        FiniteCheck {
+            clean: &lp,
+            original: logp,
+            argument: "logp",
+            valid: Some(&m),
+        },
+        FiniteCheck {
+            clean: &lm,
+            original: logp_mu,
+            argument: "logp_mu",
+            valid: Some(&m),
+        },
+        FiniteCheck {
+            clean: &r,
+            original: rewards,
+            argument: "rewards",
+            valid: per_token_rewards.then_some(&m),
+        },
+    ])?;
     let lengths = m.f_sum_dim_intlist(1, false, kind)?;
     let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
     Ok(TokenInputs {
         kind,
         delta: lp.f_sub(&lm)?,
-        r_prime: rewards,
+        r_prime: r,
         lengths,
         has_tokens,
         mask: m,

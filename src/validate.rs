@@ -99,7 +99,7 @@ pub(crate) fn same_device(
 
 /// Checks that the first dimension is non-empty.
 pub(crate) fn non_empty(shape: &[i64], argument: &'static str, unit: &'static str) -> Result<(), LossError> {
-    if shape.iter().any(|&d| d == 0) {
+    if shape.contains(&0) {
         return Err(LossError::EmptyBatch {
             argument,
             found: shape.to_vec(),
@@ -127,6 +127,35 @@ pub(crate) fn finite(t: &Tensor, argument: &'static str, valid: Option<&Tensor>)
             count,
             first_index,
         });
+    }
+    Ok(())
+}
+
+/// One tensor argument to check for NaN and inf, see [`all_finite`].
+pub(crate) struct FiniteCheck<'a> {
+    /// The argument with masked entries already replaced (and possibly upcast).
+    pub clean: &'a Tensor,
+    /// The argument as passed.
+    pub original: &'a Tensor,
+    pub argument: &'static str,
+    /// Where the entries are real (`None`: everywhere).
+    pub valid: Option<&'a Tensor>,
+}
+
+/// Checks several arguments for NaN and inf with a single device sync on the happy path: a
+/// finite sum of a `clean` tensor proves its entries finite. Only when a sum is not finite does
+/// the exact per-entry check run, to name the first offending index (or to clear a sum that merely
+/// overflowed).
+pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
+    let sums = items
+        .iter()
+        .map(|c| c.clean.f_sum(None::<Kind>)?.f_to_kind(Kind::Double))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sums = Vec::<f64>::try_from(&Tensor::f_stack(&sums, 0)?.f_to_device(Device::Cpu)?)?;
+    for (c, s) in items.iter().zip(sums) {
+        if !s.is_finite() {
+            finite(c.original, c.argument, c.valid)?;
+        }
     }
     Ok(())
 }

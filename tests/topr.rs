@@ -257,3 +257,12 @@ fn ties_at_the_baseline_go_to_the_positive_branch() {
     .unwrap();
     assert_eq!(d.negative_fraction, 0.0);
 }
+
+#[test]
+fn rewards_too_large_for_f32_are_an_error_not_inf() {
+    let lp = Tensor::from_slice(&[0.0f32, 0.0]).set_requires_grad(true);
+    let mu = Tensor::from_slice(&[-1.0e4f32, -1.0e4]);
+    let r = Tensor::from_slice(&[3.0e38f32, 3.0e38]);
+    let err = topr_loss(&lp, &mu, &r, &ToprConfig::canonical()).unwrap_err();
+    assert_eq!(err, LossError::NonFiniteLoss { compute_dtype: "f32" });
+}
