@@ -4,7 +4,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use tch::{Device, Kind, Tensor};
-use topr_loss::{Normalizer, ToprConfig, ToprTokenConfig, topr_loss, topr_token_loss};
+use topr_loss::{ToprConfig, ToprTokenConfig, topr_loss, topr_token_loss};
 
 fn sequence_level(c: &mut Criterion) {
     let mut g = c.benchmark_group("topr_loss");
@@ -34,19 +34,14 @@ fn token_level(c: &mut Criterion) {
             let logp_mu = Tensor::randn([b, t], opts) * 0.1 - 1.0;
             let rewards = Tensor::randn([b], opts).sign();
             let lengths = Tensor::randint_low(1, t + 1, [b, 1], (Kind::Int64, Device::Cpu));
-            let mask = Tensor::arange(t, (Kind::Int64, Device::Cpu))
-                .unsqueeze(0)
-                .lt_tensor(&lengths);
+            let mask = Tensor::arange(t, (Kind::Int64, Device::Cpu)).unsqueeze(0).lt_tensor(&lengths);
             // Context: Trinity-RFT's surrogate written directly in tch, with no input checks, no
             // log-space guard and no value beyond the surrogate. The gap is what checks cost.
             g.bench_function(format!("unchecked_surrogate/B={b}/T={t}"), |bench| {
                 bench.iter(|| {
                     let ratio = (&logp - &logp_mu).exp();
                     let r = rewards.unsqueeze(1);
-                    let alpha = ratio
-                        .clamp(0.0, 1.0)
-                        .where_self(&r.le(0.0), &ratio.ones_like())
-                        .detach();
+                    let alpha = ratio.clamp(0.0, 1.0).where_self(&r.le(0.0), &ratio.ones_like()).detach();
                     let mf = mask.to_kind(Kind::Float);
                     let loss = (-(alpha * &r * &logp) * &mf).sum(Kind::Float) / mf.sum(Kind::Float);
                     loss.backward();
@@ -60,8 +55,7 @@ fn token_level(c: &mut Criterion) {
             ] {
                 g.bench_function(format!("{name}/B={b}/T={t}"), |bench| {
                     bench.iter(|| {
-                        let loss =
-                            topr_token_loss(&logp, &logp_mu, &rewards, &mask, &cfg, &Normalizer::local()).unwrap();
+                        let loss = topr_token_loss(&logp, &logp_mu, &rewards, &mask, &cfg).unwrap();
                         loss.backward();
                         black_box(loss)
                     })

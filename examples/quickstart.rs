@@ -92,9 +92,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let pc = (&p_all * everything_reward.gt(0.0)).sum(Kind::Float).double_value(&[]);
         let p_unique = log_prob(theta, &unique).exp();
         let pos = (&p_unique * &unique_pos).sum(Kind::Float).double_value(&[]);
-        let neg = (&p_unique * unique_pos.logical_not())
-            .sum(Kind::Float)
-            .double_value(&[]);
+        let neg = (&p_unique * unique_pos.logical_not()).sum(Kind::Float).double_value(&[]);
         (er, pc, pos, neg)
     };
     let (er_mu, _, _, _) = measure(&theta_mu);
@@ -143,10 +141,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
         }
-        println!(
-            "{name}  (a+, b+, a−, b−) = ({}, {}, {}, {})",
-            cfg.a_pos, cfg.b_pos, cfg.a_neg, cfg.b_neg
-        );
+        println!("{name}  (a+, b+, a−, b−) = ({}, {}, {}, {})", cfg.a_pos, cfg.b_pos, cfg.a_neg, cfg.b_neg);
         println!("  step   E_π[R]   P_π(correct)   π-mass on data: correct  wrong   mean weight");
         for r in &rows {
             println!(

@@ -83,10 +83,7 @@ impl Normalizer {
     /// assert_eq!(Normalizer::local(), Normalizer::default());
     /// ```
     pub fn local() -> Self {
-        Self {
-            tokens: None,
-            sequences: None,
-        }
+        Self { tokens: None, sequences: None }
     }
 
     /// Fixed global counts: `tokens` unmasked tokens in `sequences` sequences.
@@ -96,10 +93,7 @@ impl Normalizer {
     /// assert_eq!(Normalizer::global(100.0, 8.0).tokens, Some(100.0));
     /// ```
     pub fn global(tokens: f64, sequences: f64) -> Self {
-        Self {
-            tokens: Some(tokens),
-            sequences: Some(sequences),
-        }
+        Self { tokens: Some(tokens), sequences: Some(sequences) }
     }
 
     /// Global counts from the masks `[B_k, T_k]` of all micro-batches of one optimiser step.
@@ -121,10 +115,7 @@ impl Normalizer {
     }
 
     fn check(&self) -> Result<(), LossError> {
-        for (v, field) in [
-            (self.tokens, "Normalizer::tokens"),
-            (self.sequences, "Normalizer::sequences"),
-        ] {
+        for (v, field) in [(self.tokens, "Normalizer::tokens"), (self.sequences, "Normalizer::sequences")] {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0) {
                     return Err(LossError::InvalidConfig {
@@ -163,11 +154,7 @@ pub(crate) fn sequence_weights_checked(
     let tokens = norm.tokens.unwrap_or(local_tokens);
     let needs_tokens = matches!(mode, AggregationMode::TokenMean);
     if (needs_tokens && tokens == 0.0) || (!needs_tokens && seqs == 0.0) {
-        return Err(LossError::EmptyBatch {
-            argument: "mask",
-            found: mask.size(),
-            unit: "unmasked token",
-        });
+        return Err(LossError::EmptyBatch { argument: "mask", found: mask.size(), unit: "unmasked token" });
     }
     let ones = has_tokens.f_to_kind(kind)?;
     Ok(match mode {

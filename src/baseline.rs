@@ -118,11 +118,7 @@ fn host_rewards(rewards: &Tensor) -> Result<Vec<f64>, LossError> {
     let shape = rewards.size();
     validate::non_empty(&shape, "rewards", "reward")?;
     validate::finite(rewards, "rewards", None)?;
-    let flat = rewards
-        .f_detach()?
-        .f_to_kind(Kind::Double)?
-        .f_flatten(0, -1)?
-        .f_to_device(tch::Device::Cpu)?;
+    let flat = rewards.f_detach()?.f_to_kind(Kind::Double)?.f_flatten(0, -1)?.f_to_device(tch::Device::Cpu)?;
     Ok(Vec::<f64>::try_from(&flat)?)
 }
 
@@ -199,9 +195,7 @@ pub fn effective_positive_proportion_of_rewards(rewards: &Tensor, c: f64) -> Res
 pub fn baseline_for_rewards(rewards: &Tensor, p_tilde: f64) -> Result<f64, LossError> {
     proportion(p_tilde, "p_tilde")?;
     let r = host_rewards(rewards)?;
-    let (lo, hi) = r.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
-        (lo.min(v), hi.max(v))
-    });
+    let (lo, hi) = r.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
     if lo == hi {
         return Err(LossError::InvalidArgument {
             argument: "rewards",

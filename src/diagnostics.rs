@@ -9,7 +9,7 @@
 use crate::error::LossError;
 use crate::taper::clamp_log;
 use crate::topr::{TieRule, ToprConfig, check_sequence_inputs, positive_branch};
-use crate::topr_token::{ToprTokenConfig, check_token_inputs, level_terms};
+use crate::topr_token::{ToprTokenConfig, check_inputs, level_terms};
 use tch::{Kind, Tensor};
 
 /// Batch statistics of the off-policy REINFORCE family, for logging.
@@ -90,9 +90,7 @@ fn diagnose(
 
     let count = |m: &Tensor| -> Result<i64, LossError> { Ok(m.f_sum(Kind::Int64)?.f_int64_value(&[])?) };
     let sum_where = |t: &Tensor, m: &Tensor| -> Result<f64, LossError> {
-        Ok(t.f_where_self(m, &t.f_zeros_like()?)?
-            .f_sum(Kind::Double)?
-            .f_double_value(&[])?)
+        Ok(t.f_where_self(m, &t.f_zeros_like()?)?.f_sum(Kind::Double)?.f_double_value(&[])?)
     };
     let ratio = |num: i64, den: i64| if den > 0 { num as f64 / den as f64 } else { 0.0 };
 
@@ -101,10 +99,7 @@ fn diagnose(
     let n_neg = count(&negative)?;
     let w_valid = w.f_masked_select(&valid)?;
     let (weight_min, weight_max) = if samples > 0 {
-        (
-            w_valid.f_min()?.f_double_value(&[])?,
-            w_valid.f_max()?.f_double_value(&[])?,
-        )
+        (w_valid.f_min()?.f_double_value(&[])?, w_valid.f_max()?.f_double_value(&[])?)
     } else {
         (0.0, 0.0)
     };
@@ -116,17 +111,9 @@ fn diagnose(
         truncated_fraction_pos: ratio(count(&cut_pos.f_logical_and(&positive)?)?, n_pos),
         truncated_fraction_neg: ratio(count(&cut_neg.f_logical_and(&negative)?)?, n_neg),
         weight_min,
-        weight_mean: if samples > 0 {
-            sum_where(&w, &valid)? / samples as f64
-        } else {
-            0.0
-        },
+        weight_mean: if samples > 0 { sum_where(&w, &valid)? / samples as f64 } else { 0.0 },
         weight_max,
-        log_ratio_mean: if samples > 0 {
-            sum_where(&s, &valid)? / samples as f64
-        } else {
-            0.0
-        },
+        log_ratio_mean: if samples > 0 { sum_where(&s, &valid)? / samples as f64 } else { 0.0 },
         effective_positive_proportion: (total_weight > 0.0).then(|| pos_weight / total_weight),
     })
 }
@@ -195,7 +182,7 @@ pub fn topr_token_diagnostics(
     cfg: &ToprTokenConfig,
 ) -> Result<ToprDiagnostics, LossError> {
     cfg.topr.validate()?;
-    let x = check_token_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
+    let x = check_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
     let r = level_terms(&x, cfg)?;
     let valid = match cfg.ratio {
         crate::RatioLevel::Token => x.mask.shallow_clone(),

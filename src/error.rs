@@ -151,10 +151,10 @@ pub enum LossError {
         compute_dtype: &'static str,
     },
 
-    /// The loss is not finite although every input is: the shifted rewards are so large that
-    /// `|R − c| · T` overflows the compute dtype.
+    /// The loss is not finite although every input is: the rewards or advantages (minus any
+    /// baseline) are so large that the loss overflows the compute dtype.
     #[error(
-        "the loss overflows {compute_dtype} although every input is finite: the rewards (minus the baseline) are too large; rescale them"
+        "the loss overflows {compute_dtype} although every input is finite: the rewards or advantages are too large; rescale them"
     )]
     NonFiniteLoss {
         /// The dtype the loss was computed in.

@@ -74,7 +74,9 @@ mod aggregate;
 mod baseline;
 mod diagnostics;
 mod error;
+mod ppo;
 mod taper;
+mod token_inputs;
 mod topr;
 mod topr_token;
 mod validate;
@@ -86,6 +88,7 @@ pub use baseline::{
 };
 pub use diagnostics::{ToprDiagnostics, topr_diagnostics, topr_token_diagnostics};
 pub use error::LossError;
+pub use ppo::{PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use topr::{TieRule, ToprConfig, topr_loss};
 pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss};

@@ -66,13 +66,7 @@ impl Default for ToprConfig {
 
 impl ToprConfig {
     const fn limits(a_pos: f64, b_pos: f64, a_neg: f64, b_neg: f64) -> Self {
-        Self {
-            a_pos,
-            b_pos,
-            a_neg,
-            b_neg,
-            baseline: 0.0,
-        }
+        Self { a_pos, b_pos, a_neg, b_neg, baseline: 0.0 }
     }
 
     /// Canonical TOPR `(a+, b+, a−, b−) = (1, 1, 0, 1)`: an SFT update on positives (weight 1,
@@ -180,11 +174,7 @@ pub enum TieRule {
 /// `(ln a, ln b, on)` for one branch: `ln 0 = −∞` and `ln ∞ = ∞` leave that side unclamped;
 /// `b = 0` (`T ≡ 0`) is switched off by `on = 0`, with finite dummy limits.
 fn log_limits(a: f64, b: f64) -> (f64, f64, f64) {
-    if b == 0.0 {
-        (0.0, 0.0, 0.0)
-    } else {
-        (a.ln(), b.ln(), 1.0)
-    }
+    if b == 0.0 { (0.0, 0.0, 0.0) } else { (a.ln(), b.ln(), 1.0) }
 }
 
 /// `−R' · T(exp(s); a±, b±)` per entry, the limits picked per entry by `positive`. One
@@ -228,11 +218,7 @@ pub(crate) fn guard_finite(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &T
         return Ok(());
     }
     let compute_dtype = kind_name(s.kind());
-    let max_exponent = if s.kind() == Kind::Double {
-        f64::MAX.ln()
-    } else {
-        (f32::MAX as f64).ln()
-    };
+    let max_exponent = if s.kind() == Kind::Double { f64::MAX.ln() } else { (f32::MAX as f64).ln() };
     let negative = positive.f_logical_not()?;
     let floor = s.f_full_like(f64::NEG_INFINITY)?;
     let mut worst: Option<(&'static str, f64)> = None;
@@ -246,11 +232,9 @@ pub(crate) fn guard_finite(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &T
     }
     match worst {
         // The weight e^δ alone exceeds the square root of the dtype's range: the ratio overflowed.
-        Some((field, max_log_ratio)) if max_log_ratio > 0.5 * max_exponent => Err(LossError::Overflow {
-            field,
-            max_log_ratio,
-            compute_dtype,
-        }),
+        Some((field, max_log_ratio)) if max_log_ratio > 0.5 * max_exponent => {
+            Err(LossError::Overflow { field, max_log_ratio, compute_dtype })
+        }
         _ => Err(LossError::NonFiniteLoss { compute_dtype }),
     }
 }
@@ -285,12 +269,7 @@ pub(crate) fn check_sequence_inputs(
         logp_mu: logp_mu.f_detach()?.f_to_kind(kind)?,
         rewards: rewards.f_detach()?.f_to_kind(kind)?,
     };
-    let check = |clean, original, argument| FiniteCheck {
-        clean,
-        original,
-        argument,
-        valid: None,
-    };
+    let check = |clean, original, argument| FiniteCheck { clean, original, argument, valid: None };
     validate::all_finite(&[
         check(&x.logp, logp, "logp"),
         check(&x.logp_mu, logp_mu, "logp_mu"),

@@ -28,8 +28,8 @@
 
 use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked};
 use crate::error::LossError;
+use crate::token_inputs::{self, TokenArgs, TokenInputs};
 use crate::topr::{TieRule, ToprConfig, guard_finite, positive_branch, tapered_terms};
-use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
 
 /// At which level the importance ratio `π/μ` is formed.
@@ -76,6 +76,9 @@ pub struct ToprTokenConfig {
     pub aggregation: AggregationMode,
     /// Which branch `R − c = 0` goes to.
     pub tie: TieRule,
+    /// The counts the aggregation divides by: [`Normalizer::local`] (default) or the global counts
+    /// of the whole optimiser batch, for exact gradient accumulation.
+    pub normalizer: Normalizer,
 }
 
 impl Default for ToprTokenConfig {
@@ -99,6 +102,7 @@ impl ToprTokenConfig {
             ratio: RatioLevel::Sequence,
             aggregation: AggregationMode::SeqMeanTokenMean,
             tie: TieRule::Positive,
+            normalizer: Normalizer::local(),
         }
     }
 
@@ -112,10 +116,7 @@ impl ToprTokenConfig {
     /// assert_eq!((c.ratio, c.aggregation), (RatioLevel::SequenceMean, AggregationMode::SeqMeanTokenMean));
     /// ```
     pub fn verl() -> Self {
-        Self {
-            ratio: RatioLevel::SequenceMean,
-            ..Self::paper()
-        }
+        Self { ratio: RatioLevel::SequenceMean, ..Self::paper() }
     }
 
     /// Trinity-RFT's `topr` policy loss: per-token ratios, weight `clamp(exp(δ_t), 0, 1)` where
@@ -131,6 +132,7 @@ impl ToprTokenConfig {
             ratio: RatioLevel::Token,
             aggregation: AggregationMode::TokenMean,
             tie: TieRule::Tapered,
+            normalizer: Normalizer::local(),
         }
     }
 }
@@ -142,14 +144,14 @@ impl ToprTokenConfig {
 /// δ_{i,t} = m_{i,t} (log π_{i,t} − sg(log μ_{i,t}))
 /// s_i = Σ_t δ_{i,t}  (Sequence)   |   Σ_t δ_{i,t} / L_i  (SequenceMean)   |   s_{i,t} = δ_{i,t}  (Token)
 /// V_i = −R'_i T(e^{s_i})           |   −L_i R'_i T(e^{s_i})                |   Σ_t m −R'_{i,t} T(e^{s_{i,t}})
-/// loss = Σ_i α_i V_i               (α_i from the aggregation mode and `norm`)
+/// loss = Σ_i α_i V_i               (α_i from the aggregation mode and normalizer)
 /// ```
 ///
 /// with the limits `(a+, b+)` where `R' ≥ 0` (`> 0` under [`TieRule::Tapered`]), else `(a−, b−)`.
 /// The gradient per unmasked token is `−α_i R' [ρ]_a^b ∇log π_{i,t}` (times `L_i` at the
 /// `SequenceMean` level, see the module docs), with the truncated weight held constant.
 ///
-/// Pass [`Normalizer::global`] counts of the whole optimiser batch to make the loss
+/// Set `cfg.normalizer` to the [`Normalizer::global`] counts of the whole optimiser batch to make the loss
 /// split-invariant under gradient accumulation. A sequence with no unmasked token contributes
 /// nothing.
 ///
@@ -161,7 +163,7 @@ impl ToprTokenConfig {
 /// * `rewards` — `[B]` per-sequence rewards, or `[B, T]` per-token rewards/advantages at the
 ///   `Token` level.
 /// * `mask` — `[B, T]`, bool, integer or 0/1 floating; true/1 marks a real completion token.
-/// * `cfg` — see [`ToprTokenConfig`]; `norm` — the aggregation counts.
+/// * `cfg` — see [`ToprTokenConfig`].
 ///
 /// # Errors
 /// As [`crate::topr_loss`], plus [`LossError::EmptyBatch`] when no token is unmasked.
@@ -169,14 +171,14 @@ impl ToprTokenConfig {
 /// # Example
 /// ```
 /// use tch::{Kind, Tensor};
-/// use topr_loss::{topr_token_loss, Normalizer, ToprTokenConfig};
+/// use topr_loss::{topr_token_loss, ToprTokenConfig};
 ///
 /// // Two sequences of lengths 2 and 3; the padding holds NaN.
 /// let logp = Tensor::from_slice2(&[[-0.5f64, -1.0, f64::NAN], [-0.2, -0.3, -0.4]]).set_requires_grad(true);
 /// let logp_mu = Tensor::from_slice2(&[[-0.5f64, -1.0, f64::NAN], [-0.1, -0.3, -0.4]]);
 /// let mask = Tensor::from_slice2(&[[true, true, false], [true, true, true]]);
 /// let rewards = Tensor::from_slice(&[1.0f64, -1.0]);
-/// let loss = topr_token_loss(&logp, &logp_mu, &rewards, &mask, &ToprTokenConfig::paper(), &Normalizer::local())?;
+/// let loss = topr_token_loss(&logp, &logp_mu, &rewards, &mask, &ToprTokenConfig::paper())?;
 /// loss.backward();
 /// let g = logp.grad();
 /// assert_eq!(g.double_value(&[0, 2]), 0.0); // padding: exactly zero
@@ -190,11 +192,10 @@ pub fn topr_token_loss(
     rewards: &Tensor,
     mask: &Tensor,
     cfg: &ToprTokenConfig,
-    norm: &Normalizer,
 ) -> Result<Tensor, LossError> {
     cfg.topr.validate()?;
-    let x = check_token_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
-    let alpha = sequence_weights_checked(&x.mask, cfg.aggregation, norm, x.kind)?;
+    let x = check_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
+    let alpha = sequence_weights_checked(&x.mask, cfg.aggregation, &cfg.normalizer, x.kind)?;
     let r = level_terms(&x, cfg)?;
     let per_seq = match cfg.ratio {
         RatioLevel::Sequence => r.terms.f_mul(&x.has_tokens)?,
@@ -206,91 +207,20 @@ pub fn topr_token_loss(
     Ok(loss)
 }
 
-/// Checked, sanitised token-level inputs in the compute dtype.
-pub(crate) struct TokenInputs {
-    pub kind: Kind,
-    /// `[B, T]` bool.
-    pub mask: Tensor,
-    /// `[B, T]`, zero on padding.
-    pub delta: Tensor,
-    /// `[B]` or `[B, T]` (zero on padding), `R − c`.
-    pub r_prime: Tensor,
-    /// `[B]`, `L_i` in the compute dtype.
-    pub lengths: Tensor,
-    /// `[B]`, 1 where `L_i > 0`, in the compute dtype.
-    pub has_tokens: Tensor,
-}
-
-pub(crate) fn check_token_inputs(
+/// The checked inputs of [`topr_token_loss`] and its diagnostics.
+pub(crate) fn check_inputs(
     logp: &Tensor,
     logp_mu: &Tensor,
     rewards: &Tensor,
     mask: &Tensor,
     ratio: RatioLevel,
 ) -> Result<TokenInputs, LossError> {
-    let kinds = [
-        validate::float_tensor(logp, "logp")?,
-        validate::float_tensor(logp_mu, "logp_mu")?,
-        validate::float_tensor(rewards, "rewards")?,
-    ];
-    let shape = validate::rank(logp, "logp", 2, "[B, T] per-token log-probabilities")?;
-    validate::non_empty(&shape, "logp", "sequence")?;
-    validate::same_shape(logp_mu, "logp_mu", &shape, "the shape of `logp`")?;
-    let m = validate::bool_mask(mask, "mask")?;
-    validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
-    let per_token_rewards = rewards.dim() == 2;
-    if per_token_rewards && ratio == RatioLevel::Token {
-        validate::same_shape(rewards, "rewards", &shape, "the shape of `logp` (per-token rewards)")?;
-    } else {
-        validate::same_shape(
-            rewards,
-            "rewards",
-            &shape[..1],
-            "[B], one reward per sequence of `logp`",
-        )?;
-    }
-    let device = logp.device();
-    validate::same_device(logp_mu, "logp_mu", device, "logp")?;
-    validate::same_device(rewards, "rewards", device, "logp")?;
-    validate::same_device(&m, "mask", device, "logp")?;
-    let kind = validate::compute_kind(&kinds);
-    let lp = masked_fill_zero(&logp.f_to_kind(kind)?, &m)?;
-    let lm = masked_fill_zero(&logp_mu.f_detach()?.f_to_kind(kind)?, &m)?;
-    let r = rewards.f_detach()?.f_to_kind(kind)?;
-    let r = if per_token_rewards {
-        masked_fill_zero(&r, &m)?
-    } else {
-        r
-    };
-    validate::all_finite(&[
-        FiniteCheck {
-            clean: &lp,
-            original: logp,
-            argument: "logp",
-            valid: Some(&m),
-        },
-        FiniteCheck {
-            clean: &lm,
-            original: logp_mu,
-            argument: "logp_mu",
-            valid: Some(&m),
-        },
-        FiniteCheck {
-            clean: &r,
-            original: rewards,
-            argument: "rewards",
-            valid: per_token_rewards.then_some(&m),
-        },
-    ])?;
-    let lengths = m.f_sum_dim_intlist(1, false, kind)?;
-    let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
-    Ok(TokenInputs {
-        kind,
-        delta: lp.f_sub(&lm)?,
-        r_prime: r,
-        lengths,
-        has_tokens,
-        mask: m,
+    token_inputs::check(TokenArgs {
+        logp,
+        other: (logp_mu, "logp_mu"),
+        weights: Some((rewards, "rewards")),
+        mask,
+        per_token_weights: ratio == RatioLevel::Token,
     })
 }
 
@@ -309,22 +239,14 @@ pub(crate) struct LevelTerms {
 pub(crate) fn level_terms(x: &TokenInputs, cfg: &ToprTokenConfig) -> Result<LevelTerms, LossError> {
     let s = match cfg.ratio {
         RatioLevel::Sequence => x.delta.f_sum_dim_intlist(1, false, None::<Kind>)?,
-        RatioLevel::SequenceMean => x
-            .delta
-            .f_sum_dim_intlist(1, false, None::<Kind>)?
-            .f_div(&x.lengths.f_clamp_min(1.0)?)?,
+        RatioLevel::SequenceMean => x.mean_delta()?,
         RatioLevel::Token => x.delta.shallow_clone(),
     };
-    let mut r_prime = x.r_prime.f_sub_scalar(cfg.topr.baseline)?;
+    let mut r_prime = x.weights()?.f_sub_scalar(cfg.topr.baseline)?;
     if cfg.ratio == RatioLevel::Token && r_prime.dim() == 1 {
         r_prime = r_prime.f_unsqueeze(1)?; // [B, 1], broadcast over tokens
     }
     let positive = positive_branch(&r_prime, cfg.tie)?;
     let terms = tapered_terms(&s, &r_prime, &positive, &cfg.topr)?;
-    Ok(LevelTerms {
-        s,
-        r_prime,
-        positive,
-        terms,
-    })
+    Ok(LevelTerms { s, r_prime, positive, terms })
 }

@@ -26,16 +26,10 @@ pub(crate) fn float_tensor(t: &Tensor, argument: &'static str) -> Result<Kind, L
 /// Checks that `t` is defined and dense.
 pub(crate) fn dense_tensor(t: &Tensor, argument: &'static str) -> Result<(), LossError> {
     if !t.defined() {
-        return Err(LossError::UnsupportedTensor {
-            argument,
-            what: "undefined",
-        });
+        return Err(LossError::UnsupportedTensor { argument, what: "undefined" });
     }
     if t.is_sparse() {
-        return Err(LossError::UnsupportedTensor {
-            argument,
-            what: "sparse",
-        });
+        return Err(LossError::UnsupportedTensor { argument, what: "sparse" });
     }
     Ok(())
 }
@@ -49,12 +43,7 @@ pub(crate) fn rank(
 ) -> Result<Vec<i64>, LossError> {
     let found = t.size();
     if found.len() != expected_rank {
-        return Err(LossError::WrongRank {
-            argument,
-            found,
-            expected_rank,
-            meaning,
-        });
+        return Err(LossError::WrongRank { argument, found, expected_rank, meaning });
     }
     Ok(found)
 }
@@ -68,12 +57,7 @@ pub(crate) fn same_shape(
 ) -> Result<(), LossError> {
     let found = t.size();
     if found != expected {
-        return Err(LossError::ShapeMismatch {
-            argument,
-            found,
-            expected: expected.to_vec(),
-            reason,
-        });
+        return Err(LossError::ShapeMismatch { argument, found, expected: expected.to_vec(), reason });
     }
     Ok(())
 }
@@ -87,12 +71,7 @@ pub(crate) fn same_device(
 ) -> Result<(), LossError> {
     let found = t.device();
     if found != device {
-        return Err(LossError::DeviceMismatch {
-            argument,
-            found,
-            other,
-            expected: device,
-        });
+        return Err(LossError::DeviceMismatch { argument, found, other, expected: device });
     }
     Ok(())
 }
@@ -100,11 +79,7 @@ pub(crate) fn same_device(
 /// Checks that the first dimension is non-empty.
 pub(crate) fn non_empty(shape: &[i64], argument: &'static str, unit: &'static str) -> Result<(), LossError> {
     if shape.contains(&0) {
-        return Err(LossError::EmptyBatch {
-            argument,
-            found: shape.to_vec(),
-            unit,
-        });
+        return Err(LossError::EmptyBatch { argument, found: shape.to_vec(), unit });
     }
     Ok(())
 }
@@ -119,14 +94,8 @@ pub(crate) fn finite(t: &Tensor, argument: &'static str, valid: Option<&Tensor>)
     let count = bad.f_sum(Kind::Int64)?.f_int64_value(&[])?;
     if count > 0 {
         let idx = bad.f_nonzero()?; // [count, rank]
-        let first_index = (0..idx.size()[1])
-            .map(|j| idx.f_int64_value(&[0, j]))
-            .collect::<Result<Vec<_>, _>>()?;
-        return Err(LossError::NonFinite {
-            argument,
-            count,
-            first_index,
-        });
+        let first_index = (0..idx.size()[1]).map(|j| idx.f_int64_value(&[0, j])).collect::<Result<Vec<_>, _>>()?;
+        return Err(LossError::NonFinite { argument, count, first_index });
     }
     Ok(())
 }
@@ -147,10 +116,8 @@ pub(crate) struct FiniteCheck<'a> {
 /// the exact per-entry check run, to name the first offending index (or to clear a sum that merely
 /// overflowed).
 pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
-    let sums = items
-        .iter()
-        .map(|c| c.clean.f_sum(None::<Kind>)?.f_to_kind(Kind::Double))
-        .collect::<Result<Vec<_>, _>>()?;
+    let sums =
+        items.iter().map(|c| c.clean.f_sum(None::<Kind>)?.f_to_kind(Kind::Double)).collect::<Result<Vec<_>, _>>()?;
     let sums = Vec::<f64>::try_from(&Tensor::f_stack(&sums, 0)?.f_to_device(Device::Cpu)?)?;
     for (c, s) in items.iter().zip(sums) {
         if !s.is_finite() {
@@ -196,11 +163,7 @@ pub(crate) fn bool_mask(mask: &Tensor, argument: &'static str) -> Result<Tensor,
 
 /// The dtype a loss is computed in: f64 when any input is f64, else f32 (f16 and bf16 are upcast).
 pub(crate) fn compute_kind(kinds: &[Kind]) -> Kind {
-    if kinds.contains(&Kind::Double) {
-        Kind::Double
-    } else {
-        Kind::Float
-    }
+    if kinds.contains(&Kind::Double) { Kind::Double } else { Kind::Float }
 }
 
 /// Checks a truncation pair `a ≤ b`, both non-negative and not NaN, `a` finite.
@@ -242,11 +205,16 @@ pub(crate) fn limits(a: f64, b: f64, a_name: &'static str, b_name: &'static str)
 /// Checks that a scalar is finite.
 pub(crate) fn finite_field(v: f64, field: &'static str) -> Result<(), LossError> {
     if !v.is_finite() {
-        return Err(LossError::InvalidConfig {
-            field,
-            value: v,
-            reason: "must be finite".into(),
-        });
+        return Err(LossError::InvalidConfig { field, value: v, reason: "must be finite".into() });
     }
     Ok(())
+}
+
+/// Returns the loss if its value is finite, else [`LossError::NonFiniteLoss`] (one device sync).
+pub(crate) fn finite_loss(loss: Tensor) -> Result<Tensor, LossError> {
+    if loss.f_double_value(&[])?.is_finite() {
+        Ok(loss)
+    } else {
+        Err(LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(loss.f_kind()?) })
+    }
 }

@@ -20,16 +20,10 @@ fn ref_share(p: f64, c: f64) -> f64 {
 fn the_worked_examples() {
     let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
     for p in [0.0, 0.1, 0.37, 0.5, 1.0] {
-        assert!(
-            close(effective_positive_proportion(p, 0.0).unwrap(), p),
-            "c = 0 keeps p = {p}"
-        );
+        assert!(close(effective_positive_proportion(p, 0.0).unwrap(), p), "c = 0 keeps p = {p}");
     }
     for p in [0.01, 0.1, 0.5, 0.99, 1.0] {
-        assert!(
-            close(effective_positive_proportion(p, -1.0).unwrap(), 1.0),
-            "c = -1 gives 1 for p = {p}"
-        );
+        assert!(close(effective_positive_proportion(p, -1.0).unwrap(), 1.0), "c = -1 gives 1 for p = {p}");
     }
     assert!(close(effective_positive_proportion(0.1, -0.8).unwrap(), 0.5));
     assert!(close(effective_positive_proportion(0.5, 0.6).unwrap(), 0.2));
@@ -39,37 +33,14 @@ fn the_worked_examples() {
 
 #[test]
 fn out_of_range_or_nan_arguments_are_errors() {
-    for (p, c) in [
-        (f64::NAN, 0.0),
-        (0.5, f64::NAN),
-        (-0.1, 0.0),
-        (1.1, 0.0),
-        (0.5, 1.5),
-        (0.5, -1.01),
-        (1.0, 1.0),
-        (0.0, -1.0),
-    ] {
-        assert!(
-            matches!(
-                effective_positive_proportion(p, c),
-                Err(LossError::InvalidArgument { .. })
-            ),
-            "p={p} c={c}"
-        );
+    for (p, c) in
+        [(f64::NAN, 0.0), (0.5, f64::NAN), (-0.1, 0.0), (1.1, 0.0), (0.5, 1.5), (0.5, -1.01), (1.0, 1.0), (0.0, -1.0)]
+    {
+        assert!(matches!(effective_positive_proportion(p, c), Err(LossError::InvalidArgument { .. })), "p={p} c={c}");
     }
-    for (p, pt) in [
-        (f64::NAN, 0.5),
-        (0.5, f64::NAN),
-        (0.5, 1.2),
-        (-0.5, 0.5),
-        (0.0, 0.3),
-        (1.0, 0.3),
-    ] {
+    for (p, pt) in [(f64::NAN, 0.5), (0.5, f64::NAN), (0.5, 1.2), (-0.5, 0.5), (0.0, 0.3), (1.0, 0.3)] {
         assert!(
-            matches!(
-                baseline_for_effective_proportion(p, pt),
-                Err(LossError::InvalidArgument { .. })
-            ),
+            matches!(baseline_for_effective_proportion(p, pt), Err(LossError::InvalidArgument { .. })),
             "p={p} p~={pt}"
         );
     }
@@ -78,21 +49,12 @@ fn out_of_range_or_nan_arguments_are_errors() {
         effective_positive_proportion_of_rewards(&same, 1.0),
         Err(LossError::InvalidArgument { argument: "c", .. })
     ));
-    assert!(matches!(
-        baseline_for_rewards(&same, 0.3),
-        Err(LossError::InvalidArgument {
-            argument: "rewards",
-            ..
-        })
-    ));
+    assert!(matches!(baseline_for_rewards(&same, 0.3), Err(LossError::InvalidArgument { argument: "rewards", .. })));
     assert!(matches!(
         effective_positive_proportion_of_rewards(&t1(&[1.0, f64::NAN]), 0.0),
         Err(LossError::NonFinite { .. })
     ));
-    assert!(matches!(
-        effective_positive_proportion_of_rewards(&t1(&[]), 0.0),
-        Err(LossError::EmptyBatch { .. })
-    ));
+    assert!(matches!(effective_positive_proportion_of_rewards(&t1(&[]), 0.0), Err(LossError::EmptyBatch { .. })));
 }
 
 proptest! {

@@ -56,13 +56,7 @@ fn arbitrary_config() -> impl Strategy<Value = ToprConfig> {
         arbitrary_limit(),
         prop_oneof![Just(0.0), Just(f64::NAN), Just(f64::INFINITY), -1.0f64..1.0],
     )
-        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| ToprConfig {
-            a_pos,
-            b_pos,
-            a_neg,
-            b_neg,
-            baseline,
-        })
+        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| ToprConfig { a_pos, b_pos, a_neg, b_neg, baseline })
 }
 
 fn no_panic<T>(what: &str, f: impl FnOnce() -> T) -> T {
@@ -85,7 +79,7 @@ proptest! {
         let _ = no_panic("topr_diagnostics", || topr_diagnostics(&a, &b, &c, &cfg));
         for ratio in [RatioLevel::Sequence, RatioLevel::SequenceMean, RatioLevel::Token] {
             let tcfg = ToprTokenConfig { ratio, ..tcfg };
-            let r = no_panic("topr_token_loss", || topr_token_loss(&a, &b, &c, &m, &tcfg, &Normalizer::local()));
+            let r = no_panic("topr_token_loss", || topr_token_loss(&a, &b, &c, &m, &tcfg));
             if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
             let _ = no_panic("topr_token_diagnostics", || topr_token_diagnostics(&a, &b, &c, &m, &tcfg));
         }
@@ -110,76 +104,25 @@ fn each_bad_argument_is_named() {
     let (lp, mu, r) = ok_inputs();
     let cfg = ToprConfig::default();
     let e = topr_loss(&Tensor::new(), &mu, &r, &cfg).unwrap_err();
-    assert_eq!(
-        e,
-        LossError::UnsupportedTensor {
-            argument: "logp",
-            what: "undefined"
-        }
-    );
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "logp", what: "undefined" });
     let e = topr_loss(&lp, &mu, &Tensor::from_slice(&[1i64, 0]), &cfg).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            LossError::WrongDtype {
-                argument: "rewards",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, LossError::WrongDtype { argument: "rewards", .. }), "{e}");
     assert!(e.to_string().contains("Int64"), "{e}");
     let e = topr_loss(&lp.reshape([1, 2]), &mu, &r, &cfg).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            LossError::WrongRank {
-                argument: "logp",
-                expected_rank: 1,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, LossError::WrongRank { argument: "logp", expected_rank: 1, .. }), "{e}");
     let e = topr_loss(&lp, &mu, &t1(&[1.0]), &cfg).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            LossError::ShapeMismatch {
-                argument: "rewards",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "rewards", .. }), "{e}");
     let e = topr_loss(&t1(&[]), &t1(&[]), &t1(&[]), &cfg).unwrap_err();
     assert!(matches!(e, LossError::EmptyBatch { argument: "logp", .. }), "{e}");
     let e = topr_loss(&lp, &t1(&[-1.0, f64::NAN]), &r, &cfg).unwrap_err();
-    assert_eq!(
-        e,
-        LossError::NonFinite {
-            argument: "logp_mu",
-            count: 1,
-            first_index: vec![1]
-        }
-    );
+    assert_eq!(e, LossError::NonFinite { argument: "logp_mu", count: 1, first_index: vec![1] });
     assert_eq!(
         e.to_string(),
         "`logp_mu` holds 1 non-finite value(s) (NaN or inf) in unmasked positions; the first is at index [1]"
     );
     let e = topr_loss(&lp, &mu, &r, &ToprConfig { a_neg: f64::NAN, ..cfg }).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "a_neg", .. }), "{e}");
-    let e = topr_loss(
-        &lp,
-        &mu,
-        &r,
-        &ToprConfig {
-            b_pos: -1.0,
-            a_pos: 0.0,
-            ..cfg
-        },
-    )
-    .unwrap_err();
+    let e = topr_loss(&lp, &mu, &r, &ToprConfig { b_pos: -1.0, a_pos: 0.0, ..cfg }).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "b_pos", .. }), "{e}");
     let e = topr_loss(&lp, &mu, &r, &ToprConfig { a_pos: 2.0, ..cfg }).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "a_pos", .. }), "{e}");
@@ -194,47 +137,23 @@ fn token_level_errors() {
     let mu = Tensor::from_slice2(&[[-1.0f64, 0.0]]);
     let r = t1(&[1.0]);
     let cfg = ToprTokenConfig::default();
-    let n = Normalizer::local();
     // NaN under the mask is fine; NaN where the mask says "real" is not.
-    assert!(topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, false]]), &cfg, &n).is_ok());
-    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, true]]), &cfg, &n).unwrap_err();
-    assert_eq!(
-        e,
-        LossError::NonFinite {
-            argument: "logp",
-            count: 1,
-            first_index: vec![0, 1]
-        }
-    );
+    assert!(topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, false]]), &cfg).is_ok());
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, true]]), &cfg).unwrap_err();
+    assert_eq!(e, LossError::NonFinite { argument: "logp", count: 1, first_index: vec![0, 1] });
     // Nothing unmasked.
-    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[false, false]]), &cfg, &n).unwrap_err();
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[false, false]]), &cfg).unwrap_err();
     assert!(matches!(e, LossError::EmptyBatch { argument: "mask", .. }), "{e}");
     // A float mask must be 0/1.
-    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[1.0f32, 0.5]]), &cfg, &n).unwrap_err();
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[1.0f32, 0.5]]), &cfg).unwrap_err();
     assert!(matches!(e, LossError::WrongDtype { argument: "mask", .. }), "{e}");
     // Mask of the wrong shape.
-    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice(&[true, false]), &cfg, &n).unwrap_err();
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice(&[true, false]), &cfg).unwrap_err();
     assert!(matches!(e, LossError::ShapeMismatch { argument: "mask", .. }), "{e}");
     // Bad global counts.
-    let e = topr_token_loss(
-        &lp,
-        &mu,
-        &r,
-        &Tensor::from_slice2(&[[true, false]]),
-        &cfg,
-        &Normalizer::global(0.0, 1.0),
-    )
-    .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            LossError::InvalidConfig {
-                field: "Normalizer::tokens",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    let bad = ToprTokenConfig { normalizer: Normalizer::global(0.0, 1.0), ..cfg };
+    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, false]]), &bad).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "Normalizer::tokens", .. }), "{e}");
 }
 
 #[test]
@@ -245,14 +164,5 @@ fn device_mismatch_is_an_error_when_a_gpu_is_present() {
     }
     let (lp, mu, r) = ok_inputs();
     let e = topr_loss(&lp, &mu.to_device(tch::Device::Cuda(0)), &r, &ToprConfig::default()).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            LossError::DeviceMismatch {
-                argument: "logp_mu",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, LossError::DeviceMismatch { argument: "logp_mu", .. }), "{e}");
 }

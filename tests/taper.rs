@@ -55,12 +55,7 @@ proptest! {
 fn special_cases_of_the_reference_sheet() {
     let d = t1(&[-2.0, 0.0, 3.0]);
     // T(x; 1, 1) = 1 + ln x
-    assert_close(
-        &vec1(&taper(&d, 1.0, 1.0).unwrap()),
-        &[-1.0, 1.0, 4.0],
-        1e-15,
-        "T(x;1,1)",
-    );
+    assert_close(&vec1(&taper(&d, 1.0, 1.0).unwrap()), &[-1.0, 1.0, 4.0], 1e-15, "T(x;1,1)");
     // a = b = 0: T ≡ 0
     assert_eq!(vec1(&taper(&d, 0.0, 0.0).unwrap()), vec![0.0, 0.0, 0.0]);
     // C¹ at the limits: values and slopes agree on both sides of ln b.
@@ -76,21 +71,9 @@ fn special_cases_of_the_reference_sheet() {
 #[test]
 fn bad_limits_are_errors() {
     let d = t1(&[0.0]);
-    for (a, b) in [
-        (f64::NAN, 1.0),
-        (0.0, f64::NAN),
-        (-1.0, 1.0),
-        (2.0, 1.0),
-        (f64::INFINITY, f64::INFINITY),
-    ] {
-        assert!(
-            matches!(taper(&d, a, b), Err(LossError::InvalidConfig { .. })),
-            "({a}, {b})"
-        );
-        assert!(
-            matches!(truncated_weight(&d, a, b), Err(LossError::InvalidConfig { .. })),
-            "({a}, {b})"
-        );
+    for (a, b) in [(f64::NAN, 1.0), (0.0, f64::NAN), (-1.0, 1.0), (2.0, 1.0), (f64::INFINITY, f64::INFINITY)] {
+        assert!(matches!(taper(&d, a, b), Err(LossError::InvalidConfig { .. })), "({a}, {b})");
+        assert!(matches!(truncated_weight(&d, a, b), Err(LossError::InvalidConfig { .. })), "({a}, {b})");
         assert!(taper_scalar(0.0, a, b).is_nan());
     }
     assert!(matches!(

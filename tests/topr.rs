@@ -19,40 +19,10 @@ fn configs() -> Vec<(&'static str, ToprConfig)> {
         ("naive_reinforce", ToprConfig::naive_reinforce().with_baseline(-0.4)),
         ("sft", ToprConfig::sft().with_baseline(0.2)),
         ("tis", ToprConfig::tis().with_baseline(-0.25)),
-        (
-            "importance_sampling",
-            ToprConfig::importance_sampling().with_baseline(0.1),
-        ),
-        (
-            "custom_wide",
-            ToprConfig {
-                a_pos: 0.5,
-                b_pos: 2.0,
-                a_neg: 0.2,
-                b_neg: 1.5,
-                baseline: 0.35,
-            },
-        ),
-        (
-            "custom_narrow",
-            ToprConfig {
-                a_pos: 0.9,
-                b_pos: 1.1,
-                a_neg: 0.0,
-                b_neg: 0.5,
-                baseline: -0.6,
-            },
-        ),
-        (
-            "custom_equal",
-            ToprConfig {
-                a_pos: 0.7,
-                b_pos: 0.7,
-                a_neg: 1.3,
-                b_neg: 1.3,
-                baseline: 0.05,
-            },
-        ),
+        ("importance_sampling", ToprConfig::importance_sampling().with_baseline(0.1)),
+        ("custom_wide", ToprConfig { a_pos: 0.5, b_pos: 2.0, a_neg: 0.2, b_neg: 1.5, baseline: 0.35 }),
+        ("custom_narrow", ToprConfig { a_pos: 0.9, b_pos: 1.1, a_neg: 0.0, b_neg: 0.5, baseline: -0.6 }),
+        ("custom_equal", ToprConfig { a_pos: 0.7, b_pos: 0.7, a_neg: 1.3, b_neg: 1.3, baseline: 0.05 }),
     ]
 }
 
@@ -149,37 +119,22 @@ fn gradient_matches_finite_differences() {
 fn logp_mu_never_receives_gradient() {
     let lp = leaf(&t1(&[-1.0, -2.0]));
     let mu = leaf(&t1(&[-1.5, -1.0]));
-    topr_loss(&lp, &mu, &t1(&[1.0, -1.0]), &ToprConfig::tis())
-        .unwrap()
-        .backward();
+    topr_loss(&lp, &mu, &t1(&[1.0, -1.0]), &ToprConfig::tis()).unwrap().backward();
     assert!(!mu.grad().defined() || vec1(&mu.grad()).iter().all(|g| *g == 0.0));
 }
 
 #[test]
 fn extreme_log_ratios_stay_finite_in_every_dtype() {
-    let finite_presets = [
-        ToprConfig::canonical(),
-        ToprConfig::naive_reinforce(),
-        ToprConfig::sft(),
-        ToprConfig::tis(),
-    ];
+    let finite_presets = [ToprConfig::canonical(), ToprConfig::naive_reinforce(), ToprConfig::sft(), ToprConfig::tis()];
     for kind in [Kind::Float, Kind::Double, Kind::BFloat16, Kind::Half] {
         for cfg in finite_presets {
             let cfg = cfg.with_baseline(0.25);
-            let logp = Tensor::from_slice(&[-1.0e4f64, 0.0, -5.0, -1.0e4, 0.0, -3.0])
-                .to_kind(kind)
-                .set_requires_grad(true);
+            let logp =
+                Tensor::from_slice(&[-1.0e4f64, 0.0, -5.0, -1.0e4, 0.0, -3.0]).to_kind(kind).set_requires_grad(true);
             let mu = Tensor::from_slice(&[0.0f64, -1.0e4, -5.0, 0.0, -1.0e4, -3.0]).to_kind(kind);
             let rewards = Tensor::from_slice(&[1.0f64, 1.0, 1.0, -1.0, -1.0, -1.0]).to_kind(kind);
             let loss = topr_loss(&logp, &mu, &rewards, &cfg).unwrap();
-            assert_eq!(
-                loss.kind(),
-                if kind == Kind::Double {
-                    Kind::Double
-                } else {
-                    Kind::Float
-                }
-            );
+            assert_eq!(loss.kind(), if kind == Kind::Double { Kind::Double } else { Kind::Float });
             assert!(scalar(&loss).is_finite(), "{kind:?} {cfg:?}: value {}", scalar(&loss));
             loss.backward();
             let g = vec1(&logp.grad());
@@ -194,11 +149,7 @@ fn importance_sampling_overflow_is_an_error_not_inf() {
     let mu = t1(&[-1.0e4, -1.0]);
     let err = topr_loss(&lp, &mu, &t1(&[1.0, -1.0]), &ToprConfig::importance_sampling()).unwrap_err();
     match err {
-        LossError::Overflow {
-            field,
-            max_log_ratio,
-            compute_dtype,
-        } => {
+        LossError::Overflow { field, max_log_ratio, compute_dtype } => {
             assert_eq!(field, "b_pos");
             assert_eq!(max_log_ratio, 1.0e4);
             assert_eq!(compute_dtype, "f64");
@@ -206,19 +157,8 @@ fn importance_sampling_overflow_is_an_error_not_inf() {
         other => panic!("expected Overflow, got {other:?}"),
     }
     // A moderate ratio is fine, and equals the reference.
-    let (v, g) = loss_and_grad(
-        &[0.0, -1.0],
-        &[-30.0, -1.0],
-        &[1.0, -1.0],
-        &ToprConfig::importance_sampling(),
-    );
-    let (rv, rg) = ref_topr(
-        &[0.0, -1.0],
-        &[-30.0, -1.0],
-        &[1.0, -1.0],
-        [0.0, f64::INFINITY, 0.0, f64::INFINITY],
-        0.0,
-    );
+    let (v, g) = loss_and_grad(&[0.0, -1.0], &[-30.0, -1.0], &[1.0, -1.0], &ToprConfig::importance_sampling());
+    let (rv, rg) = ref_topr(&[0.0, -1.0], &[-30.0, -1.0], &[1.0, -1.0], [0.0, f64::INFINITY, 0.0, f64::INFINITY], 0.0);
     assert_close(&[v], &[rv], 1e-12, "IS value");
     assert_close(&g, &rg, 1e-12, "IS grad");
     // In f32 the limit is about 88.7.
@@ -229,10 +169,7 @@ fn importance_sampling_overflow_is_an_error_not_inf() {
         &Tensor::from_slice(&[-1.0f32]),
         &ToprConfig::importance_sampling(),
     );
-    assert!(
-        matches!(err, Err(LossError::Overflow { field: "b_neg", .. })),
-        "{err:?}"
-    );
+    assert!(matches!(err, Err(LossError::Overflow { field: "b_neg", .. })), "{err:?}");
 }
 
 #[test]

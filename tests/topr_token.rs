@@ -38,12 +38,7 @@ impl Batch {
                 .collect()
         };
         let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
-        (
-            t2(&fill(&self.logp)),
-            t2(&fill(&self.mu)),
-            t1(&self.rewards),
-            Tensor::stack(&mask, 0),
-        )
+        (t2(&fill(&self.logp)), t2(&fill(&self.mu)), t1(&self.rewards), Tensor::stack(&mask, 0))
     }
 }
 
@@ -57,17 +52,8 @@ fn batch() -> impl Strategy<Value = Batch> {
         )
             .prop_map(|(logp, delta, mut mask, rewards)| {
                 mask[0][0] = true; // at least one real token
-                let mu = logp
-                    .iter()
-                    .zip(&delta)
-                    .map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect())
-                    .collect();
-                Batch {
-                    logp,
-                    mu,
-                    mask,
-                    rewards,
-                }
+                let mu = logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
+                Batch { logp, mu, mask, rewards }
             })
     })
 }
@@ -132,10 +118,10 @@ fn ref_token(b: &Batch, cfg: &ToprTokenConfig, global: Option<(f64, f64)>) -> (f
     (value, grad)
 }
 
-fn run(b: &Batch, cfg: &ToprTokenConfig, norm: &Normalizer, padding: f64) -> (f64, Vec<f64>) {
+fn run(b: &Batch, cfg: &ToprTokenConfig, padding: f64) -> (f64, Vec<f64>) {
     let (lp, mu, r, m) = b.tensors(padding);
     let lp = leaf(&lp);
-    let loss = topr_token_loss(&lp, &mu, &r, &m, cfg, norm).unwrap();
+    let loss = topr_token_loss(&lp, &mu, &r, &m, cfg).unwrap();
     loss.backward();
     (scalar(&loss), vec1(&lp.grad()))
 }
@@ -146,23 +132,12 @@ fn configs() -> Vec<ToprTokenConfig> {
         ToprConfig::canonical().with_baseline(0.2),
         ToprConfig::tis().with_baseline(-0.3),
         ToprConfig::sft(),
-        ToprConfig {
-            a_pos: 0.5,
-            b_pos: 1.5,
-            a_neg: 0.1,
-            b_neg: 0.9,
-            baseline: 0.1,
-        },
+        ToprConfig { a_pos: 0.5, b_pos: 1.5, a_neg: 0.1, b_neg: 0.9, baseline: 0.1 },
     ] {
         for ratio in LEVELS {
             for aggregation in MODES {
                 for tie in [TieRule::Positive, TieRule::Tapered] {
-                    out.push(ToprTokenConfig {
-                        topr,
-                        ratio,
-                        aggregation,
-                        tie,
-                    });
+                    out.push(ToprTokenConfig { topr, ratio, aggregation, tie, normalizer: Normalizer::local() });
                 }
             }
         }
@@ -176,7 +151,7 @@ proptest! {
     #[test]
     fn matches_scalar_reference_with_nan_padding(b in batch()) {
         for cfg in configs() {
-            let (v, g) = run(&b, &cfg, &Normalizer::local(), f64::NAN);
+            let (v, g) = run(&b, &cfg, f64::NAN);
             let (rv, rg) = ref_token(&b, &cfg, None);
             assert_close(&[v], &[rv], 1e-10, &format!("{cfg:?} value"));
             assert_close(&g, &rg.concat(), 1e-10, &format!("{cfg:?} grad"));
@@ -186,8 +161,8 @@ proptest! {
     #[test]
     fn padding_gets_exactly_zero_gradient_whatever_it_holds(b in batch(), pad in prop_oneof![Just(f64::NAN), Just(f64::INFINITY), Just(f64::NEG_INFINITY), Just(1e30)]) {
         for cfg in [ToprTokenConfig::paper(), ToprTokenConfig::verl(), ToprTokenConfig::trinity()] {
-            let (v, g) = run(&b, &cfg, &Normalizer::local(), pad);
-            let (v0, g0) = run(&b, &cfg, &Normalizer::local(), 0.0);
+            let (v, g) = run(&b, &cfg, pad);
+            let (v0, g0) = run(&b, &cfg, 0.0);
             prop_assert!(v.is_finite());
             prop_assert_eq!(v, v0);
             for (k, m) in b.mask.concat().iter().enumerate() {
@@ -205,15 +180,15 @@ proptest! {
         let norm = Normalizer::from_masks(&[&m]).unwrap();
         for ratio in LEVELS {
             for aggregation in MODES {
-                let cfg = ToprTokenConfig { topr: ToprConfig::canonical().with_baseline(0.1), ratio, aggregation, tie: TieRule::Positive };
+                let cfg = ToprTokenConfig { topr: ToprConfig::canonical().with_baseline(0.1), ratio, aggregation, tie: TieRule::Positive, normalizer: norm };
                 let full_lp = leaf(&lp);
-                let full = topr_token_loss(&full_lp, &mu, &r, &m, &cfg, &norm).unwrap();
+                let full = topr_token_loss(&full_lp, &mu, &r, &m, &cfg).unwrap();
                 full.backward();
                 let parts_lp = leaf(&lp);
                 let n = b.mask.len() as i64;
                 let s = split as i64;
-                let l1 = topr_token_loss(&parts_lp.narrow(0, 0, s), &mu.narrow(0, 0, s), &r.narrow(0, 0, s), &m.narrow(0, 0, s), &cfg, &norm);
-                let l2 = topr_token_loss(&parts_lp.narrow(0, s, n - s), &mu.narrow(0, s, n - s), &r.narrow(0, s, n - s), &m.narrow(0, s, n - s), &cfg, &norm);
+                let l1 = topr_token_loss(&parts_lp.narrow(0, 0, s), &mu.narrow(0, 0, s), &r.narrow(0, 0, s), &m.narrow(0, 0, s), &cfg);
+                let l2 = topr_token_loss(&parts_lp.narrow(0, s, n - s), &mu.narrow(0, s, n - s), &r.narrow(0, s, n - s), &m.narrow(0, s, n - s), &cfg);
                 // A micro-batch made only of padding has nothing to contribute.
                 let total = match (l1, l2) {
                     (Ok(a), Ok(b)) => a + b,
@@ -235,7 +210,7 @@ proptest! {
         let (lp, mu, r, m) = b.tensors(0.0);
         let mf = m.to_kind(Kind::Double);
         let seq = topr_loss::topr_loss(&(&lp * &mf).sum_dim_intlist(1, false, None::<Kind>), &(&mu * &mf).sum_dim_intlist(1, false, None::<Kind>), &r, &cfg.topr).unwrap();
-        let tok = topr_token_loss(&lp, &mu, &r, &m, &cfg, &Normalizer::local()).unwrap();
+        let tok = topr_token_loss(&lp, &mu, &r, &m, &cfg).unwrap();
         assert_close(&[scalar(&tok)], &[scalar(&seq)], 1e-12, "token vs sequence form");
     }
 }
@@ -245,21 +220,17 @@ fn gradient_matches_finite_differences_at_every_level() {
     let b = Batch {
         logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
         mu: vec![vec![-0.9, -1.0, -0.6], vec![-1.7, -0.45, -1.4], vec![-0.2, -0.9, -0.3]],
-        mask: vec![
-            vec![true, true, true],
-            vec![true, true, false],
-            vec![true, false, false],
-        ],
+        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
         rewards: vec![1.0, -1.0, -0.5],
     };
     for cfg in configs() {
-        let (_, g) = run(&b, &cfg, &Normalizer::local(), 0.0);
+        let (_, g) = run(&b, &cfg, 0.0);
         let flat = b.logp.concat();
         let f = |x: &[f64]| {
             let mut bb = b.clone();
             bb.logp = x.chunks(3).map(|c| c.to_vec()).collect();
             let (lp, mu, r, m) = bb.tensors(0.0);
-            scalar(&topr_token_loss(&lp, &mu, &r, &m, &cfg, &Normalizer::local()).unwrap())
+            scalar(&topr_token_loss(&lp, &mu, &r, &m, &cfg).unwrap())
         };
         let fd = finite_difference(&flat, 1e-6, f);
         assert_close(&g, &fd, 1e-7, &format!("{cfg:?} finite differences"));
@@ -273,49 +244,26 @@ fn per_token_rewards_at_the_token_level() {
     let mask = Tensor::from_slice2(&[[true, true], [true, false]]);
     let adv = Tensor::from_slice2(&[[1.0f64, -1.0], [-0.5, f64::NAN]]);
     let lp = leaf(&logp);
-    let loss = topr_token_loss(&lp, &mu, &adv, &mask, &ToprTokenConfig::trinity(), &Normalizer::local()).unwrap();
+    let loss = topr_token_loss(&lp, &mu, &adv, &mask, &ToprTokenConfig::trinity()).unwrap();
     loss.backward();
     let g = vec1(&lp.grad());
     // Token-mean over 3 tokens: weights 1 (positive), min(e^{-0.4}, 1), min(e^0, 1).
     let want = [-1.0 / 3.0, (-0.4f64).exp() / 3.0, 0.5 / 3.0, 0.0];
     assert_close(&g, &want, 1e-12, "per-token advantages");
     // Per-token rewards need the token level.
-    let err = topr_token_loss(
-        &leaf(&logp),
-        &mu,
-        &adv,
-        &mask,
-        &ToprTokenConfig::paper(),
-        &Normalizer::local(),
-    )
-    .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            LossError::ShapeMismatch {
-                argument: "rewards",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = topr_token_loss(&leaf(&logp), &mu, &adv, &mask, &ToprTokenConfig::paper()).unwrap_err();
+    assert!(matches!(err, LossError::ShapeMismatch { argument: "rewards", .. }), "{err}");
 }
 
 #[test]
 fn extreme_token_log_ratios_stay_finite() {
     for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
-        for cfg in [
-            ToprTokenConfig::paper(),
-            ToprTokenConfig::verl(),
-            ToprTokenConfig::trinity(),
-        ] {
-            let logp = Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]])
-                .to_kind(kind)
-                .set_requires_grad(true);
+        for cfg in [ToprTokenConfig::paper(), ToprTokenConfig::verl(), ToprTokenConfig::trinity()] {
+            let logp = Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]]).to_kind(kind).set_requires_grad(true);
             let mu = Tensor::from_slice2(&[[0.0f64, -1.0e4], [-1.0e4, 0.0]]).to_kind(kind);
             let r = Tensor::from_slice(&[1.0f64, -1.0]).to_kind(kind);
             let m = Tensor::from_slice2(&[[1i64, 1], [1, 1]]);
-            let loss = topr_token_loss(&logp, &mu, &r, &m, &cfg, &Normalizer::local()).unwrap();
+            let loss = topr_token_loss(&logp, &mu, &r, &m, &cfg).unwrap();
             assert!(scalar(&loss).is_finite(), "{kind:?} {cfg:?}");
             loss.backward();
             assert!(vec1(&logp.grad()).iter().all(|g| g.is_finite()), "{kind:?} {cfg:?}");

@@ -26,11 +26,7 @@ pub fn ref_taper(x: f64, a: f64, b: f64) -> f64 {
 /// `(a, b)` for a shifted reward under the paper's tie rule (`R' >= 0` positive) or the tapered one.
 pub fn ref_limits(rp: f64, limits: [f64; 4], ties_positive: bool) -> (f64, f64) {
     let positive = if ties_positive { rp >= 0.0 } else { rp > 0.0 };
-    if positive {
-        (limits[0], limits[1])
-    } else {
-        (limits[2], limits[3])
-    }
+    if positive { (limits[0], limits[1]) } else { (limits[2], limits[3]) }
 }
 
 /// Sequence-level TOPR, value and gradient w.r.t. `logp`, by a plain loop.

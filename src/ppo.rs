@@ -1,0 +1,348 @@
+//! PPO-clip and its relatives: dual-clip PPO, DAPO's asymmetric clip, GSPO's sequence-level
+//! ratio and CISPO's clipped importance-sampling weight.
+//!
+//! All take per-token log-probs `[B, T]` of the policy and of the old (behaviour) policy, the
+//! advantages and a padding mask, and reduce per-token losses with an [`AggregationMode`].
+//! With `δ = log π − log π_old` and `r = exp(δ)`:
+//!
+//! ```text
+//! PPO-clip   ℓ_t = −min(r_t A, clip(r_t, 1 − ε_low, 1 + ε_high) A)
+//! dual-clip  ℓ_t = min(ℓ_t, −c A)                      where A < 0   (c > 1)
+//! GSPO       s_i = exp(mean_t δ_{i,t});  ℓ_i = −min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i)
+//! CISPO      ℓ_t = −sg(clip(r_t, 1 − ε_low, 1 + ε_high)) A log π_t
+//! ```
+//!
+//! Numerics: as in the published implementations (verl, TRL, OpenRLHF), `δ` is clamped to
+//! `±max_log_ratio` (default 20) before the exponential, so `r ≤ e^20 ≈ 4.9e8` and every value and
+//! gradient is finite for finite inputs; past the clamp the gradient is zero. Unlike the TOPR
+//! family, PPO's unclipped side is unbounded for `A < 0` (`|A| r`), which is what dual-clip caps.
+
+use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked};
+use crate::error::LossError;
+use crate::token_inputs::{self, TokenArgs, TokenInputs};
+use crate::validate;
+use tch::{Kind, Tensor};
+
+/// Clip ranges, dual clip, ratio clamp and aggregation of the PPO family.
+///
+/// `Default` is PPO as in most trainers: `ε_low = ε_high = 0.2`, no dual clip, `δ` clamped to
+/// ±20, token-mean over the mask with local counts.
+///
+/// Reference: Schulman et al., *Proximal Policy Optimization Algorithms*, arXiv 1707.06347; dual
+/// clip: Ye et al., arXiv 1912.09729; DAPO (clip-higher): Yu et al., arXiv 2503.14476; GSPO: Zheng
+/// et al., arXiv 2507.18071; CISPO: MiniMax, arXiv 2506.13585.
+///
+/// # Example
+/// ```
+/// use topr_loss::{AggregationMode, PpoConfig};
+/// let cfg = PpoConfig::default();
+/// assert_eq!((cfg.clip_low, cfg.clip_high, cfg.dual_clip), (0.2, 0.2, None));
+/// assert_eq!(cfg.aggregation, AggregationMode::TokenMean);
+/// assert!(PpoConfig { dual_clip: Some(0.5), ..cfg }.validate().is_err()); // c must exceed 1
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PpoConfig {
+    /// `ε_low`: the ratio is clipped below at `1 − ε_low` (`≥ 0`; `∞` means no lower clip).
+    pub clip_low: f64,
+    /// `ε_high`: the ratio is clipped above at `1 + ε_high` (`≥ 0`; `∞` means no upper clip).
+    pub clip_high: f64,
+    /// Dual clip `c > 1`: for `A < 0` the loss is capped at `−c A`. `None` disables it.
+    pub dual_clip: Option<f64>,
+    /// `δ` is clamped to `±max_log_ratio` before `exp` (> 0; published code uses 20).
+    pub max_log_ratio: f64,
+    /// How per-token losses are reduced.
+    pub aggregation: AggregationMode,
+    /// The counts the aggregation divides by.
+    pub normalizer: Normalizer,
+}
+
+impl Default for PpoConfig {
+    fn default() -> Self {
+        Self::ppo()
+    }
+}
+
+impl PpoConfig {
+    /// PPO-clip, `ε = 0.2` both sides, token-mean. Schulman et al., arXiv 1707.06347.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::PpoConfig::ppo(), topr_loss::PpoConfig::default());
+    /// ```
+    pub fn ppo() -> Self {
+        Self {
+            clip_low: 0.2,
+            clip_high: 0.2,
+            dual_clip: None,
+            max_log_ratio: 20.0,
+            aggregation: AggregationMode::TokenMean,
+            normalizer: Normalizer::local(),
+        }
+    }
+
+    /// DAPO's clip-higher: `ε_low = 0.2`, `ε_high = 0.28`, token-mean. Yu et al., arXiv 2503.14476.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::PpoConfig::dapo().clip_high, 0.28);
+    /// ```
+    pub fn dapo() -> Self {
+        Self { clip_high: 0.28, ..Self::ppo() }
+    }
+
+    /// GSPO's setting for [`gspo_loss`]: `ε_low = 3e-4`, `ε_high = 4e-4` on the sequence ratio,
+    /// sequence-mean aggregation (each sequence's loss counted once). Zheng et al., arXiv 2507.18071.
+    ///
+    /// ```
+    /// use topr_loss::{AggregationMode, PpoConfig};
+    /// assert_eq!(PpoConfig::gspo().aggregation, AggregationMode::SeqMeanTokenMean);
+    /// ```
+    pub fn gspo() -> Self {
+        Self { clip_low: 3e-4, clip_high: 4e-4, aggregation: AggregationMode::SeqMeanTokenMean, ..Self::ppo() }
+    }
+
+    /// CISPO's setting for [`cispo_loss`]: no lower clip (`ε_low = ∞`), `ε_high = 0.28`
+    /// (MiniMax-M1 tunes only the upper bound), token-mean. MiniMax, arXiv 2506.13585.
+    ///
+    /// ```
+    /// assert!(topr_loss::PpoConfig::cispo().clip_low.is_infinite());
+    /// ```
+    pub fn cispo() -> Self {
+        Self { clip_low: f64::INFINITY, clip_high: 0.28, ..Self::ppo() }
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`LossError::InvalidConfig`] naming the field: a negative or NaN clip range, a dual clip not
+    /// above 1 or not finite, a non-positive or NaN `max_log_ratio`.
+    ///
+    /// ```
+    /// use topr_loss::PpoConfig;
+    /// assert!(PpoConfig { clip_low: f64::NAN, ..PpoConfig::default() }.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), LossError> {
+        for (v, field) in [(self.clip_low, "clip_low"), (self.clip_high, "clip_high")] {
+            if v.is_nan() || v < 0.0 {
+                return Err(LossError::InvalidConfig { field, value: v, reason: "a clip range must be >= 0".into() });
+            }
+        }
+        if let Some(c) = self.dual_clip {
+            if !(c.is_finite() && c > 1.0) {
+                return Err(LossError::InvalidConfig {
+                    field: "dual_clip",
+                    value: c,
+                    reason: "the dual-clip constant must be finite and > 1 (commonly 3)".into(),
+                });
+            }
+        }
+        if !(self.max_log_ratio > 0.0) || self.max_log_ratio.is_nan() {
+            return Err(LossError::InvalidConfig {
+                field: "max_log_ratio",
+                value: self.max_log_ratio,
+                reason: "the log-ratio clamp must be > 0 (published code uses 20)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `clip(r, 1 − ε_low, 1 + ε_high)`, a bound skipped when infinite.
+    fn clip(&self, r: &Tensor) -> Result<Tensor, LossError> {
+        let lo = 1.0 - self.clip_low;
+        let hi = 1.0 + self.clip_high;
+        Ok(match (lo.is_finite(), hi.is_finite()) {
+            (true, true) => r.f_clamp(lo, hi)?,
+            (true, false) => r.f_clamp_min(lo)?,
+            (false, true) => r.f_clamp_max(hi)?,
+            (false, false) => r.shallow_clone(),
+        })
+    }
+
+    /// `exp(clamp(δ, ±max_log_ratio))`.
+    fn ratio(&self, delta: &Tensor) -> Result<Tensor, LossError> {
+        Ok(delta.f_clamp(-self.max_log_ratio, self.max_log_ratio)?.f_exp()?)
+    }
+
+    /// The clipped surrogate `−min(r A, clip(r) A)`, dual-clipped where `A < 0`.
+    fn clipped_surrogate(&self, r: &Tensor, adv: &Tensor) -> Result<Tensor, LossError> {
+        let unclipped = r.f_mul(adv)?.f_neg()?;
+        let clipped = self.clip(r)?.f_mul(adv)?.f_neg()?;
+        let loss = unclipped.f_maximum(&clipped)?;
+        Ok(match self.dual_clip {
+            Some(c) => {
+                let cap = adv.f_mul_scalar(-c)?; // −c A (> 0 where A < 0)
+                let capped = loss.f_minimum(&cap.f_expand_as(&loss)?)?;
+                capped.f_where_self(&adv.f_lt(0.0)?, &loss)?
+            }
+            None => loss,
+        })
+    }
+}
+
+fn check_inputs(
+    logp: &Tensor,
+    logp_old: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    per_token_advantages: bool,
+    cfg: &PpoConfig,
+) -> Result<TokenInputs, LossError> {
+    cfg.validate()?;
+    token_inputs::check(TokenArgs {
+        logp,
+        other: (logp_old, "logp_old"),
+        weights: Some((advantages, "advantages")),
+        mask,
+        per_token_weights: per_token_advantages,
+    })
+}
+
+/// Reduces per-token losses `[B, T]` (or broadcastable) with the config's aggregation.
+fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig) -> Result<Tensor, LossError> {
+    let alpha = sequence_weights_checked(&x.mask, cfg.aggregation, &cfg.normalizer, x.kind)?;
+    let full = per_token.f_expand(x.mask.size().as_slice(), false)?;
+    let per_seq = masked_fill_zero(&full, &x.mask)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
+    validate::finite_loss(per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?)
+}
+
+/// The PPO clipped surrogate loss, per token, with optional dual clip and asymmetric
+/// (clip-higher) ranges.
+///
+/// ```text
+/// r_t = exp(clamp(log π_t − sg(log π_old,t), ±M))
+/// ℓ_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)
+/// ℓ_t = min(ℓ_t, −c A_t)   where A_t < 0, with dual clip c
+/// loss = aggregate(ℓ, mask)        (token-mean by default)
+/// ```
+///
+/// Reference: Schulman et al., arXiv 1707.06347; dual clip: Ye et al., arXiv 1912.09729;
+/// asymmetric clip: DAPO, arXiv 2503.14476.
+///
+/// # Arguments
+/// * `logp`, `logp_old` — `[B, T]` per-token log-probs of the policy (differentiable) and of the
+///   policy that sampled the data (detached).
+/// * `advantages` — `[B]` (broadcast over tokens) or `[B, T]`.
+/// * `mask` — `[B, T]`, bool, integer or 0/1 floating.
+///
+/// # Errors
+/// [`LossError::InvalidConfig`] for a bad config; the tensor checks of [`LossError`];
+/// [`LossError::NonFiniteLoss`] if advantages are too large for the compute dtype.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{ppo_clip_loss, PpoConfig};
+///
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0]]).set_requires_grad(true);
+/// let logp_old = Tensor::from_slice2(&[[-1.5f64, -1.0]]); // r = e^0.5 ≈ 1.65, then 1
+/// let mask = Tensor::from_slice2(&[[true, true]]);
+/// let adv = Tensor::from_slice(&[1.0f64]);
+/// let loss = ppo_clip_loss(&logp, &logp_old, &adv, &mask, &PpoConfig::default())?;
+/// // Token 0 is clipped at 1.2 (no gradient), token 1 is not: loss = −(1.2 + 1)/2.
+/// assert!((loss.double_value(&[]) + 1.1).abs() < 1e-12);
+/// loss.backward();
+/// assert_eq!(Vec::<f64>::try_from(&logp.grad().flatten(0, -1))?, vec![0.0, -0.5]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn ppo_clip_loss(
+    logp: &Tensor,
+    logp_old: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+) -> Result<Tensor, LossError> {
+    let x = check_inputs(logp, logp_old, advantages, mask, true, cfg)?;
+    let r = cfg.ratio(&x.delta)?;
+    let per_token = cfg.clipped_surrogate(&r, &x.weights_per_token()?)?;
+    reduce(&per_token, &x, cfg)
+}
+
+/// GSPO: the PPO clipped objective on the length-normalised sequence ratio.
+///
+/// ```text
+/// s_i = exp(clamp(mean_t (log π_{i,t} − sg(log π_old,i,t)), ±M))
+/// ℓ_i = −min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i)        (dual clip as in PPO)
+/// loss = aggregate over tokens, each token of sequence i carrying ℓ_i
+/// ```
+///
+/// With [`PpoConfig::gspo`] (`SeqMeanTokenMean`) the loss is `(1/S) Σ_i ℓ_i` and its gradient
+/// `−(1/S) Σ_i s_i A_i (1/L_i) Σ_t ∇log π_{i,t}` where unclipped, GSPO's update.
+///
+/// Reference: Zheng et al., *Group Sequence Policy Optimization*, arXiv 2507.18071.
+///
+/// # Arguments
+/// As [`ppo_clip_loss`], with `advantages` `[B]` (one per sequence).
+///
+/// # Errors
+/// As [`ppo_clip_loss`].
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{gspo_loss, PpoConfig};
+///
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -2.0, 0.0]]).set_requires_grad(true);
+/// let mask = Tensor::from_slice2(&[[true, true, false]]);
+/// let adv = Tensor::from_slice(&[0.5f64]);
+/// // On-policy: s = 1, loss = −A.
+/// let loss = gspo_loss(&logp, &logp.detach(), &adv, &mask, &PpoConfig::gspo())?;
+/// assert!((loss.double_value(&[]) + 0.5).abs() < 1e-12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn gspo_loss(
+    logp: &Tensor,
+    logp_old: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+) -> Result<Tensor, LossError> {
+    let x = check_inputs(logp, logp_old, advantages, mask, false, cfg)?;
+    let s = cfg.ratio(&x.mean_delta()?)?; // [B]
+    let per_seq = cfg.clipped_surrogate(&s, x.weights()?)?; // [B]
+    reduce(&per_seq.f_unsqueeze(1)?, &x, cfg)
+}
+
+/// CISPO: REINFORCE on every token with a clipped, stop-gradient importance weight, so clipped
+/// tokens still contribute gradient (unlike PPO, which drops them).
+///
+/// ```text
+/// w_t = sg(clip(exp(clamp(δ_t, ±M)), 1 − ε_low, 1 + ε_high))
+/// ℓ_t = −w_t A_t log π_t
+/// loss = aggregate(ℓ, mask)
+/// ```
+///
+/// The value is the published surrogate (it contains `log π`, so it is not an objective value);
+/// the gradient `−w_t A_t ∇log π_t` is CISPO's.
+///
+/// Reference: MiniMax, *MiniMax-M1*, arXiv 2506.13585, §3.1.
+///
+/// # Arguments
+/// As [`ppo_clip_loss`].
+///
+/// # Errors
+/// As [`ppo_clip_loss`].
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{cispo_loss, PpoConfig};
+///
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0]]).set_requires_grad(true);
+/// let logp_old = Tensor::from_slice2(&[[-2.0f64, -1.0]]); // r = e ≈ 2.72 (clipped to 1.28), then 1
+/// let mask = Tensor::from_slice2(&[[1i64, 1]]);
+/// let loss = cispo_loss(&logp, &logp_old, &Tensor::from_slice(&[1.0f64]), &mask, &PpoConfig::cispo())?;
+/// loss.backward();
+/// let g = Vec::<f64>::try_from(&logp.grad().flatten(0, -1))?;
+/// assert!((g[0] + 1.28 / 2.0).abs() < 1e-12 && (g[1] + 0.5).abs() < 1e-12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn cispo_loss(
+    logp: &Tensor,
+    logp_old: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+) -> Result<Tensor, LossError> {
+    let x = check_inputs(logp, logp_old, advantages, mask, true, cfg)?;
+    let w = cfg.clip(&cfg.ratio(&x.delta.f_detach()?)?)?;
+    let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp)?.f_neg()?;
+    reduce(&per_token, &x, cfg)
+}

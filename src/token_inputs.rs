@@ -1,0 +1,106 @@
+//! Checking and sanitising the per-token inputs shared by every token-level loss: log-probs
+//! `[B, T]` of the policy and of a second policy (behaviour, old or reference), optional
+//! per-sequence or per-token weights (rewards, advantages) and a padding mask.
+
+use crate::aggregate::masked_fill_zero;
+use crate::error::LossError;
+use crate::validate::{self, FiniteCheck};
+use tch::{Kind, Tensor};
+
+/// The arguments of a token-level loss, with the names its signature gives them.
+pub(crate) struct TokenArgs<'a> {
+    pub logp: &'a Tensor,
+    /// The second policy's log-probs and the argument's name (`logp_mu`, `logp_old`, `logp_ref`).
+    pub other: (&'a Tensor, &'static str),
+    /// Rewards or advantages and the argument's name, if the loss takes them.
+    pub weights: Option<(&'a Tensor, &'static str)>,
+    pub mask: &'a Tensor,
+    /// Whether per-token weights `[B, T]` are accepted besides per-sequence ones `[B]`.
+    pub per_token_weights: bool,
+}
+
+/// Checked token-level inputs in the compute dtype, with padding replaced by zero.
+pub(crate) struct TokenInputs {
+    pub kind: Kind,
+    /// `[B, T]` bool.
+    pub mask: Tensor,
+    /// `[B, T]` `log π`, zero on padding, differentiable.
+    pub logp: Tensor,
+    /// `[B, T]` `log π − sg(log other)`, zero on padding.
+    pub delta: Tensor,
+    /// `[B]` or `[B, T]` (zero on padding) rewards/advantages, detached; `None` if not taken.
+    pub weights: Option<Tensor>,
+    /// `[B]`, `L_i` in the compute dtype.
+    pub lengths: Tensor,
+    /// `[B]`, 1 where `L_i > 0`, in the compute dtype.
+    pub has_tokens: Tensor,
+}
+
+pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
+    let (other, other_name) = args.other;
+    let mut kinds = vec![validate::float_tensor(args.logp, "logp")?, validate::float_tensor(other, other_name)?];
+    if let Some((w, name)) = args.weights {
+        kinds.push(validate::float_tensor(w, name)?);
+    }
+    let shape = validate::rank(args.logp, "logp", 2, "[B, T] per-token log-probabilities")?;
+    validate::non_empty(&shape, "logp", "sequence")?;
+    validate::same_shape(other, other_name, &shape, "the shape of `logp`")?;
+    let m = validate::bool_mask(args.mask, "mask")?;
+    validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
+    let device = args.logp.device();
+    validate::same_device(other, other_name, device, "logp")?;
+    validate::same_device(&m, "mask", device, "logp")?;
+    let per_token = match args.weights {
+        Some((w, name)) => {
+            let per_token = w.dim() == 2;
+            if per_token && args.per_token_weights {
+                validate::same_shape(w, name, &shape, "the shape of `logp` (per-token values)")?;
+            } else {
+                validate::same_shape(w, name, &shape[..1], "[B], one value per sequence of `logp`")?;
+            }
+            validate::same_device(w, name, device, "logp")?;
+            per_token
+        }
+        None => false,
+    };
+
+    let kind = validate::compute_kind(&kinds);
+    let lp = masked_fill_zero(&args.logp.f_to_kind(kind)?, &m)?;
+    let lo = masked_fill_zero(&other.f_detach()?.f_to_kind(kind)?, &m)?;
+    let weights = match args.weights {
+        Some((w, _)) => {
+            let w = w.f_detach()?.f_to_kind(kind)?;
+            Some(if per_token { masked_fill_zero(&w, &m)? } else { w })
+        }
+        None => None,
+    };
+    let mut checks = vec![
+        FiniteCheck { clean: &lp, original: args.logp, argument: "logp", valid: Some(&m) },
+        FiniteCheck { clean: &lo, original: other, argument: other_name, valid: Some(&m) },
+    ];
+    if let (Some(clean), Some((original, argument))) = (&weights, args.weights) {
+        checks.push(FiniteCheck { clean, original, argument, valid: per_token.then_some(&m) });
+    }
+    validate::all_finite(&checks)?;
+    let lengths = m.f_sum_dim_intlist(1, false, kind)?;
+    let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
+    Ok(TokenInputs { kind, delta: lp.f_sub(&lo)?, logp: lp, weights, lengths, has_tokens, mask: m })
+}
+
+impl TokenInputs {
+    /// The weights (rewards or advantages) of a loss that takes them.
+    pub(crate) fn weights(&self) -> Result<&Tensor, LossError> {
+        self.weights.as_ref().ok_or_else(|| LossError::Torch("internal: weights were not checked".into()))
+    }
+
+    /// Per-sequence mean of `δ` over the unmasked tokens, `[B]` (0 for an empty sequence).
+    pub(crate) fn mean_delta(&self) -> Result<Tensor, LossError> {
+        Ok(self.delta.f_sum_dim_intlist(1, false, None::<Kind>)?.f_div(&self.lengths.f_clamp_min(1.0)?)?)
+    }
+
+    /// Weights broadcastable to `[B, T]`: `[B, 1]` for per-sequence ones.
+    pub(crate) fn weights_per_token(&self) -> Result<Tensor, LossError> {
+        let w = self.weights()?;
+        Ok(if w.dim() == 1 { w.f_unsqueeze(1)? } else { w.shallow_clone() })
+    }
+}
