@@ -1,0 +1,294 @@
+//! PPO-clip, GSPO and CISPO against scalar references, finite differences, extremes, padding and
+//! split invariance.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use tch::Tensor;
+use topr_loss::{AggregationMode, LossError, Normalizer, PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
+
+#[derive(Debug, Clone)]
+struct Batch {
+    logp: Vec<Vec<f64>>,
+    old: Vec<Vec<f64>>,
+    mask: Vec<Vec<bool>>,
+    adv: Vec<f64>,
+}
+
+impl Batch {
+    fn tensors(&self, padding: f64) -> (Tensor, Tensor, Tensor, Tensor) {
+        let fill = |v: &[Vec<f64>]| -> Vec<Vec<f64>> {
+            v.iter()
+                .zip(&self.mask)
+                .map(|(row, m)| row.iter().zip(m).map(|(x, m)| if *m { *x } else { padding }).collect())
+                .collect()
+        };
+        let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
+        (t2(&fill(&self.logp)), t2(&fill(&self.old)), t1(&self.adv), Tensor::stack(&mask, 0))
+    }
+}
+
+fn batch() -> impl Strategy<Value = Batch> {
+    (1usize..6, 1usize..7).prop_flat_map(|(b, t)| {
+        (
+            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, t), b),
+            prop::collection::vec(prop::collection::vec(-0.6f64..0.6, t), b),
+            prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.8), t), b),
+            prop::collection::vec(-2.0f64..2.0, b),
+        )
+            .prop_map(|(logp, delta, mut mask, adv)| {
+                mask[0][0] = true;
+                let old = logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
+                Batch { logp, old, mask, adv }
+            })
+    })
+}
+
+/// Token-mean / seq-mean-token-mean weights by the definitions.
+fn alpha(mask: &[Vec<bool>], mode: AggregationMode) -> Vec<f64> {
+    let lens: Vec<f64> = mask.iter().map(|r| r.iter().filter(|m| **m).count() as f64).collect();
+    let n: f64 = lens.iter().sum();
+    let s = lens.iter().filter(|l| **l > 0.0).count() as f64;
+    lens.iter()
+        .map(|&l| match mode {
+            _ if l == 0.0 => 0.0,
+            AggregationMode::TokenMean => 1.0 / n,
+            AggregationMode::SeqMeanTokenMean => 1.0 / (s * l),
+            AggregationMode::SeqMeanTokenSum => 1.0 / s,
+            AggregationMode::TokenSum => 1.0,
+            AggregationMode::SeqMeanTokenSumNorm { length } => 1.0 / (s * length),
+        })
+        .collect()
+}
+
+fn clip(r: f64, cfg: &PpoConfig) -> f64 {
+    r.max(1.0 - cfg.clip_low).min(1.0 + cfg.clip_high)
+}
+
+/// PPO value and d/dlogp of one token, by cases.
+fn ref_ppo_token(delta: f64, a: f64, cfg: &PpoConfig) -> (f64, f64) {
+    let r = delta.exp();
+    let unclipped = -r * a;
+    let clipped = -clip(r, cfg) * a;
+    // Gradient flows only through the active branch: the unclipped one, or the clipped one when
+    // r lies inside the clip range.
+    let (mut v, mut g) = if unclipped >= clipped {
+        (unclipped, -r * a)
+    } else {
+        let inside = r > 1.0 - cfg.clip_low && r < 1.0 + cfg.clip_high;
+        (clipped, if inside { -r * a } else { 0.0 })
+    };
+    if let Some(c) = cfg.dual_clip {
+        if a < 0.0 && -c * a < v {
+            v = -c * a;
+            g = 0.0;
+        }
+    }
+    (v, g)
+}
+
+fn ref_loss(b: &Batch, cfg: &PpoConfig, which: &str) -> (f64, Vec<Vec<f64>>) {
+    let al = alpha(&b.mask, cfg.aggregation);
+    let mut value = 0.0;
+    let mut grad = vec![vec![0.0; b.mask[0].len()]; b.mask.len()];
+    for i in 0..b.mask.len() {
+        let toks: Vec<usize> = (0..b.mask[i].len()).filter(|&t| b.mask[i][t]).collect();
+        if toks.is_empty() {
+            continue;
+        }
+        let a = b.adv[i];
+        match which {
+            "ppo" => {
+                for &t in &toks {
+                    let (v, g) = ref_ppo_token(b.logp[i][t] - b.old[i][t], a, cfg);
+                    value += al[i] * v;
+                    grad[i][t] = al[i] * g;
+                }
+            }
+            "gspo" => {
+                let l = toks.len() as f64;
+                let mean: f64 = toks.iter().map(|&t| b.logp[i][t] - b.old[i][t]).sum::<f64>() / l;
+                let (v, g) = ref_ppo_token(mean, a, cfg);
+                value += al[i] * l * v;
+                for &t in &toks {
+                    grad[i][t] = al[i] * g; // d mean / d logp_t = 1/L, times L tokens carrying ℓ_i
+                }
+            }
+            "cispo" => {
+                for &t in &toks {
+                    let w = clip((b.logp[i][t] - b.old[i][t]).exp(), cfg);
+                    value += al[i] * -w * a * b.logp[i][t];
+                    grad[i][t] = al[i] * -w * a;
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+    (value, grad)
+}
+
+type LossFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &PpoConfig) -> Result<Tensor, LossError>;
+const LOSSES: [(&str, LossFn); 3] = [("ppo", ppo_clip_loss), ("gspo", gspo_loss), ("cispo", cispo_loss)];
+
+fn configs() -> Vec<PpoConfig> {
+    vec![
+        PpoConfig::ppo(),
+        PpoConfig::dapo(),
+        PpoConfig { dual_clip: Some(3.0), ..PpoConfig::ppo() },
+        PpoConfig {
+            clip_low: 0.1,
+            clip_high: 0.3,
+            dual_clip: Some(1.5),
+            aggregation: AggregationMode::SeqMeanTokenMean,
+            ..PpoConfig::ppo()
+        },
+        PpoConfig { clip_high: 0.05, aggregation: AggregationMode::SeqMeanTokenSum, ..PpoConfig::gspo() },
+        PpoConfig { clip_low: 0.5, clip_high: 0.5, aggregation: AggregationMode::TokenSum, ..PpoConfig::cispo() },
+    ]
+}
+
+fn run(b: &Batch, cfg: &PpoConfig, f: LossFn, padding: f64) -> (f64, Vec<f64>) {
+    let (lp, old, adv, m) = b.tensors(padding);
+    let lp = leaf(&lp);
+    let loss = f(&lp, &old, &adv, &m, cfg).unwrap();
+    loss.backward();
+    (scalar(&loss), vec1(&lp.grad()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn matches_scalar_reference_with_nan_padding(b in batch()) {
+        for cfg in configs() {
+            for (name, f) in LOSSES {
+                let (v, g) = run(&b, &cfg, f, f64::NAN);
+                let (rv, rg) = ref_loss(&b, &cfg, name);
+                assert_close(&[v], &[rv], 1e-10, &format!("{name} {cfg:?} value"));
+                assert_close(&g, &rg.concat(), 1e-10, &format!("{name} {cfg:?} grad"));
+                for (k, m) in b.mask.concat().iter().enumerate() {
+                    if !m { prop_assert_eq!(g[k].to_bits(), 0.0f64.to_bits()); }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn on_policy_ppo_and_cispo_are_vanilla_policy_gradient(b in batch()) {
+        // r = 1: PPO, GSPO and CISPO all give −α A ∇log π per token.
+        let on = Batch { old: b.logp.clone(), ..b.clone() };
+        let cfg = PpoConfig::default();
+        let (_, g_ppo) = run(&on, &cfg, ppo_clip_loss, 0.0);
+        let (_, g_cispo) = run(&on, &cfg, cispo_loss, 0.0);
+        assert_close(&g_ppo, &g_cispo, 1e-12, "on-policy PPO vs CISPO");
+    }
+
+    #[test]
+    fn split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
+        prop_assume!(b.mask.len() > 1);
+        let s = split.min(b.mask.len() - 1) as i64;
+        let n = b.mask.len() as i64;
+        let (lp, old, adv, m) = b.tensors(f64::NAN);
+        let normalizer = Normalizer::from_masks(&[&m]).unwrap();
+        for mode in [AggregationMode::TokenMean, AggregationMode::SeqMeanTokenMean, AggregationMode::SeqMeanTokenSum, AggregationMode::TokenSum, AggregationMode::SeqMeanTokenSumNorm { length: 9.0 }] {
+            let cfg = PpoConfig { aggregation: mode, normalizer, dual_clip: Some(2.0), ..PpoConfig::dapo() };
+            for (name, f) in LOSSES {
+                let full_lp = leaf(&lp);
+                let full = f(&full_lp, &old, &adv, &m, &cfg).unwrap();
+                full.backward();
+                let parts_lp = leaf(&lp);
+                let part = |o: i64, k: i64| f(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg);
+                let total = match (part(0, s), part(s, n - s)) {
+                    (Ok(a), Ok(b)) => a + b,
+                    (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
+                    other => panic!("{other:?}"),
+                };
+                total.backward();
+                assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{name} {mode:?} split value"));
+                assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{name} {mode:?} split grad"));
+            }
+        }
+    }
+}
+
+#[test]
+fn gradient_matches_finite_differences() {
+    let b = Batch {
+        logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
+        old: vec![vec![-0.9, -1.05, -0.6], vec![-1.7, -0.45, -1.3], vec![-0.2, -0.9, -0.3]],
+        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
+        adv: vec![1.0, -1.0, -0.5],
+    };
+    for cfg in configs() {
+        // CISPO's weight is held constant by design, so its gradient is not the derivative of its
+        // value; the scalar reference checks it instead.
+        for (name, f) in LOSSES.into_iter().filter(|(n, _)| *n != "cispo") {
+            let (_, g) = run(&b, &cfg, f, 0.0);
+            let fd = finite_difference(&b.logp.concat(), 1e-6, |x| {
+                let bb = Batch { logp: x.chunks(3).map(|c| c.to_vec()).collect(), ..b.clone() };
+                let (lp, old, adv, m) = bb.tensors(0.0);
+                scalar(&f(&lp, &old, &adv, &m, &cfg).unwrap())
+            });
+            assert_close(&g, &fd, 1e-6, &format!("{name} {cfg:?} finite differences"));
+        }
+    }
+}
+
+#[test]
+fn extreme_log_ratios_stay_finite() {
+    use tch::Kind;
+    for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
+        for cfg in [
+            PpoConfig::ppo(),
+            PpoConfig { dual_clip: Some(3.0), ..PpoConfig::ppo() },
+            PpoConfig::gspo(),
+            PpoConfig::cispo(),
+        ] {
+            for (name, f) in LOSSES {
+                let logp =
+                    Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]]).to_kind(kind).set_requires_grad(true);
+                let old = Tensor::from_slice2(&[[0.0f64, -1.0e4], [-1.0e4, 0.0]]).to_kind(kind);
+                let adv = Tensor::from_slice(&[1.0f64, -1.0]).to_kind(kind);
+                let m = Tensor::from_slice2(&[[1i64, 1], [1, 1]]);
+                let loss = f(&logp, &old, &adv, &m, &cfg).unwrap();
+                assert!(scalar(&loss).is_finite(), "{name} {kind:?}");
+                loss.backward();
+                assert!(vec1(&logp.grad()).iter().all(|g| g.is_finite()), "{name} {kind:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let lp = Tensor::from_slice2(&[[-1.0f64, -1.0]]);
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let adv = t1(&[1.0]);
+    for (name, f) in LOSSES {
+        let e = f(&lp, &Tensor::from_slice(&[-1.0f64, -1.0]), &adv, &m, &PpoConfig::default()).unwrap_err();
+        assert!(matches!(e, LossError::ShapeMismatch { argument: "logp_old", .. }), "{name}: {e}");
+        let e = f(&lp, &lp, &t1(&[1.0, 2.0]), &m, &PpoConfig::default()).unwrap_err();
+        assert!(matches!(e, LossError::ShapeMismatch { argument: "advantages", .. }), "{name}: {e}");
+        let e = f(&lp, &lp, &t1(&[f64::NAN]), &m, &PpoConfig::default()).unwrap_err();
+        assert!(matches!(e, LossError::NonFinite { argument: "advantages", .. }), "{name}: {e}");
+        let e = f(&lp, &lp, &adv, &m, &PpoConfig { clip_low: -0.1, ..PpoConfig::default() }).unwrap_err();
+        assert!(matches!(e, LossError::InvalidConfig { field: "clip_low", .. }), "{name}: {e}");
+        let e = f(&lp, &lp, &adv, &m, &PpoConfig { max_log_ratio: f64::NAN, ..PpoConfig::default() }).unwrap_err();
+        assert!(matches!(e, LossError::InvalidConfig { field: "max_log_ratio", .. }), "{name}: {e}");
+    }
+    // Advantages too large for f32 give NonFiniteLoss, not inf.
+    let lp32 = Tensor::from_slice2(&[[-1.0f32, -1.0]]);
+    let e = ppo_clip_loss(
+        &lp32,
+        &lp32,
+        &Tensor::from_slice(&[3.0e38f32]),
+        &m,
+        &PpoConfig { aggregation: AggregationMode::TokenSum, ..PpoConfig::default() },
+    )
+    .unwrap_err();
+    assert_eq!(e, LossError::NonFiniteLoss { compute_dtype: "f32" });
+    // GSPO takes one advantage per sequence.
+    let e = gspo_loss(&lp, &lp, &Tensor::from_slice2(&[[1.0f64, 1.0]]), &m, &PpoConfig::gspo()).unwrap_err();
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "advantages", .. }), "{e}");
+}
