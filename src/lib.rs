@@ -73,6 +73,7 @@
 mod aggregate;
 mod baseline;
 mod diagnostics;
+mod dpo;
 mod error;
 mod ppo;
 mod taper;
@@ -87,6 +88,7 @@ pub use baseline::{
     effective_positive_proportion_of_rewards,
 };
 pub use diagnostics::{ToprDiagnostics, topr_diagnostics, topr_token_diagnostics};
+pub use dpo::{DpoConfig, DpoRewards, DpoVariant, dpo_loss, dpo_rewards};
 pub use error::LossError;
 pub use ppo::{PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
 pub use taper::{taper, taper_scalar, truncated_weight};
