@@ -70,11 +70,13 @@
 
 #![warn(missing_docs)]
 
+mod advantages;
 mod aggregate;
 mod baseline;
 mod diagnostics;
 mod dpo;
 mod error;
+mod kl;
 mod ppo;
 mod taper;
 mod token_inputs;
@@ -82,6 +84,7 @@ mod topr;
 mod topr_token;
 mod validate;
 
+pub use advantages::{GroupAdvantage, group_advantages, whiten};
 pub use aggregate::{AggregationMode, Normalizer, aggregate, sequence_weights};
 pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,
@@ -90,6 +93,7 @@ pub use baseline::{
 pub use diagnostics::{ToprDiagnostics, topr_diagnostics, topr_token_diagnostics};
 pub use dpo::{DpoConfig, DpoRewards, DpoVariant, dpo_loss, dpo_rewards};
 pub use error::LossError;
+pub use kl::{KlConfig, KlEstimator, kl_penalty};
 pub use ppo::{PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use topr::{TieRule, ToprConfig, topr_loss};

@@ -17,11 +17,11 @@
 //! gradient is finite for finite inputs; past the clamp the gradient is zero. Unlike the TOPR
 //! family, PPO's unclipped side is unbounded for `A < 0` (`|A| r`), which is what dual-clip caps.
 
-use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked};
+use crate::aggregate::{AggregationMode, Normalizer};
 use crate::error::LossError;
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
 use crate::validate;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// Clip ranges, dual clip, ratio clamp and aggregation of the PPO family.
 ///
@@ -195,12 +195,9 @@ fn check_inputs(
     })
 }
 
-/// Reduces per-token losses `[B, T]` (or broadcastable) with the config's aggregation.
+/// Reduces per-token losses (broadcastable to `[B, T]`) with the config's aggregation.
 fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig) -> Result<Tensor, LossError> {
-    let alpha = sequence_weights_checked(&x.mask, cfg.aggregation, &cfg.normalizer, x.kind)?;
-    let full = per_token.f_expand(x.mask.size().as_slice(), false)?;
-    let per_seq = masked_fill_zero(&full, &x.mask)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
-    validate::finite_loss(per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?)
+    validate::finite_loss(x.reduce_tokens(per_token, cfg.aggregation, &cfg.normalizer)?)
 }
 
 /// The PPO clipped surrogate loss, per token, with optional dual clip and asymmetric

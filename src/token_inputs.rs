@@ -2,7 +2,7 @@
 //! `[B, T]` of the policy and of a second policy (behaviour, old or reference), optional
 //! per-sequence or per-token weights (rewards, advantages) and a padding mask.
 
-use crate::aggregate::masked_fill_zero;
+use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked, weighted_sum};
 use crate::error::LossError;
 use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
@@ -102,5 +102,29 @@ impl TokenInputs {
     pub(crate) fn weights_per_token(&self) -> Result<Tensor, LossError> {
         let w = self.weights()?;
         Ok(if w.dim() == 1 { w.f_unsqueeze(1)? } else { w.shallow_clone() })
+    }
+
+    /// `Σ_i α_i Σ_t m ℓ_{i,t}` for per-token losses broadcastable to `[B, T]`; padding is replaced
+    /// by zero whatever it holds.
+    pub(crate) fn reduce_tokens(
+        &self,
+        per_token: &Tensor,
+        mode: AggregationMode,
+        norm: &Normalizer,
+    ) -> Result<Tensor, LossError> {
+        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind)?;
+        let full = per_token.f_expand(self.mask.size().as_slice(), false)?;
+        weighted_sum(&masked_fill_zero(&full, &self.mask)?, &alpha)
+    }
+
+    /// `Σ_i α_i V_i` for per-sequence values `V [B]` (a sequence's total over its tokens).
+    pub(crate) fn reduce_sequences(
+        &self,
+        per_seq: &Tensor,
+        mode: AggregationMode,
+        norm: &Normalizer,
+    ) -> Result<Tensor, LossError> {
+        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind)?;
+        Ok(per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?)
     }
 }

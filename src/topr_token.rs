@@ -26,7 +26,7 @@
 //! Padding (mask false/0) may hold anything, NaN and inf included: it is replaced before any
 //! arithmetic, so it gets exactly zero gradient.
 
-use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked};
+use crate::aggregate::{AggregationMode, Normalizer};
 use crate::error::LossError;
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
 use crate::topr::{TieRule, ToprConfig, guard_finite, positive_branch, tapered_terms};
@@ -195,14 +195,13 @@ pub fn topr_token_loss(
 ) -> Result<Tensor, LossError> {
     cfg.topr.validate()?;
     let x = check_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
-    let alpha = sequence_weights_checked(&x.mask, cfg.aggregation, &cfg.normalizer, x.kind)?;
     let r = level_terms(&x, cfg)?;
-    let per_seq = match cfg.ratio {
-        RatioLevel::Sequence => r.terms.f_mul(&x.has_tokens)?,
-        RatioLevel::SequenceMean => r.terms.f_mul(&x.lengths)?,
-        RatioLevel::Token => masked_fill_zero(&r.terms, &x.mask)?.f_sum_dim_intlist(1, false, None::<Kind>)?,
+    let (mode, norm) = (cfg.aggregation, &cfg.normalizer);
+    let loss = match cfg.ratio {
+        RatioLevel::Sequence => x.reduce_sequences(&r.terms.f_mul(&x.has_tokens)?, mode, norm)?,
+        RatioLevel::SequenceMean => x.reduce_sequences(&r.terms.f_mul(&x.lengths)?, mode, norm)?,
+        RatioLevel::Token => x.reduce_tokens(&r.terms, mode, norm)?,
     };
-    let loss = per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?;
     guard_finite(&loss, &r.s.f_detach()?, &r.positive, &cfg.topr)?;
     Ok(loss)
 }
