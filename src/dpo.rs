@@ -250,7 +250,7 @@ pub struct DpoRewards {
 /// let rr = Tensor::from_slice(&[-11.0f64, -5.0]);
 /// let r = dpo_rewards(&pc, &pr, &rc, &rr, &DpoConfig { beta: 0.5, ..DpoConfig::default() })?;
 /// assert_eq!(r.accuracy, 0.5); // pair 0 ranked right, pair 1 wrong
-/// assert!((r.margin - (2.0 - 0.5) / 2.0).abs() < 1e-12);
+/// assert!((r.margin - (1.0 - 0.5) / 2.0).abs() < 1e-12); // margins β·2 = 1 and β·(−1) = −0.5
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 pub fn dpo_rewards(

@@ -77,6 +77,7 @@ mod diagnostics;
 mod dpo;
 mod error;
 mod kl;
+mod logprobs;
 mod ppo;
 mod taper;
 mod token_inputs;
@@ -94,6 +95,10 @@ pub use diagnostics::{ToprDiagnostics, topr_diagnostics, topr_token_diagnostics}
 pub use dpo::{DpoConfig, DpoRewards, DpoVariant, dpo_loss, dpo_rewards};
 pub use error::LossError;
 pub use kl::{KlConfig, KlEstimator, kl_penalty};
+pub use logprobs::{
+    LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
+    fused_token_logprobs, sequence_logprobs, token_logprobs,
+};
 pub use ppo::{PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use topr::{TieRule, ToprConfig, topr_loss};
