@@ -4,7 +4,10 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use tch::{Device, Kind, Tensor};
-use topr_loss::{ToprConfig, ToprTokenConfig, topr_loss, topr_token_loss};
+use topr_loss::{
+    DpoConfig, KlConfig, PpoConfig, ToprConfig, ToprTokenConfig, cispo_loss, dpo_loss, gspo_loss, kl_penalty,
+    ppo_clip_loss, topr_loss, topr_token_loss,
+};
 
 fn sequence_level(c: &mut Criterion) {
     let mut g = c.benchmark_group("topr_loss");
@@ -66,5 +69,50 @@ fn token_level(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, sequence_level, token_level);
+/// The other token-level objectives at the same shapes: PPO-clip (dual clip), GSPO, CISPO, KL k3.
+fn other_objectives(c: &mut Criterion) {
+    let mut g = c.benchmark_group("objectives");
+    g.sample_size(10);
+    for b in [64i64, 512] {
+        for t in [256i64, 2048] {
+            let opts = (Kind::Float, Device::Cpu);
+            let logp = (Tensor::randn([b, t], opts) * 0.1 - 1.0).set_requires_grad(true);
+            let old = Tensor::randn([b, t], opts) * 0.1 - 1.0;
+            let adv = Tensor::randn([b], opts);
+            let lengths = Tensor::randint_low(1, t + 1, [b, 1], (Kind::Int64, Device::Cpu));
+            let mask = Tensor::arange(t, (Kind::Int64, Device::Cpu)).unsqueeze(0).lt_tensor(&lengths);
+            let ppo = PpoConfig { dual_clip: Some(3.0), ..PpoConfig::ppo() };
+            let cases: [(&str, &dyn Fn() -> Tensor); 4] = [
+                ("ppo_clip_dual", &|| ppo_clip_loss(&logp, &old, &adv, &mask, &ppo).unwrap()),
+                ("gspo", &|| gspo_loss(&logp, &old, &adv, &mask, &PpoConfig::gspo()).unwrap()),
+                ("cispo", &|| cispo_loss(&logp, &old, &adv, &mask, &PpoConfig::cispo()).unwrap()),
+                ("kl_k3", &|| kl_penalty(&logp, &old, &mask, &KlConfig::default()).unwrap()),
+            ];
+            for (name, f) in cases {
+                g.bench_function(format!("{name}/B={b}/T={t}"), |bench| {
+                    bench.iter(|| {
+                        let loss = f();
+                        loss.backward();
+                        black_box(loss)
+                    })
+                });
+            }
+        }
+        // DPO works on sequence log-probs [B].
+        let opts = (Kind::Float, Device::Cpu);
+        let pc = (Tensor::randn([b], opts) - 50.0).set_requires_grad(true);
+        let pr = (Tensor::randn([b], opts) - 50.0).set_requires_grad(true);
+        let (rc, rr) = (Tensor::randn([b], opts) - 50.0, Tensor::randn([b], opts) - 50.0);
+        g.bench_function(format!("dpo_sigmoid/B={b}"), |bench| {
+            bench.iter(|| {
+                let loss = dpo_loss(&pc, &pr, &rc, &rr, &DpoConfig::default()).unwrap();
+                loss.backward();
+                black_box(loss)
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, sequence_level, token_level, other_objectives);
 criterion_main!(benches);
