@@ -47,18 +47,36 @@
 //!
 //! ## Map of the crate
 //!
-//! - [`topr`](crate::topr_loss) — [`topr_loss`] and [`ToprConfig`] with its presets, on sequence
-//!   log-probabilities `[B]` (`src/topr.rs`).
+//! The TOPR family:
+//! - [`topr_loss`] and [`ToprConfig`] with its presets, on sequence log-probabilities `[B]`
+//!   (`src/topr.rs`).
 //! - [`topr_token_loss`] — the same family on per-token log-probabilities `[B, T]` with a padding
 //!   mask, at the paper's, verl's or Trinity-RFT's ratio level (`src/topr_token.rs`).
-//! - [`taper`], [`truncated_weight`], [`taper_scalar`] — the shared pieces: truncation and the
-//!   taper, in log space (`src/taper.rs`).
-//! - [`aggregate`], [`AggregationMode`], [`Normalizer`] — reducing per-token losses, with global
-//!   counts for split-invariant gradient accumulation (`src/aggregate.rs`).
+//! - [`taper`], [`truncated_weight`], [`taper_scalar`] — truncation and the taper, in log space
+//!   (`src/taper.rs`).
 //! - [`effective_positive_proportion`] and its inverse, measured or solved on reward tensors —
 //!   the baseline as a knob on the weight of positives (`src/baseline.rs`).
 //! - [`topr_diagnostics`], [`topr_token_diagnostics`] — what a trainer logs (`src/diagnostics.rs`).
+//!
+//! What users compare it with:
+//! - [`ppo_clip_loss`], [`gspo_loss`], [`cispo_loss`] with [`PpoConfig`] — PPO-clip (dual clip,
+//!   clip-higher), GSPO, CISPO (`src/ppo.rs`).
+//! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] — DPO, cDPO, IPO, hinge, reference-free
+//!   (`src/dpo.rs`).
+//! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE) and [`whiten`]
+//!   (`src/advantages.rs`).
+//! - [`kl_penalty`] with [`KlConfig`] — the k1, k2, k3 estimators as a loss term (`src/kl.rs`).
+//!
+//! Shared pieces:
+//! - [`aggregate`], [`AggregationMode`], [`Normalizer`] — reducing per-token losses, with global
+//!   counts for split-invariant gradient accumulation (`src/aggregate.rs`).
+//! - [`token_logprobs`], [`fused_token_logprobs`], [`backward_through_logprobs`],
+//!   [`backward_through_fused_logprobs`], [`sequence_logprobs`] — log-probabilities from logits or
+//!   from hidden states, in chunks, with bounded memory (`src/logprobs.rs`).
 //! - [`LossError`] — the one error type (`src/error.rs`); no public function panics.
+//!
+//! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
+//! DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL): `docs/methods.md`.
 //!
 //! ## Conventions
 //!

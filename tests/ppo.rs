@@ -292,3 +292,29 @@ fn bad_inputs_are_errors() {
     let e = gspo_loss(&lp, &lp, &Tensor::from_slice2(&[[1.0f64, 1.0]]), &m, &PpoConfig::gspo()).unwrap_err();
     assert!(matches!(e, LossError::ShapeMismatch { argument: "advantages", .. }), "{e}");
 }
+
+#[test]
+fn on_policy_reinforce_through_topr_equals_ppo() {
+    // docs/methods.md: RLOO / AsymRE as on-policy REINFORCE via the TOPR family equal PPO on-policy.
+    use topr_loss::{RatioLevel, ToprConfig, ToprTokenConfig, topr_token_loss};
+    let b = Batch {
+        logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9]],
+        old: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9]],
+        mask: vec![vec![true, true, true], vec![true, true, false]],
+        adv: vec![0.8, -1.3],
+    };
+    for aggregation in [AggregationMode::TokenMean, AggregationMode::SeqMeanTokenMean, AggregationMode::SeqMeanTokenSum]
+    {
+        let (_, g_ppo) = run(&b, &PpoConfig { aggregation, ..PpoConfig::ppo() }, ppo_clip_loss, 0.0);
+        let (lp, old, adv, m) = b.tensors(0.0);
+        let lp = leaf(&lp);
+        let cfg = ToprTokenConfig {
+            topr: ToprConfig::naive_reinforce(),
+            ratio: RatioLevel::Token,
+            aggregation,
+            ..ToprTokenConfig::default()
+        };
+        topr_token_loss(&lp, &old, &adv, &m, &cfg).unwrap().backward();
+        assert_close(&vec1(&lp.grad()), &g_ppo, 1e-12, &format!("{aggregation:?}"));
+    }
+}
