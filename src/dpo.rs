@@ -217,6 +217,16 @@ pub fn dpo_loss(
 /// ```
 ///
 /// Reference: Rafailov et al., arXiv 2305.18290 (the implicit reward); TRL's `rewards/*` metrics.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{dpo_rewards, DpoConfig};
+/// let x = Tensor::from_slice(&[-3.0f64]);
+/// let r = dpo_rewards(&x, &x, &x, &x, &DpoConfig::default())?; // policy = reference
+/// assert_eq!((r.accuracy, r.margin, r.chosen_mean), (0.0, 0.0, 0.0));
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
 #[derive(Debug)]
 pub struct DpoRewards {
     /// `[B]` implicit rewards of the chosen completions (detached).

@@ -90,13 +90,7 @@ impl KlConfig {
                 reason: "must be finite and >= 0".into(),
             });
         }
-        if !(self.max_log_ratio > 0.0) || self.max_log_ratio.is_nan() {
-            return Err(LossError::InvalidConfig {
-                field: "max_log_ratio",
-                value: self.max_log_ratio,
-                reason: "the log-ratio clamp must be > 0".into(),
-            });
-        }
+        validate::positive(self.max_log_ratio, "max_log_ratio", "the log-ratio clamp must be > 0")?;
         Ok(())
     }
 }

@@ -89,6 +89,21 @@ impl LogProbConfig {
 }
 
 /// Per-token log-probs (and entropies) with the mask they are valid under.
+///
+/// # Example
+/// ```
+/// use tch::{Kind, Tensor};
+/// use topr_loss::{token_logprobs, LogProbConfig};
+/// let logits = Tensor::zeros([1, 2, 4], (Kind::Float, tch::Device::Cpu)); // uniform over 4
+/// let labels = Tensor::from_slice2(&[[3i64, -100]]);
+/// let cfg = LogProbConfig { ignore_index: Some(-100), with_entropy: true, ..LogProbConfig::default() };
+/// let out = token_logprobs(&logits, &labels, None, &cfg)?;
+/// assert!((out.logp.double_value(&[0, 0]) + 4f64.ln()).abs() < 1e-6);
+/// assert_eq!(out.logp.double_value(&[0, 1]), 0.0); // ignored
+/// assert_eq!(out.mask.int64_value(&[0, 1]), 0);
+/// assert!((out.entropy.unwrap().double_value(&[0, 0]) - 4f64.ln()).abs() < 1e-6);
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
 #[derive(Debug)]
 pub struct TokenLogProbs {
     /// `[B, T]` f32 (f64 for f64 inputs) `log π(y_t)`; 0 where `mask` is false.
@@ -201,7 +216,7 @@ struct ChunkForward {
 }
 
 fn chunk_forward(z: &Tensor, y: &Tensor, with_entropy: bool) -> Result<ChunkForward, LossError> {
-    let lse = z.f_logsumexp(&[-1i64], true)?; // [n, 1]
+    let lse = z.f_logsumexp([-1i64], true)?; // [n, 1]
     let logp = z.f_gather(1, &y.f_unsqueeze(1)?, false)?.f_sub(&lse)?.f_squeeze_dim(1)?;
     let entropy = if with_entropy {
         let logp_all = finite_floor(&z.f_sub(&lse)?)?;

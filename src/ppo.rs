@@ -134,13 +134,11 @@ impl PpoConfig {
                 });
             }
         }
-        if !(self.max_log_ratio > 0.0) || self.max_log_ratio.is_nan() {
-            return Err(LossError::InvalidConfig {
-                field: "max_log_ratio",
-                value: self.max_log_ratio,
-                reason: "the log-ratio clamp must be > 0 (published code uses 20)".into(),
-            });
-        }
+        validate::positive(
+            self.max_log_ratio,
+            "max_log_ratio",
+            "the log-ratio clamp must be > 0 (published code uses 20)",
+        )?;
         Ok(())
     }
 

@@ -218,3 +218,11 @@ pub(crate) fn finite_loss(loss: Tensor) -> Result<Tensor, LossError> {
         Err(LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(loss.f_kind()?) })
     }
 }
+
+/// Checks that a config value is `> 0` (NaN fails; `∞` passes).
+pub(crate) fn positive(v: f64, field: &'static str, reason: &str) -> Result<(), LossError> {
+    if v.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+        return Err(LossError::InvalidConfig { field, value: v, reason: reason.into() });
+    }
+    Ok(())
+}

@@ -92,6 +92,36 @@ proptest! {
         let _ = no_panic("baseline_for_effective_proportion", || baseline_for_effective_proportion(p, q));
         let _ = no_panic("effective_positive_proportion_of_rewards", || effective_positive_proportion_of_rewards(&a, p));
         let _ = no_panic("baseline_for_rewards", || baseline_for_rewards(&a, p));
+
+        let ppo = PpoConfig { clip_low: p, clip_high: q, dual_clip: Some(q), ..PpoConfig::default() };
+        for cfg in [ppo, PpoConfig::default()] {
+            let r = no_panic("ppo_clip_loss", || ppo_clip_loss(&a, &b, &c, &m, &cfg));
+            if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+            let r = no_panic("gspo_loss", || gspo_loss(&a, &b, &c, &m, &cfg));
+            if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+            let r = no_panic("cispo_loss", || cispo_loss(&a, &b, &c, &m, &cfg));
+            if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+        }
+        let kl = KlConfig { coef: p, max_log_ratio: q, ..KlConfig::default() };
+        let _ = no_panic("kl_penalty", || kl_penalty(&a, &b, &m, &kl));
+        let dpo = DpoConfig { beta: p, label_smoothing: q, ..DpoConfig::default() };
+        for cfg in [dpo, DpoConfig::default(), DpoConfig { reference_free: true, ..DpoConfig::default() }] {
+            let r = no_panic("dpo_loss", || dpo_loss(&a, &b, &c, &m, &cfg));
+            if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+            let _ = no_panic("dpo_rewards", || dpo_rewards(&a, &b, &c, &m, &cfg));
+        }
+        let _ = no_panic("group_advantages", || group_advantages(&a, GroupAdvantage::Grpo { eps: p }));
+        let _ = no_panic("group_advantages", || group_advantages(&a, GroupAdvantage::Rloo));
+        let _ = no_panic("whiten", || whiten(&a, Some(&m), p));
+        let lcfg = LogProbConfig { chunk_tokens: 2, temperature: p.max(q), ignore_index: Some(0), with_entropy: true };
+        let labels = make(&(Some(Kind::Int64), m.size(), 0)).abs();
+        for lab in [&labels, &m, &b] {
+            let _ = no_panic("token_logprobs", || token_logprobs(&a, lab, Some(&m), &lcfg));
+            let _ = no_panic("fused_token_logprobs", || fused_token_logprobs(&a, &b, lab, None, &lcfg));
+            let _ = no_panic("backward_through_logprobs", || backward_through_logprobs(&a, lab, None, &lcfg, |x| Ok(x.logp.sum(Kind::Float))));
+            let _ = no_panic("backward_through_fused_logprobs", || backward_through_fused_logprobs(&a, &b, lab, Some(&m), &lcfg, |x| Ok(x.logp.sum(Kind::Float))));
+        }
+        let _ = no_panic("sequence_logprobs", || sequence_logprobs(&a, &m, SequenceReduce::Mean));
     }
 }
 
