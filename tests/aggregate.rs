@@ -7,13 +7,7 @@ use proptest::prelude::*;
 use tch::Tensor;
 use topr_loss::{AggregationMode, LossError, Normalizer, aggregate, sequence_weights};
 
-const MODES: [AggregationMode; 5] = [
-    AggregationMode::TokenMean,
-    AggregationMode::TokenSum,
-    AggregationMode::SeqMeanTokenSum,
-    AggregationMode::SeqMeanTokenMean,
-    AggregationMode::SeqMeanTokenSumNorm { length: 5.0 },
-];
+const MODES: [AggregationMode; 5] = ALL_MODES;
 
 /// The table of the reference sheet, written out.
 fn ref_aggregate(l: &[Vec<f64>], m: &[Vec<bool>], mode: AggregationMode) -> f64 {

@@ -8,41 +8,10 @@ use proptest::prelude::*;
 use tch::Tensor;
 use topr_loss::{AggregationMode, LossError, Normalizer, PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
 
-#[derive(Debug, Clone)]
-struct Batch {
-    logp: Vec<Vec<f64>>,
-    old: Vec<Vec<f64>>,
-    mask: Vec<Vec<bool>>,
-    adv: Vec<f64>,
-}
-
-impl Batch {
-    fn tensors(&self, padding: f64) -> (Tensor, Tensor, Tensor, Tensor) {
-        let fill = |v: &[Vec<f64>]| -> Vec<Vec<f64>> {
-            v.iter()
-                .zip(&self.mask)
-                .map(|(row, m)| row.iter().zip(m).map(|(x, m)| if *m { *x } else { padding }).collect())
-                .collect()
-        };
-        let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
-        (t2(&fill(&self.logp)), t2(&fill(&self.old)), t1(&self.adv), Tensor::stack(&mask, 0))
-    }
-}
+type Batch = TokenBatch;
 
 fn batch() -> impl Strategy<Value = Batch> {
-    (1usize..6, 1usize..7).prop_flat_map(|(b, t)| {
-        (
-            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, t), b),
-            prop::collection::vec(prop::collection::vec(-0.6f64..0.6, t), b),
-            prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.8), t), b),
-            prop::collection::vec(-2.0f64..2.0, b),
-        )
-            .prop_map(|(logp, delta, mut mask, adv)| {
-                mask[0][0] = true;
-                let old = logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
-                Batch { logp, old, mask, adv }
-            })
-    })
+    token_batch(0.6, (-2.0f64..2.0).boxed())
 }
 
 /// Token-mean / seq-mean-token-mean weights by the definitions.
@@ -97,18 +66,18 @@ fn ref_loss(b: &Batch, cfg: &PpoConfig, which: &str) -> (f64, Vec<Vec<f64>>) {
         if toks.is_empty() {
             continue;
         }
-        let a = b.adv[i];
+        let a = b.weights[i];
         match which {
             "ppo" => {
                 for &t in &toks {
-                    let (v, g) = ref_ppo_token(b.logp[i][t] - b.old[i][t], a, cfg);
+                    let (v, g) = ref_ppo_token(b.logp[i][t] - b.other[i][t], a, cfg);
                     value += al[i] * v;
                     grad[i][t] = al[i] * g;
                 }
             }
             "gspo" => {
                 let l = toks.len() as f64;
-                let mean: f64 = toks.iter().map(|&t| b.logp[i][t] - b.old[i][t]).sum::<f64>() / l;
+                let mean: f64 = toks.iter().map(|&t| b.logp[i][t] - b.other[i][t]).sum::<f64>() / l;
                 let (v, g) = ref_ppo_token(mean, a, cfg);
                 value += al[i] * l * v;
                 for &t in &toks {
@@ -117,7 +86,7 @@ fn ref_loss(b: &Batch, cfg: &PpoConfig, which: &str) -> (f64, Vec<Vec<f64>>) {
             }
             "cispo" => {
                 for &t in &toks {
-                    let w = clip((b.logp[i][t] - b.old[i][t]).exp(), cfg);
+                    let w = clip((b.logp[i][t] - b.other[i][t]).exp(), cfg);
                     value += al[i] * -w * a * b.logp[i][t];
                     grad[i][t] = al[i] * -w * a;
                 }
@@ -177,7 +146,7 @@ proptest! {
     #[test]
     fn on_policy_ppo_and_cispo_are_vanilla_policy_gradient(b in batch()) {
         // r = 1: PPO, GSPO and CISPO all give −α A ∇log π per token.
-        let on = Batch { old: b.logp.clone(), ..b.clone() };
+        let on = Batch { other: b.logp.clone(), ..b.clone() };
         let cfg = PpoConfig::default();
         let (_, g_ppo) = run(&on, &cfg, ppo_clip_loss, 0.0);
         let (_, g_cispo) = run(&on, &cfg, cispo_loss, 0.0);
@@ -216,9 +185,9 @@ proptest! {
 fn gradient_matches_finite_differences() {
     let b = Batch {
         logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
-        old: vec![vec![-0.9, -1.05, -0.6], vec![-1.7, -0.45, -1.3], vec![-0.2, -0.9, -0.3]],
+        other: vec![vec![-0.9, -1.05, -0.6], vec![-1.7, -0.45, -1.3], vec![-0.2, -0.9, -0.3]],
         mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
-        adv: vec![1.0, -1.0, -0.5],
+        weights: vec![1.0, -1.0, -0.5],
     };
     for cfg in configs() {
         // CISPO's weight is held constant by design, so its gradient is not the derivative of its
@@ -299,9 +268,9 @@ fn on_policy_reinforce_through_topr_equals_ppo() {
     use topr_loss::{RatioLevel, ToprConfig, ToprTokenConfig, topr_token_loss};
     let b = Batch {
         logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9]],
-        old: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9]],
+        other: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9]],
         mask: vec![vec![true, true, true], vec![true, true, false]],
-        adv: vec![0.8, -1.3],
+        weights: vec![0.8, -1.3],
     };
     for aggregation in [AggregationMode::TokenMean, AggregationMode::SeqMeanTokenMean, AggregationMode::SeqMeanTokenSum]
     {

@@ -11,51 +11,13 @@ use topr_loss::{
     topr_token_loss,
 };
 
-const MODES: [AggregationMode; 5] = [
-    AggregationMode::TokenMean,
-    AggregationMode::TokenSum,
-    AggregationMode::SeqMeanTokenSum,
-    AggregationMode::SeqMeanTokenMean,
-    AggregationMode::SeqMeanTokenSumNorm { length: 7.0 },
-];
+const MODES: [AggregationMode; 5] = ALL_MODES;
 const LEVELS: [RatioLevel; 3] = [RatioLevel::Sequence, RatioLevel::SequenceMean, RatioLevel::Token];
 
-/// One batch: per-token log-probs, mask, per-sequence rewards.
-#[derive(Debug, Clone)]
-struct Batch {
-    logp: Vec<Vec<f64>>,
-    mu: Vec<Vec<f64>>,
-    mask: Vec<Vec<bool>>,
-    rewards: Vec<f64>,
-}
-
-impl Batch {
-    fn tensors(&self, padding: f64) -> (Tensor, Tensor, Tensor, Tensor) {
-        let fill = |v: &[Vec<f64>]| -> Vec<Vec<f64>> {
-            v.iter()
-                .zip(&self.mask)
-                .map(|(row, m)| row.iter().zip(m).map(|(x, m)| if *m { *x } else { padding }).collect())
-                .collect()
-        };
-        let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
-        (t2(&fill(&self.logp)), t2(&fill(&self.mu)), t1(&self.rewards), Tensor::stack(&mask, 0))
-    }
-}
+type Batch = TokenBatch;
 
 fn batch() -> impl Strategy<Value = Batch> {
-    (1usize..6, 1usize..7).prop_flat_map(|(b, t)| {
-        (
-            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, t), b),
-            prop::collection::vec(prop::collection::vec(-0.8f64..0.8, t), b),
-            prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.8), t), b),
-            prop::collection::vec(prop_oneof![Just(1.0f64), Just(-1.0), Just(0.0), -2.0f64..2.0], b),
-        )
-            .prop_map(|(logp, delta, mut mask, rewards)| {
-                mask[0][0] = true; // at least one real token
-                let mu = logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
-                Batch { logp, mu, mask, rewards }
-            })
-    })
+    token_batch(0.8, prop_oneof![Just(1.0f64), Just(-1.0), Just(0.0), -2.0f64..2.0].boxed())
 }
 
 /// `α_i` of each mode, from the definitions (sequences with no token get 0).
@@ -88,13 +50,13 @@ fn ref_token(b: &Batch, cfg: &ToprTokenConfig, global: Option<(f64, f64)>) -> (f
     let mut value = 0.0;
     let mut grad = vec![vec![0.0; b.mask[0].len()]; b.mask.len()];
     for i in 0..b.mask.len() {
-        let rp = b.rewards[i] - cfg.topr.baseline;
+        let rp = b.weights[i] - cfg.topr.baseline;
         let (a, bb) = ref_limits(rp, lim, ties_positive);
         let toks: Vec<usize> = (0..b.mask[i].len()).filter(|&t| b.mask[i][t]).collect();
         if toks.is_empty() {
             continue;
         }
-        let deltas: Vec<f64> = toks.iter().map(|&t| b.logp[i][t] - b.mu[i][t]).collect();
+        let deltas: Vec<f64> = toks.iter().map(|&t| b.logp[i][t] - b.other[i][t]).collect();
         let l = toks.len() as f64;
         match cfg.ratio {
             RatioLevel::Sequence | RatioLevel::SequenceMean => {
@@ -219,9 +181,9 @@ proptest! {
 fn gradient_matches_finite_differences_at_every_level() {
     let b = Batch {
         logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
-        mu: vec![vec![-0.9, -1.0, -0.6], vec![-1.7, -0.45, -1.4], vec![-0.2, -0.9, -0.3]],
+        other: vec![vec![-0.9, -1.0, -0.6], vec![-1.7, -0.45, -1.4], vec![-0.2, -0.9, -0.3]],
         mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
-        rewards: vec![1.0, -1.0, -0.5],
+        weights: vec![1.0, -1.0, -0.5],
     };
     for cfg in configs() {
         let (_, g) = run(&b, &cfg, 0.0);
@@ -275,9 +237,9 @@ fn extreme_token_log_ratios_stay_finite() {
 fn diagnostics_count_tokens_and_branches() {
     let b = Batch {
         logp: vec![vec![-1.0, -1.0], vec![-1.0, -2.0]],
-        mu: vec![vec![-1.5, -0.5], vec![-1.0, 9.0]],
+        other: vec![vec![-1.5, -0.5], vec![-1.0, 9.0]],
         mask: vec![vec![true, true], vec![true, false]],
-        rewards: vec![1.0, -1.0],
+        weights: vec![1.0, -1.0],
     };
     let (lp, mu, r, m) = b.tensors(f64::NAN);
     // Token level: ratios e^{0.5}, e^{-0.5} (positive, both cut to 1), e^0 (negative, kept).

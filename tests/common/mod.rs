@@ -3,7 +3,9 @@
 //! Nothing here calls the library's own math.
 #![allow(dead_code)]
 
+use proptest::prelude::*;
 use tch::{Kind, Tensor};
+use topr_loss::AggregationMode;
 
 /// `[x]_a^b` from its definition.
 pub fn ref_weight(x: f64, a: f64, b: f64) -> f64 {
@@ -87,4 +89,56 @@ pub fn finite_difference(x: &[f64], h: f64, f: impl Fn(&[f64]) -> f64) -> Vec<f6
             (f(&up) - f(&down)) / (2.0 * h)
         })
         .collect()
+}
+
+/// Every aggregation mode (the fixed length of the last is arbitrary).
+pub const ALL_MODES: [AggregationMode; 5] = [
+    AggregationMode::TokenMean,
+    AggregationMode::TokenSum,
+    AggregationMode::SeqMeanTokenSum,
+    AggregationMode::SeqMeanTokenMean,
+    AggregationMode::SeqMeanTokenSumNorm { length: 7.0 },
+];
+
+/// A token-level batch: log-probs of π and of a second policy (μ, old, reference), a mask and
+/// one weight (reward or advantage) per sequence.
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    pub logp: Vec<Vec<f64>>,
+    pub other: Vec<Vec<f64>>,
+    pub mask: Vec<Vec<bool>>,
+    pub weights: Vec<f64>,
+}
+
+impl TokenBatch {
+    /// `(logp, other, weights, mask)` with `padding` written into every masked position.
+    pub fn tensors(&self, padding: f64) -> (Tensor, Tensor, Tensor, Tensor) {
+        let fill = |v: &[Vec<f64>]| -> Vec<Vec<f64>> {
+            v.iter()
+                .zip(&self.mask)
+                .map(|(row, m)| row.iter().zip(m).map(|(x, m)| if *m { *x } else { padding }).collect())
+                .collect()
+        };
+        let mask: Vec<Tensor> = self.mask.iter().map(|r| Tensor::from_slice(r)).collect();
+        (t2(&fill(&self.logp)), t2(&fill(&self.other)), t1(&self.weights), Tensor::stack(&mask, 0))
+    }
+}
+
+/// Random batches of 1–5 sequences of 1–6 tokens, log-ratios in `±max_delta`, at least one real
+/// token, weights drawn from `weights`.
+pub fn token_batch(max_delta: f64, weights: BoxedStrategy<f64>) -> impl Strategy<Value = TokenBatch> {
+    (1usize..6, 1usize..7).prop_flat_map(move |(b, t)| {
+        (
+            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, t), b),
+            prop::collection::vec(prop::collection::vec(-max_delta..max_delta, t), b),
+            prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.8), t), b),
+            prop::collection::vec(weights.clone(), b),
+        )
+            .prop_map(|(logp, delta, mut mask, weights)| {
+                mask[0][0] = true;
+                let other =
+                    logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
+                TokenBatch { logp, other, mask, weights }
+            })
+    })
 }
