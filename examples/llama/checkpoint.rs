@@ -1,0 +1,151 @@
+//! Loading and saving checkpoints in the Hugging Face layout: `config.json`, `model.safetensors`
+//! or shards listed in `model.safetensors.index.json`, and the tokenizer files beside them.
+
+use crate::config::LlamaConfig;
+use crate::model::Llama;
+use anyhow::{Context, Result, bail};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+/// The tokenizer and generation files copied along with a saved model.
+const SIDE_FILES: [&str; 6] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
+/// The safetensors files of a checkpoint directory.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index)?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
+        let map = v.get("weight_map").and_then(|m| m.as_object()).context("index without a weight_map")?;
+        let files: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    bail!("{} holds neither model.safetensors nor model.safetensors.index.json", dir.display())
+}
+
+/// Loads a Hugging Face Llama directory onto `device` in `kind` (weights are converted).
+pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
+    let cfg = LlamaConfig::load(dir)?;
+    let model = Llama::new(cfg, device, kind)?;
+    let vars = model.vs.variables();
+    let mut loaded = BTreeSet::new();
+    for file in weight_files(dir)? {
+        let tensors = Tensor::read_safetensors(&file).with_context(|| format!("reading {}", file.display()))?;
+        for (name, t) in tensors {
+            match vars.get(&name) {
+                Some(var) => {
+                    if var.size() != t.size() {
+                        bail!(
+                            "{}: {name} has shape {:?}, the config implies {:?}",
+                            file.display(),
+                            t.size(),
+                            var.size()
+                        );
+                    }
+                    tch::no_grad(|| var.shallow_clone().copy_(&t.to_kind(kind)));
+                    loaded.insert(name);
+                }
+                None if name == "lm_head.weight" && model.cfg.tie_word_embeddings => {}
+                None if name.ends_with("rotary_emb.inv_freq") => {}
+                None => bail!("{}: unexpected tensor {name} (not part of a Llama model)", file.display()),
+            }
+        }
+    }
+    let missing: Vec<&String> = vars.keys().filter(|k| !loaded.contains(*k)).collect();
+    if !missing.is_empty() {
+        bail!("{}: missing tensors {missing:?}", dir.display());
+    }
+    Ok(model)
+}
+
+fn dtype_name(kind: Kind) -> Result<&'static str> {
+    Ok(match kind {
+        Kind::Float => "F32",
+        Kind::BFloat16 => "BF16",
+        Kind::Half => "F16",
+        other => bail!("cannot save a {other:?} tensor"),
+    })
+}
+
+fn torch_dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    }
+}
+
+/// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata transformers expects.
+pub fn write_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0usize;
+    let mut blobs = vec![];
+    for (name, t) in tensors {
+        let t = t.detach().to_device(Device::Cpu).contiguous();
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype_name(t.kind())?, "shape": t.size(), "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+        blobs.push(t);
+    }
+    let mut json = serde_json::to_vec(&serde_json::Value::Object(header))?;
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut f =
+        std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
+    f.write_all(&(json.len() as u64).to_le_bytes())?;
+    f.write_all(&json)?;
+    for t in blobs {
+        let mut buf = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+        t.f_copy_data_u8(&mut buf, t.numel())?;
+        f.write_all(&buf)?;
+    }
+    f.flush()?;
+    Ok(())
+}
+
+/// Saves `model` as a Hugging Face directory `out` (config, one safetensors file, and the
+/// tokenizer and generation files copied from `source`, the directory it was loaded from).
+pub fn save(model: &Llama, source: &Path, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out)?;
+    let mut cfg = serde_json::to_value(&model.cfg)?;
+    if let Some(o) = cfg.as_object_mut() {
+        o.insert("torch_dtype".into(), torch_dtype_name(model.kind()).into());
+        o.insert("dtype".into(), torch_dtype_name(model.kind()).into());
+        o.insert("architectures".into(), serde_json::json!(["LlamaForCausalLM"]));
+    }
+    let tmp = out.join("config.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
+    std::fs::rename(&tmp, out.join("config.json"))?;
+    let tensors: BTreeMap<String, Tensor> = model.vs.variables().into_iter().collect();
+    let tmp = out.join("model.safetensors.tmp");
+    write_safetensors(&tensors, &tmp)?;
+    std::fs::rename(&tmp, out.join("model.safetensors"))?;
+    if source != out {
+        for f in SIDE_FILES {
+            let from = source.join(f);
+            if from.exists() {
+                std::fs::copy(&from, out.join(f)).with_context(|| format!("copying {}", from.display()))?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,195 @@
+//! Batched generation with a KV cache: prompts of different lengths are left-padded into one
+//! batch and each row keeps its own positions. Greedy, temperature, top-k and top-p sampling.
+//!
+//! For every sampled token it records two log-probabilities: under the model itself
+//! (temperature 1, no truncation) and under the distribution actually sampled from (after
+//! temperature, top-k and top-p), so that either can serve as μ for an off-policy loss.
+
+use crate::model::Llama;
+use anyhow::{Result, bail};
+use tch::{Kind, Tensor};
+
+#[derive(Debug, Clone, Copy)]
+pub struct Sampling {
+    /// Take the most likely token (the other fields are ignored).
+    pub greedy: bool,
+    pub temperature: f64,
+    pub top_p: f64,
+    /// 0 disables top-k.
+    pub top_k: i64,
+    pub max_new_tokens: i64,
+}
+
+impl Sampling {
+    pub fn check(&self) -> Result<()> {
+        if !self.greedy {
+            if !(self.temperature.is_finite() && self.temperature > 0.0) {
+                bail!("--temperature must be > 0 (use --greedy for argmax decoding), got {}", self.temperature);
+            }
+            if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+                bail!("--top-p must lie in (0, 1], got {}", self.top_p);
+            }
+            if self.top_k < 0 {
+                bail!("--top-k must be >= 0 (0 disables it), got {}", self.top_k);
+            }
+        }
+        if self.max_new_tokens < 1 {
+            bail!("--max-new-tokens must be >= 1, got {}", self.max_new_tokens);
+        }
+        Ok(())
+    }
+}
+
+/// Why a row stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stop {
+    Eos,
+    Length,
+}
+
+/// One generated completion.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// Generated ids, the end-of-sequence token included when it was produced.
+    pub tokens: Vec<i64>,
+    /// `log π(token)` under the model at temperature 1.
+    pub logp_model: Vec<f32>,
+    /// `log q(token)` under the sampling distribution (0 for greedy decoding).
+    pub logp_sampling: Vec<f32>,
+    pub stop: Stop,
+}
+
+/// Applies temperature, top-k and top-p (in that order, as transformers' logits processors) to
+/// `logits [B, V]` (f32), masking removed tokens with −inf.
+pub fn sampling_logits(logits: &Tensor, s: &Sampling) -> Tensor {
+    let mut z = logits / s.temperature;
+    let v = z.size()[1];
+    if s.top_k > 0 && s.top_k < v {
+        let (top, _) = z.topk(s.top_k, -1, true, true);
+        let kth = top.narrow(1, s.top_k - 1, 1); // [B, 1]
+        z = z.masked_fill(&z.lt_tensor(&kth), f64::NEG_INFINITY);
+    }
+    if s.top_p < 1.0 {
+        // transformers' TopPLogitsWarper: ascending sort, drop the tokens whose cumulative
+        // probability stays <= 1 − p, always keep the most likely one.
+        let (sorted, idx) = z.sort(-1, false);
+        let cum = sorted.softmax(-1, Kind::Float).cumsum(-1, Kind::Float);
+        let remove = cum.le(1.0 - s.top_p);
+        let _ = remove.narrow(1, v - 1, 1).fill_(0);
+        let remove = remove.zeros_like().scatter(1, &idx, &remove);
+        z = z.masked_fill(&remove, f64::NEG_INFINITY);
+    }
+    z
+}
+
+/// Generates one completion per prompt (ids), all in one batch.
+pub fn generate(
+    model: &Llama,
+    prompts: &[Vec<i64>],
+    s: &Sampling,
+    eos: &[i64],
+    pad_id: i64,
+) -> Result<Vec<Completion>> {
+    s.check()?;
+    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+        bail!("every prompt needs at least one token");
+    }
+    let device = model.device();
+    let b = prompts.len() as i64;
+    let p_len = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
+    let limit = model.cfg.max_position_embeddings;
+    if p_len + s.max_new_tokens > limit {
+        bail!(
+            "prompt ({p_len} tokens) + --max-new-tokens ({}) exceeds the model's context of {limit}",
+            s.max_new_tokens
+        );
+    }
+    // Left padding: [B, P] ids and mask.
+    let mut ids = vec![pad_id; (b * p_len) as usize];
+    let mut mask = vec![false; (b * p_len) as usize];
+    for (r, p) in prompts.iter().enumerate() {
+        let off = r * p_len as usize + (p_len as usize - p.len());
+        ids[off..off + p.len()].copy_from_slice(p);
+        mask[off..off + p.len()].iter_mut().for_each(|m| *m = true);
+    }
+    let ids = Tensor::from_slice(&ids).view([b, p_len]).to_device(device);
+    let mask = Tensor::from_slice(&mask).view([b, p_len]).to_device(device);
+    let mut positions = crate::model::positions_from_mask(&mask);
+    let eos_t = Tensor::from_slice(eos).to_device(device);
+
+    let mut out: Vec<Completion> = (0..b)
+        .map(|_| Completion { tokens: vec![], logp_model: vec![], logp_sampling: vec![], stop: Stop::Length })
+        .collect();
+    let mut done = vec![false; b as usize];
+    tch::no_grad(|| -> Result<()> {
+        let mut cache = model.new_cache(b, p_len + s.max_new_tokens);
+        let mut logits = model.step(&ids, &positions, &mask, &mut cache).to_kind(Kind::Float); // [B, V]
+        for _ in 0..s.max_new_tokens {
+            let logp_model = logits.log_softmax(-1, Kind::Float);
+            let (next, logp_q) = if s.greedy {
+                (logits.argmax(-1, false), Tensor::zeros([b], (Kind::Float, device)))
+            } else {
+                let z = sampling_logits(&logits, s);
+                let logq = z.log_softmax(-1, Kind::Float);
+                let next = logq.exp().multinomial(1, false).squeeze_dim(1);
+                let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+                (next, lq)
+            };
+            let lp = logp_model.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+            let is_eos = next.unsqueeze(1).eq_tensor(&eos_t.unsqueeze(0)).any_dim(1, false);
+            let (next_v, lp_v, lq_v, eos_v) = (
+                Vec::<i64>::try_from(&next.to_device(tch::Device::Cpu))?,
+                Vec::<f32>::try_from(&lp.to_device(tch::Device::Cpu))?,
+                Vec::<f32>::try_from(&logp_q.to_device(tch::Device::Cpu))?,
+                Vec::<bool>::try_from(&is_eos.to_device(tch::Device::Cpu))?,
+            );
+            for r in 0..b as usize {
+                if done[r] {
+                    continue;
+                }
+                out[r].tokens.push(next_v[r]);
+                out[r].logp_model.push(lp_v[r]);
+                out[r].logp_sampling.push(lq_v[r]);
+                if eos_v[r] {
+                    done[r] = true;
+                    out[r].stop = Stop::Eos;
+                }
+            }
+            if done.iter().all(|d| *d) {
+                break;
+            }
+            positions = positions.narrow(1, positions.size()[1] - 1, 1) + 1; // [B, 1]
+            let new_mask = Tensor::ones([b, 1], (Kind::Bool, device));
+            logits = model.step(&next.unsqueeze(1), &positions, &new_mask, &mut cache).to_kind(Kind::Float);
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Teacher-forced log-probs of `completion` after `prompt` (ids), under the model at
+/// temperature 1: one value per completion token.
+pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f32>> {
+    if prompt.is_empty() || completion.is_empty() {
+        bail!("score needs a non-empty prompt and completion");
+    }
+    let all: Vec<i64> = prompt.iter().chain(completion).copied().collect();
+    let n = all.len() as i64;
+    if n > model.cfg.max_position_embeddings {
+        bail!("prompt + completion ({n} tokens) exceed the model's context of {}", model.cfg.max_position_embeddings);
+    }
+    let device = model.device();
+    let ids = Tensor::from_slice(&all).view([1, n]).to_device(device);
+    let mask = Tensor::ones([1, n], (Kind::Bool, device));
+    let logp = tch::no_grad(|| {
+        let logits = model.logits(&ids, &mask).to_kind(Kind::Float); // [1, n, V]
+        let p = prompt.len() as i64;
+        let c = completion.len() as i64;
+        // The token at position t is predicted by the logits at t − 1.
+        let pred = logits.narrow(1, p - 1, c).log_softmax(-1, Kind::Float);
+        let labels = ids.narrow(1, p, c).unsqueeze(2);
+        pred.gather(2, &labels, false).view([c])
+    });
+    Ok(Vec::<f32>::try_from(&logp.to_device(tch::Device::Cpu))?)
+}

