@@ -256,3 +256,42 @@ fn smollm2_greedy_chat_matches_transformers() {
         assert_eq!(ours[i].tokens, want, "greedy completion of {q:?}: ours {:?}", tok.decode(&ours[i].tokens));
     }
 }
+
+/// Training through the model with the crate's fused log-prob path gives the gradient of the
+/// naive `logits → log_softmax → gather` computation, for every parameter.
+#[test]
+fn fused_logprob_training_matches_naive_gradients() {
+    let dir = random_checkpoint("fused_grad", &["--kv-heads", "2", "--tie", "--seed", "7"]);
+    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let ids = Tensor::from_slice(&[256i64, 10, 20, 30, 40, 50, 0, 256, 5, 6, 7, 8, 9, 11]).view([2, 7]);
+    let mask = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]).view([2, 7]);
+    let labels = ids.narrow(1, 1, 6);
+    let lmask = mask.narrow(1, 1, 6);
+    let weights = Tensor::from_slice(&[0.5f32, -1.0]).unsqueeze(1);
+    let grads = |m: &model::Llama| -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = m.vs.variables().into_iter().map(|(k, t)| (k, t.grad().copy())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, t) in m.vs.variables() {
+            let _ = t.grad().zero_();
+        }
+        v
+    };
+    // Naive.
+    let logits = m.logits(&ids, &mask).narrow(1, 0, 6);
+    let lp = logits.log_softmax(-1, Kind::Float).gather(2, &labels.unsqueeze(2), false).squeeze_dim(2);
+    (lp * &weights * lmask.to_kind(Kind::Float)).sum(Kind::Float).backward();
+    let naive = grads(&m);
+    // Fused.
+    let hidden = m.hidden(&ids, &mask).narrow(1, 0, 6);
+    let cfg = topr_loss::LogProbConfig { chunk_tokens: 4, ..Default::default() };
+    let _ = topr_loss::backward_through_fused_logprobs(&hidden, m.lm_head(), &labels, Some(&lmask), &cfg, |x| {
+        Ok((&x.logp * &weights).sum(Kind::Float))
+    })
+    .unwrap();
+    let fused = grads(&m);
+    for ((name, a), (_, b)) in naive.iter().zip(&fused) {
+        let d = (a - b).abs().max().double_value(&[]);
+        let scale = a.abs().max().double_value(&[]).max(1e-3);
+        assert!(d <= 1e-4 * scale, "{name}: fused gradient differs by {d} (scale {scale})");
+    }
+}

@@ -65,6 +65,24 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: i64,
     },
+    /// Load a checkpoint and save it again (e.g. in another dtype), in the Hugging Face layout.
+    Convert {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Measure generation (batch 1 and 16) and training forward+backward throughput; prints JSON.
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value_t = 64)]
+        new_tokens: i64,
+        #[arg(long, default_value_t = 8)]
+        train_batch: i64,
+        #[arg(long, default_value_t = 128)]
+        train_len: i64,
+    },
     /// Print the teacher-forced log-probabilities of a completion as JSON.
     Score {
         #[command(flatten)]
@@ -154,6 +172,15 @@ fn main() -> Result<()> {
             );
             println!("{}", tok.decode(&c.tokens)?);
         }
+        Command::Convert { model, out } => {
+            let (m, _) = load(&model)?;
+            checkpoint::save(&m, &model.model, &out)?;
+            eprintln!("saved {}", out.display());
+        }
+        Command::Bench { model, new_tokens, train_batch, train_len } => {
+            let (m, tok) = load(&model)?;
+            bench(&m, &tok, new_tokens, train_batch, train_len)?;
+        }
         Command::Score { model, prompt, completion, chat } => {
             let (m, tok) = load(&model)?;
             let p = tok.prompt_ids(&prompt, chat)?;
@@ -162,5 +189,54 @@ fn main() -> Result<()> {
             println!("{}", serde_json::json!({"tokens": c, "logprobs": logprobs}));
         }
     }
+    Ok(())
+}
+
+/// Throughput of generation (greedy, fixed length, batch 1 and 16) and of a training step
+/// (forward + backward of the mean next-token NLL), each after one warm-up run.
+fn bench(
+    m: &model::Llama,
+    tok: &tokenizer::Tokenizer,
+    new_tokens: i64,
+    train_batch: i64,
+    train_len: i64,
+) -> Result<()> {
+    use std::time::Instant;
+    use tch::Tensor;
+    let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
+    let s = generate::Sampling { greedy: true, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: new_tokens };
+    for batch in [1usize, 16] {
+        let prompts = vec![prompt.clone(); batch];
+        let warm = generate::Sampling { max_new_tokens: 4, ..s };
+        generate::generate(m, &prompts, &warm, &[], tok.pad_id)?;
+        let t0 = Instant::now();
+        let out = generate::generate(m, &prompts, &s, &[], tok.pad_id)?; // no EOS: fixed length
+        let secs = t0.elapsed().as_secs_f64();
+        let n: usize = out.iter().map(|c| c.tokens.len()).sum();
+        println!(
+            "{}",
+            serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": n as f64 / secs})
+        );
+    }
+    tch::manual_seed(0);
+    let ids = Tensor::randint(m.cfg.vocab_size, [train_batch, train_len], (Kind::Int64, m.device()));
+    let mask = Tensor::ones([train_batch, train_len], (Kind::Int64, m.device()));
+    let step = || {
+        let logits = m.logits(&ids, &mask); // [B, T, V]
+        let lp = logits.narrow(1, 0, train_len - 1).log_softmax(-1, Kind::Float);
+        let nll = -lp.gather(2, &ids.narrow(1, 1, train_len - 1).unsqueeze(2), false).mean(Kind::Float);
+        nll.backward();
+    };
+    step();
+    let iters = 3;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        step();
+    }
+    let secs = t0.elapsed().as_secs_f64() / iters as f64;
+    println!(
+        "{}",
+        serde_json::json!({"what": "train_fwd_bwd", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs})
+    );
     Ok(())
 }
