@@ -145,8 +145,14 @@ fn load(args: &ModelArgs) -> Result<(model::Llama, tokenizer::Tokenizer)> {
     Ok((m, tok))
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate { model, prompt, chat, max_new_tokens, greedy, temperature, top_p, top_k, seed } => {
             let (m, tok) = load(&model)?;
@@ -237,6 +243,26 @@ fn bench(
     println!(
         "{}",
         serde_json::json!({"what": "train_fwd_bwd", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs})
+    );
+    // The same step through the crate's fused log-prob path: no [B, T, V] logits tensor.
+    let cfg = topr_loss::LogProbConfig::default();
+    let labels = ids.narrow(1, 1, train_len - 1);
+    let fused_step = || -> Result<()> {
+        let hidden = m.hidden(&ids, &mask).narrow(1, 0, train_len - 1); // [B, T−1, H]
+        let _ = topr_loss::backward_through_fused_logprobs(&hidden, m.lm_head(), &labels, None, &cfg, |lp| {
+            Ok(-lp.logp.mean(Kind::Float))
+        })?;
+        Ok(())
+    };
+    fused_step()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        fused_step()?;
+    }
+    let secs = t0.elapsed().as_secs_f64() / iters as f64;
+    println!(
+        "{}",
+        serde_json::json!({"what": "train_fwd_bwd_fused_logprobs", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs})
     );
     Ok(())
 }
