@@ -43,6 +43,16 @@ pub struct Llama {
     kind: Kind,
 }
 
+/// Which keys each query attends to.
+enum Attend {
+    /// Key `j` for query `i` iff `j <= i` (no padding, no earlier cache).
+    Causal,
+    /// Every key (one new token, no padding in the cache).
+    All,
+    /// An explicit `[B, 1, T, S]` bool mask (padding present).
+    Mask(Tensor),
+}
+
 /// Keys and values of past tokens, preallocated for `capacity` positions.
 pub struct KvCache {
     k: Vec<Tensor>, // per layer [B, nkv, capacity, hd]
@@ -124,12 +134,16 @@ impl Llama {
     pub fn hidden(&self, ids: &Tensor, mask: &Tensor) -> Tensor {
         let mask = mask.to_kind(Kind::Bool);
         let positions = positions_from_mask(&mask);
+        if mask.all().int64_value(&[]) == 1 {
+            // No padding: plain causal attention, which lets libtorch use its fused kernels.
+            return self.run(ids, &positions, &Attend::Causal, None);
+        }
         let t = ids.size()[1];
         // allowed[b, 0, i, j] = j <= i and key j is real; every query may see itself.
         let causal = Tensor::ones([t, t], (Kind::Bool, ids.device())).tril(0);
         let allowed =
             causal.unsqueeze(0).logical_and(&mask.unsqueeze(1)).logical_or(&Tensor::eye(t, (Kind::Bool, ids.device())));
-        self.run(ids, &positions, &allowed.unsqueeze(1), None)
+        self.run(ids, &positions, &Attend::Mask(allowed.unsqueeze(1)), None)
     }
 
     /// Logits `[B, T, V]` of a padded batch (the training forward), in the model's dtype.
@@ -150,19 +164,25 @@ impl Llama {
         let causal = key_idx.le_tensor(&query_idx); // [T, S]
         let real = cache.key_mask.narrow(1, 0, total).unsqueeze(1); // [B, 1, S]
         let own = key_idx.eq_tensor(&query_idx); // [T, S]
-        let allowed = causal.unsqueeze(0).logical_and(&real).logical_or(&own.unsqueeze(0)).unsqueeze(1);
-        let h = self.run(ids, positions, &allowed, Some(cache));
+        let attend = if start == 0 && real.all().int64_value(&[]) == 1 {
+            Attend::Causal
+        } else if t == 1 && real.all().int64_value(&[]) == 1 {
+            Attend::All // one new token that may see every (real) cached key
+        } else {
+            Attend::Mask(causal.unsqueeze(0).logical_and(&real).logical_or(&own.unsqueeze(0)).unsqueeze(1))
+        };
+        let h = self.run(ids, positions, &attend, Some(cache));
         cache.len = total;
         h.narrow(1, t - 1, 1).squeeze_dim(1).matmul(&self.lm_head.tr())
     }
 
-    fn run(&self, ids: &Tensor, positions: &Tensor, allowed: &Tensor, mut cache: Option<&mut KvCache>) -> Tensor {
+    fn run(&self, ids: &Tensor, positions: &Tensor, attend: &Attend, mut cache: Option<&mut KvCache>) -> Tensor {
         let (cos, sin) = rope_cos_sin(&self.inv_freq, positions, self.kind); // [B, 1, T, hd]
         let mut x = Tensor::embedding(&self.embed, ids, -1, false, false); // [B, T, H]
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps);
             let kv = cache.as_deref_mut().map(|c| (&mut c.k[l], &mut c.v[l], c.len));
-            x = x + self.attention(&layer.attn, &h, &cos, &sin, allowed, kv);
+            x = x + self.attention(&layer.attn, &h, &cos, &sin, attend, kv);
             let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps);
             let m = &layer.mlp;
             x = x + (h.matmul(&m.gate.tr()).silu() * h.matmul(&m.up.tr())).matmul(&m.down.tr());
@@ -176,7 +196,7 @@ impl Llama {
         h: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        allowed: &Tensor,
+        attend: &Attend,
         cache: Option<(&mut Tensor, &mut Tensor, i64)>,
     ) -> Tensor {
         let (b, t) = (h.size()[0], h.size()[1]);
@@ -193,7 +213,12 @@ impl Llama {
             }
             None => (k, v),
         };
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(allowed), 0.0, false, None, nh != nkv);
+        let gqa = nh != nkv;
+        let y = match attend {
+            Attend::Causal => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, gqa),
+            Attend::All => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, false, None, gqa),
+            Attend::Mask(m) => Tensor::scaled_dot_product_attention(&q, &k, &v, Some(m), 0.0, false, None, gqa),
+        };
         y.transpose(1, 2).reshape([b, t, nh * hd]).matmul(&a.o.tr())
     }
 }
