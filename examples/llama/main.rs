@@ -11,8 +11,10 @@
 
 mod checkpoint;
 mod config;
+mod eval;
 mod generate;
 mod model;
+mod task;
 mod tokenizer;
 
 use anyhow::{Context, Result, bail};
@@ -40,6 +42,73 @@ struct ModelArgs {
     dtype: String,
 }
 
+#[derive(Args, Clone)]
+struct TaskArgs {
+    /// gsm8k (needs --data) or synthetic.
+    #[arg(long, default_value = "synthetic")]
+    task: String,
+    /// A GSM8K JSONL file (the public release's layout).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Use at most this many problems (0: all).
+    #[arg(long, default_value_t = 0)]
+    limit: usize,
+    /// Synthetic task: number of problems, difficulty (operations per problem) and seed.
+    #[arg(long, default_value_t = 200)]
+    synthetic_n: usize,
+    #[arg(long, default_value_t = 2)]
+    difficulty: usize,
+    #[arg(long, default_value_t = 1)]
+    task_seed: u64,
+    /// chat (the model's chat template) or few-shot.
+    #[arg(long, default_value = "chat")]
+    prompt_style: String,
+    /// Worked examples for few-shot prompts (from --shots-data for GSM8K, generated otherwise).
+    #[arg(long, default_value_t = 4)]
+    shots: usize,
+    #[arg(long)]
+    shots_data: Option<PathBuf>,
+    /// Skip malformed data lines (counted) instead of stopping at the first.
+    #[arg(long)]
+    skip_bad_lines: bool,
+}
+
+impl TaskArgs {
+    /// The problems and the prompt style.
+    fn load(&self) -> Result<(Vec<task::Problem>, eval::PromptStyle)> {
+        let mut problems = match self.task.as_str() {
+            "gsm8k" => {
+                let path = self.data.as_ref().context("--task gsm8k needs --data PATH (a GSM8K JSONL file)")?;
+                let (p, skipped) = task::load_gsm8k(path, self.skip_bad_lines)?;
+                if skipped > 0 {
+                    eprintln!("skipped {skipped} malformed line(s) of {}", path.display());
+                }
+                p
+            }
+            "synthetic" => task::synthetic_problems(self.task_seed, self.synthetic_n, self.difficulty),
+            other => bail!("--task must be gsm8k or synthetic, got {other:?}"),
+        };
+        if self.limit > 0 {
+            problems.truncate(self.limit);
+        }
+        let style = match self.prompt_style.as_str() {
+            "chat" => eval::PromptStyle::Chat,
+            "few-shot" => {
+                let shots = match (&self.shots_data, self.task.as_str()) {
+                    (Some(p), _) => task::load_gsm8k(p, self.skip_bad_lines)?.0,
+                    (None, "synthetic") => {
+                        task::synthetic_problems(self.task_seed.wrapping_add(1_000_003), self.shots, self.difficulty)
+                    }
+                    (None, _) => bail!("--prompt-style few-shot with GSM8K needs --shots-data (e.g. the train file)"),
+                };
+                eval::PromptStyle::FewShot(shots.into_iter().take(self.shots).collect())
+            }
+            other => bail!("--prompt-style must be chat or few-shot, got {other:?}"),
+        };
+        Ok((problems, style))
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Print the completion of a prompt.
@@ -64,6 +133,32 @@ enum Command {
         top_k: Option<i64>,
         #[arg(long, default_value_t = 0)]
         seed: i64,
+    },
+    /// Evaluate on a task: greedy pass@1, and with --samples K sampled pass@1, maj@K and pass@K;
+    /// invalid-answer rate; mean length. Prints a JSON summary; --out writes one line per question.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[arg(long, default_value_t = 256)]
+        max_new_tokens: i64,
+        /// Samples per question for sampled pass@1, maj@K and pass@K (0: greedy only).
+        #[arg(long, default_value_t = 0)]
+        samples: usize,
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        #[arg(long, default_value_t = 0)]
+        top_k: i64,
+        #[arg(long, default_value_t = 16)]
+        batch_size: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Per-question results (JSONL).
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Load a checkpoint and save it again (e.g. in another dtype), in the Hugging Face layout.
     Convert {
@@ -177,6 +272,32 @@ fn run(cli: Cli) -> Result<()> {
                 c.stop
             );
             println!("{}", tok.decode(&c.tokens)?);
+        }
+        Command::Eval { model, task, max_new_tokens, samples, temperature, top_p, top_k, batch_size, seed, out } => {
+            let (m, tok) = load(&model)?;
+            let (problems, style) = task.load()?;
+            tch::manual_seed(seed);
+            let sampling = generate::Sampling { greedy: false, temperature, top_p, top_k, max_new_tokens };
+            sampling.check()?;
+            let mut file = match &out {
+                Some(p) => Some(std::io::BufWriter::new(
+                    std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+                )),
+                None => None,
+            };
+            let sink = file.as_mut().map(|f| f as &mut dyn std::io::Write);
+            let s = eval::evaluate(
+                &m,
+                &tok,
+                &problems,
+                &style,
+                max_new_tokens,
+                samples,
+                sampling,
+                batch_size.max(1),
+                sink,
+            )?;
+            println!("{}", serde_json::to_string(&s)?);
         }
         Command::Convert { model, out } => {
             let (m, _) = load(&model)?;

@@ -1,0 +1,155 @@
+//! Evaluation on a task: greedy pass@1, and with `k` samples per question sampled pass@1, maj@k
+//! and pass@k; invalid-answer rate and mean completion length; one JSON line per question.
+
+use crate::generate::{self, Sampling};
+use crate::model::Llama;
+use crate::task::{self, Problem};
+use crate::tokenizer::Tokenizer;
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::io::Write;
+
+/// How a problem becomes a prompt.
+#[derive(Clone)]
+pub enum PromptStyle {
+    /// The chat template with the question and the answer instruction as the user message.
+    Chat,
+    /// Worked examples then the question, for base models.
+    FewShot(Vec<Problem>),
+}
+
+pub fn prompt_ids(tok: &Tokenizer, style: &PromptStyle, p: &Problem) -> Result<Vec<i64>> {
+    match style {
+        PromptStyle::Chat => tok.prompt_ids(&task::chat_message(p), true),
+        PromptStyle::FewShot(shots) => tok.prompt_ids(&task::few_shot_prompt(shots, p), false),
+    }
+}
+
+/// One question's results.
+#[derive(Serialize)]
+pub struct QuestionResult {
+    pub id: String,
+    pub question: String,
+    pub reference: f64,
+    pub greedy_completion: String,
+    pub greedy_answer: Option<f64>,
+    pub greedy_correct: bool,
+    pub greedy_invalid: bool,
+    pub greedy_tokens: usize,
+    pub sample_answers: Vec<Option<f64>>,
+    pub sample_correct: Vec<bool>,
+}
+
+/// The aggregate metrics.
+#[derive(Serialize, Debug, Clone)]
+pub struct Summary {
+    pub questions: usize,
+    pub pass1_greedy: f64,
+    pub invalid_rate_greedy: f64,
+    pub mean_tokens_greedy: f64,
+    pub samples_per_question: usize,
+    pub pass1_sampled: Option<f64>,
+    pub maj_at_k: Option<f64>,
+    pub pass_at_k: Option<f64>,
+}
+
+/// The most common valid answer (the first one reached on ties), if any.
+pub fn majority(answers: &[Option<f64>]) -> Option<f64> {
+    let mut best: Option<(f64, usize)> = None;
+    for a in answers.iter().flatten() {
+        let n = answers.iter().flatten().filter(|b| task::is_correct(Some(**b), *a)).count();
+        if best.is_none_or(|(_, m)| n > m) {
+            best = Some((*a, n));
+        }
+    }
+    best.map(|(a, _)| a)
+}
+
+fn bar(n: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(n);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {per_sec} ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
+/// Evaluates `problems`, writing one JSON line per question to `out` when given.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate(
+    model: &Llama,
+    tok: &Tokenizer,
+    problems: &[Problem],
+    style: &PromptStyle,
+    max_new_tokens: i64,
+    samples: usize,
+    sampling: Sampling,
+    batch_size: usize,
+    mut out: Option<&mut dyn Write>,
+) -> Result<Summary> {
+    let greedy = Sampling { greedy: true, max_new_tokens, ..sampling };
+    let sampled = Sampling { greedy: false, max_new_tokens, ..sampling };
+    let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+    let pb = bar((problems.len() * (1 + samples)) as u64, "eval");
+    let mut results = vec![];
+    for (chunk_p, chunk_ids) in problems.chunks(batch_size).zip(prompts.chunks(batch_size)) {
+        let g = generate::generate(model, chunk_ids, &greedy, &tok.eos_ids, tok.pad_id)?;
+        pb.inc(chunk_p.len() as u64);
+        let mut sample_answers = vec![vec![]; chunk_p.len()];
+        if samples > 0 {
+            // Each prompt repeated `samples` times, in batches of at most `batch_size` rows.
+            let rows: Vec<(usize, Vec<i64>)> =
+                chunk_ids.iter().enumerate().flat_map(|(i, p)| std::iter::repeat_n((i, p.clone()), samples)).collect();
+            for part in rows.chunks(batch_size) {
+                let ids: Vec<Vec<i64>> = part.iter().map(|(_, p)| p.clone()).collect();
+                let s = generate::generate(model, &ids, &sampled, &tok.eos_ids, tok.pad_id)?;
+                for ((i, _), c) in part.iter().zip(s) {
+                    sample_answers[*i].push(task::extract_answer(&tok.decode(&c.tokens)?));
+                }
+                pb.inc(part.len() as u64);
+            }
+        }
+        for ((p, c), answers) in chunk_p.iter().zip(g).zip(sample_answers) {
+            let text = tok.decode(&c.tokens)?;
+            let answer = task::extract_answer(&text);
+            let r = QuestionResult {
+                id: p.id.clone(),
+                question: p.question.clone(),
+                reference: p.answer,
+                greedy_correct: task::is_correct(answer, p.answer),
+                greedy_invalid: answer.is_none(),
+                greedy_tokens: c.tokens.len(),
+                greedy_answer: answer,
+                greedy_completion: text,
+                sample_correct: answers.iter().map(|a| task::is_correct(*a, p.answer)).collect(),
+                sample_answers: answers,
+            };
+            if let Some(w) = out.as_deref_mut() {
+                writeln!(w, "{}", serde_json::to_string(&r)?)?;
+            }
+            results.push(r);
+        }
+    }
+    pb.finish_and_clear();
+    Ok(summarize(&results, samples))
+}
+
+pub fn summarize(results: &[QuestionResult], samples: usize) -> Summary {
+    let n = results.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&QuestionResult) -> f64| results.iter().map(f).sum::<f64>() / n;
+    let with_samples = samples > 0;
+    Summary {
+        questions: results.len(),
+        pass1_greedy: mean(&|r| f64::from(u8::from(r.greedy_correct))),
+        invalid_rate_greedy: mean(&|r| f64::from(u8::from(r.greedy_invalid))),
+        mean_tokens_greedy: mean(&|r| r.greedy_tokens as f64),
+        samples_per_question: samples,
+        pass1_sampled: with_samples
+            .then(|| mean(&|r| r.sample_correct.iter().filter(|c| **c).count() as f64 / samples as f64)),
+        maj_at_k: with_samples
+            .then(|| mean(&|r| f64::from(u8::from(task::is_correct(majority(&r.sample_answers), r.reference))))),
+        pass_at_k: with_samples.then(|| mean(&|r| f64::from(u8::from(r.sample_correct.iter().any(|c| *c))))),
+    }
+}
