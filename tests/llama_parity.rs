@@ -16,44 +16,13 @@ mod model;
 #[path = "../examples/llama/tokenizer.rs"]
 mod tokenizer;
 
+mod common;
+
+use common::llama::{hf, python, random_checkpoint, repo};
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use tch::{Device, Kind, Tensor};
-
-fn python() -> PathBuf {
-    PathBuf::from(std::env::var("TOPR_REFERENCE_PYTHON").expect(
-        "TOPR_REFERENCE_PYTHON is not set: run the tests after `source scripts/env.sh`, which installs transformers",
-    ))
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn reference(args: &[&str]) -> Value {
-    let out = Command::new(python()).arg(repo().join("tests/reference/hf_llama.py")).args(args).output().unwrap();
-    assert!(out.status.success(), "reference failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// Runs a list of requests against the checkpoint in `dir` with transformers.
-fn hf(dir: &Path, requests: Value) -> Vec<Value> {
-    let file = dir.join("requests.json");
-    std::fs::write(&file, requests.to_string()).unwrap();
-    let v = reference(&["run", "--model", dir.to_str().unwrap(), "--requests", file.to_str().unwrap()]);
-    v["results"].as_array().unwrap().clone()
-}
-
-/// A random checkpoint `name` under the test temp dir (made once per test run).
-fn random_checkpoint(name: &str, args: &[&str]) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama").join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut a = vec!["make", "--out", dir.to_str().unwrap()];
-    a.extend_from_slice(args);
-    reference(&a);
-    dir
-}
 
 fn to_vec3(v: &Value) -> Vec<Vec<Vec<f64>>> {
     serde_json::from_value(v.clone()).unwrap()

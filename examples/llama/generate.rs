@@ -41,7 +41,7 @@ impl Sampling {
 }
 
 /// Why a row stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Stop {
     Eos,

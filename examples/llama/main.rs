@@ -14,6 +14,7 @@ mod config;
 mod eval;
 mod generate;
 mod model;
+mod sample;
 mod task;
 mod tokenizer;
 
@@ -160,6 +161,32 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Sample N completions per prompt from the model (μ), grade them and write a JSONL data set
+    /// (prompt and completion ids, μ's per-token and sequence log-probs, reward, correct/invalid
+    /// flags, sampling settings). Rerunning with the same --out resumes; nothing is regenerated.
+    Sample {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 4)]
+        samples_per_prompt: usize,
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        #[arg(long, default_value_t = 0)]
+        top_k: i64,
+        #[arg(long, default_value_t = 256)]
+        max_new_tokens: i64,
+        /// Prompts per generation batch (each with all its samples).
+        #[arg(long, default_value_t = 4)]
+        batch_prompts: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
     /// Load a checkpoint and save it again (e.g. in another dtype), in the Hugging Face layout.
     Convert {
         #[command(flatten)]
@@ -298,6 +325,32 @@ fn run(cli: Cli) -> Result<()> {
                 sink,
             )?;
             println!("{}", serde_json::to_string(&s)?);
+        }
+        Command::Sample {
+            model,
+            task,
+            out,
+            samples_per_prompt,
+            temperature,
+            top_p,
+            top_k,
+            max_new_tokens,
+            batch_prompts,
+            seed,
+        } => {
+            let (m, tok) = load(&model)?;
+            let (problems, style) = task.load()?;
+            let s = generate::Sampling { greedy: false, temperature, top_p, top_k, max_new_tokens };
+            let n =
+                sample::sample_dataset(&m, &tok, &problems, &style, samples_per_prompt, &s, seed, batch_prompts, &out)?;
+            let (all, _) = sample::read_dataset(&out, false)?;
+            let correct = all.iter().filter(|x| x.correct).count();
+            let invalid = all.iter().filter(|x| x.invalid).count();
+            eprintln!("wrote {n} new completion(s) to {}", out.display());
+            println!(
+                "{}",
+                serde_json::json!({"completions": all.len(), "correct_fraction": correct as f64 / all.len().max(1) as f64, "invalid_fraction": invalid as f64 / all.len().max(1) as f64})
+            );
         }
         Command::Convert { model, out } => {
             let (m, _) = load(&model)?;

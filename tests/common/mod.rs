@@ -3,6 +3,8 @@
 //! Nothing here calls the library's own math.
 #![allow(dead_code)]
 
+pub mod llama;
+
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 use topr_loss::AggregationMode;

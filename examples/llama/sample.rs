@@ -1,0 +1,189 @@
+//! Sampling a graded, off-policy data set: for each prompt of a task, `n` completions from the
+//! model (μ), each with its token ids, μ's per-token and sequence log-probabilities, its reward and
+//! the sampling settings, one JSON line per completion.
+//!
+//! The file is written batch by batch and flushed; a rerun with the same output resumes after the
+//! last complete prompt and never regenerates what is there. Each batch reseeds the generator
+//! from `seed` and the batch index, so a resumed run produces the same lines as an uninterrupted one.
+
+use crate::eval::{PromptStyle, prompt_ids};
+use crate::generate::{self, Sampling};
+use crate::model::Llama;
+use crate::task::{self, Problem};
+use crate::tokenizer::Tokenizer;
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+/// The sampling settings recorded with every line.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SamplingRecord {
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: i64,
+    pub max_new_tokens: i64,
+    pub seed: i64,
+}
+
+/// One sampled completion, as stored in the data set.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Sample {
+    pub id: String,
+    pub sample: usize,
+    pub question: String,
+    pub prompt_ids: Vec<i64>,
+    pub completion: String,
+    pub completion_ids: Vec<i64>,
+    /// `log μ(y_t)` under the model at temperature 1.
+    pub logp_mu: Vec<f32>,
+    /// `log q(y_t)` under the distribution actually sampled from (temperature, top-k, top-p).
+    pub logp_sampling: Vec<f32>,
+    pub seq_logp_mu: f64,
+    pub seq_logp_sampling: f64,
+    pub answer: Option<f64>,
+    pub reference: f64,
+    pub correct: bool,
+    pub invalid: bool,
+    /// +1 when correct, −1 otherwise (the paper's rewards).
+    pub reward: f64,
+    pub stop: generate::Stop,
+    pub sampling: SamplingRecord,
+}
+
+/// Reads a data set, naming the file and line of a malformed record; with `skip_bad`, malformed
+/// lines are skipped and counted instead. A truncated last line (an interrupted write) is
+/// always ignored.
+pub fn read_dataset(path: &Path, skip_bad: bool) -> Result<(Vec<Sample>, usize)> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let lines: Vec<String> = std::io::BufReader::new(f).lines().collect::<Result<_, _>>()?;
+    let mut out = vec![];
+    let mut skipped = 0;
+    for (n, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Sample>(line) {
+            Ok(s) => out.push(s),
+            Err(_) if n + 1 == lines.len() && !line.ends_with('}') => {} // cut short by a kill
+            Err(e) if skip_bad => {
+                eprintln!("{}:{}: skipping malformed record: {e}", path.display(), n + 1);
+                skipped += 1;
+            }
+            Err(e) => bail!("{}:{}: malformed record: {e}", path.display(), n + 1),
+        }
+    }
+    Ok((out, skipped))
+}
+
+/// Samples `n` completions for each problem into `out` (JSONL), resuming an existing file.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_dataset(
+    model: &Llama,
+    tok: &Tokenizer,
+    problems: &[Problem],
+    style: &PromptStyle,
+    n: usize,
+    s: &Sampling,
+    seed: i64,
+    batch_prompts: usize,
+    out: &Path,
+) -> Result<usize> {
+    s.check()?;
+    let record = SamplingRecord {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        max_new_tokens: s.max_new_tokens,
+        seed,
+    };
+    // Prompts are sampled in order, in batches of `batch_prompts`. What is there already is kept
+    // up to the last whole batch whose prompts all have their `n` samples; the rest is redone, so
+    // batches (and their seeds) are the same as in an uninterrupted run.
+    let batch_prompts = batch_prompts.max(1);
+    let mut start = 0;
+    if out.exists() {
+        // Kept lines are copied verbatim, never re-serialised.
+        let text = std::fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
+        let existing = read_dataset(out, false)?.0;
+        let mut count: HashMap<&str, usize> = HashMap::new();
+        for smp in &existing {
+            if smp.sampling != record {
+                bail!("{} was sampled with other settings ({:?}); use a new output file", out.display(), smp.sampling);
+            }
+            *count.entry(smp.id.as_str()).or_default() += 1;
+        }
+        let complete = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
+        start = if complete == problems.len() { complete } else { complete - complete % batch_prompts };
+        let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
+        let tmp = out.with_extension("jsonl.tmp");
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+        for (line, smp) in text.lines().filter(|l| !l.trim().is_empty()).zip(&existing) {
+            if keep.contains(smp.id.as_str()) {
+                writeln!(w, "{line}")?;
+            }
+        }
+        w.flush()?;
+        std::fs::rename(&tmp, out)?;
+    }
+    if start == problems.len() {
+        eprintln!("{}: all {} prompts already sampled", out.display(), problems.len());
+        return Ok(0);
+    }
+    let todo: Vec<(usize, &Problem)> = problems.iter().enumerate().skip(start).collect();
+    let mut w = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(out)
+        .with_context(|| format!("opening {}", out.display()))?;
+    let pb = indicatif::ProgressBar::new((problems.len() * n) as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("sample [{bar:30}] {pos}/{len} completions {per_sec} ETA {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    pb.inc(((problems.len() - todo.len()) * n) as u64);
+    let mut written = 0;
+    for chunk in todo.chunks(batch_prompts) {
+        // Seeded by the position of its first problem: a resumed run reseeds as the original did.
+        tch::manual_seed(seed.wrapping_add(chunk[0].0 as i64));
+        let prompts: Vec<Vec<i64>> = chunk.iter().map(|(_, p)| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+        let rows: Vec<(usize, usize)> = (0..chunk.len()).flat_map(|i| (0..n).map(move |k| (i, k))).collect();
+        let ids: Vec<Vec<i64>> = rows.iter().map(|(i, _)| prompts[*i].clone()).collect();
+        let completions = generate::generate(model, &ids, s, &tok.eos_ids, tok.pad_id)?;
+        let mut buf = String::new();
+        for ((i, k), c) in rows.iter().zip(completions) {
+            let p = chunk[*i].1;
+            let text = tok.decode(&c.tokens)?;
+            let answer = task::extract_answer(&text);
+            let correct = task::is_correct(answer, p.answer);
+            let smp = Sample {
+                id: p.id.clone(),
+                sample: *k,
+                question: p.question.clone(),
+                prompt_ids: prompts[*i].clone(),
+                completion: text,
+                seq_logp_mu: c.logp_model.iter().map(|&x| x as f64).sum(),
+                seq_logp_sampling: c.logp_sampling.iter().map(|&x| x as f64).sum(),
+                completion_ids: c.tokens,
+                logp_mu: c.logp_model,
+                logp_sampling: c.logp_sampling,
+                answer,
+                reference: p.answer,
+                correct,
+                invalid: answer.is_none(),
+                reward: if correct { 1.0 } else { -1.0 },
+                stop: c.stop,
+                sampling: record.clone(),
+            };
+            buf.push_str(&serde_json::to_string(&smp)?);
+            buf.push('\n');
+            written += 1;
+        }
+        w.write_all(buf.as_bytes())?;
+        w.flush()?;
+        pb.inc(rows.len() as u64);
+    }
+    pb.finish_and_clear();
+    Ok(written)
+}

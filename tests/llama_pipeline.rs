@@ -1,0 +1,115 @@
+//! The data pipeline of the Llama example: sampling a graded data set (resumable, deterministic)
+//! and evaluation metrics, on a small random checkpoint.
+
+#![allow(dead_code)]
+
+#[path = "../examples/llama/checkpoint.rs"]
+mod checkpoint;
+#[path = "../examples/llama/config.rs"]
+mod config;
+#[path = "../examples/llama/eval.rs"]
+mod eval;
+#[path = "../examples/llama/generate.rs"]
+mod generate;
+#[path = "../examples/llama/model.rs"]
+mod model;
+#[path = "../examples/llama/sample.rs"]
+mod sample;
+#[path = "../examples/llama/task.rs"]
+mod task;
+#[path = "../examples/llama/tokenizer.rs"]
+mod tokenizer;
+
+mod common;
+
+use common::llama::random_checkpoint;
+use std::path::PathBuf;
+use tch::{Device, Kind};
+
+/// libtorch's random generator is global to the process: tests that sample run one at a time,
+/// or their draws interleave.
+static SAMPLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn setup(name: &str) -> (model::Llama, tokenizer::Tokenizer, PathBuf) {
+    let dir = random_checkpoint(name, &["--kv-heads", "2", "--seed", "11"]);
+    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let tok = tokenizer::Tokenizer::load(&dir, &m.cfg).unwrap();
+    (m, tok, dir)
+}
+
+#[test]
+fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
+    let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
+    let (m, tok, dir) = setup("pipeline_sample");
+    let problems = task::synthetic_problems(5, 7, 2);
+    let s = generate::Sampling { greedy: false, temperature: 1.0, top_p: 0.95, top_k: 50, max_new_tokens: 10 };
+    let style = eval::PromptStyle::Chat;
+    let full = dir.join("full.jsonl");
+    let n = sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &full).unwrap();
+    assert_eq!(n, 21);
+    // A run killed during its third batch: the first two batches are written, the third cut short.
+    let killed = dir.join("killed.jsonl");
+    sample::sample_dataset(&m, &tok, &problems[..4], &style, 3, &s, 42, 2, &killed).unwrap();
+    let text = std::fs::read_to_string(&full).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let partial = format!("{}\n{}\n{}", lines[..12].join("\n"), lines[12], &lines[13][..20]);
+    std::fs::write(&killed, partial).unwrap();
+    let n2 = sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &killed).unwrap();
+    assert_eq!(n2, 9, "the incomplete batch is redone, nothing before it");
+    assert_eq!(std::fs::read_to_string(&killed).unwrap(), text, "same seed, same data set");
+    // A complete file is never regenerated.
+    assert_eq!(sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &full).unwrap(), 0);
+    // Other settings on an existing file are refused.
+    let other = generate::Sampling { temperature: 0.7, ..s };
+    assert!(sample::sample_dataset(&m, &tok, &problems, &style, 3, &other, 42, 2, &full).is_err());
+
+    // Every record is consistent: μ's sequence log-prob is the sum of its token log-probs, the
+    // token log-probs are those the model assigns (teacher-forced), rewards match correctness.
+    let (data, skipped) = sample::read_dataset(&full, false).unwrap();
+    assert_eq!((data.len(), skipped), (21, 0));
+    for d in &data {
+        assert_eq!(d.completion_ids.len(), d.logp_mu.len());
+        let sum: f64 = d.logp_mu.iter().map(|&x| x as f64).sum();
+        assert!((sum - d.seq_logp_mu).abs() < 1e-4);
+        assert_eq!(d.reward, if d.correct { 1.0 } else { -1.0 });
+        assert_eq!(d.invalid, d.answer.is_none());
+        let scored = generate::score(&m, &d.prompt_ids, &d.completion_ids).unwrap();
+        for (a, b) in scored.iter().zip(&d.logp_mu) {
+            assert!((a - b).abs() < 1e-4, "teacher-forced {a} vs sampled {b}");
+        }
+        // Top-k/top-p only remove mass: the sampling distribution gives each kept token at least
+        // its model probability.
+        for (q, p) in d.logp_sampling.iter().zip(&d.logp_mu) {
+            assert!(q + 1e-5 >= *p, "log q {q} < log π {p}");
+        }
+    }
+}
+
+#[test]
+fn malformed_data_set_lines_are_named_or_skipped() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join("bad_dataset.jsonl");
+    std::fs::write(&path, "{\"id\": 1}\n").unwrap();
+    let err = sample::read_dataset(&path, false).unwrap_err();
+    assert!(format!("{err:#}").contains("bad_dataset.jsonl:1"), "{err:#}");
+    assert_eq!(sample::read_dataset(&path, true).unwrap().1, 1);
+}
+
+#[test]
+fn evaluation_metrics_are_consistent() {
+    let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
+    let (m, tok, dir) = setup("pipeline_eval");
+    let problems = task::synthetic_problems(9, 5, 1);
+    let s = generate::Sampling { greedy: false, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8 };
+    let out = dir.join("eval.jsonl");
+    let mut f = std::fs::File::create(&out).unwrap();
+    let summary = eval::evaluate(&m, &tok, &problems, &eval::PromptStyle::Chat, 8, 3, s, 4, Some(&mut f)).unwrap();
+    assert_eq!(summary.questions, 5);
+    assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 5);
+    let (p1, maj, pk) = (summary.pass1_sampled.unwrap(), summary.maj_at_k.unwrap(), summary.pass_at_k.unwrap());
+    assert!((0.0..=1.0).contains(&p1) && maj <= pk && p1 <= pk);
+    assert!(summary.mean_tokens_greedy > 0.0 && summary.mean_tokens_greedy <= 8.0);
+    // maj@k by hand.
+    assert_eq!(eval::majority(&[Some(3.0), None, Some(4.0), Some(3.0)]), Some(3.0));
+    assert_eq!(eval::majority(&[None, None]), None);
+}
