@@ -180,6 +180,19 @@ fn a_saved_checkpoint_loads_in_transformers_with_the_same_logits() {
 }
 
 #[test]
+fn sharded_checkpoints_load_like_single_files() {
+    let single = random_checkpoint("shard_single", &["--kv-heads", "2", "--seed", "8"]);
+    let sharded = random_checkpoint("shard_many", &["--kv-heads", "2", "--seed", "8", "--shard"]);
+    assert!(sharded.join("model.safetensors.index.json").exists(), "the reference wrote no index");
+    assert!(!sharded.join("model.safetensors").exists());
+    let a = checkpoint::load(&single, Device::Cpu, Kind::Float).unwrap();
+    let b = checkpoint::load(&sharded, Device::Cpu, Kind::Float).unwrap();
+    let ids = vec![vec![256i64, 3, 4, 5]];
+    let mask = vec![vec![1i64; 4]];
+    assert_eq!(max_diff(&our_logits(&a, &ids, &mask), &our_logits(&b, &ids, &mask), &mask), 0.0);
+}
+
+#[test]
 fn unsupported_settings_are_refused() {
     let dir = random_checkpoint("refuse", &["--seed", "6"]);
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();

@@ -62,7 +62,10 @@ def make(a):
             else:
                 p.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, a.dtype))
-    model.save_pretrained(a.out, safe_serialization=True)
+    if a.shard:
+        model.save_pretrained(a.out, safe_serialization=True, max_shard_size="40KB")
+    else:
+        model.save_pretrained(a.out, safe_serialization=True)
     tok.save_pretrained(a.out)
     print(json.dumps({"vocab_size": vocab, "bos": bos, "eos": eos}))
 
@@ -109,6 +112,7 @@ def main():
     m.add_argument("--rope", default="default")
     m.add_argument("--dtype", default="float32")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shard", action="store_true", help="write a sharded checkpoint with an index")
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--requests", required=True)
