@@ -19,6 +19,8 @@ mod sample;
 mod task;
 #[path = "../examples/llama/tokenizer.rs"]
 mod tokenizer;
+#[path = "../examples/llama/train.rs"]
+mod train;
 
 mod common;
 
@@ -112,4 +114,57 @@ fn evaluation_metrics_are_consistent() {
     // maj@k by hand.
     assert_eq!(eval::majority(&[Some(3.0), None, Some(4.0), Some(3.0)]), Some(3.0));
     assert_eq!(eval::majority(&[None, None]), None);
+}
+
+/// The gradient of one optimiser step is the same whatever the micro-batch size, for every ratio
+/// level (the aggregation uses the counts of the whole step).
+#[test]
+fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
+    let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
+    let (m, tok, dir) = setup("pipeline_accumulate");
+    let problems = task::synthetic_problems(13, 3, 1);
+    let s = generate::Sampling { greedy: false, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 9 };
+    let path = dir.join("data.jsonl");
+    sample::sample_dataset(&m, &tok, &problems, &eval::PromptStyle::Chat, 2, &s, 3, 3, &path).unwrap();
+    let (mut data, _) = sample::read_dataset(&path, false).unwrap();
+    // Mixed rewards and lengths, so that every branch and the padding are exercised.
+    for (i, d) in data.iter_mut().enumerate() {
+        d.reward = if i % 3 == 0 { 1.0 } else { -1.0 };
+        let keep = 3 + i % 6;
+        d.completion_ids.truncate(keep);
+        d.logp_mu.truncate(keep);
+    }
+    let batch: Vec<&sample::Sample> = data.iter().collect();
+    let vars = m.vs.trainable_variables();
+    for ratio in [topr_loss::RatioLevel::Sequence, topr_loss::RatioLevel::SequenceMean, topr_loss::RatioLevel::Token] {
+        let cfg = topr_loss::ToprTokenConfig {
+            topr: topr_loss::ToprConfig::canonical().with_baseline(0.2),
+            ratio,
+            ..topr_loss::ToprTokenConfig::paper()
+        };
+        let mut grads = vec![];
+        let mut losses = vec![];
+        for micro in [1, 2, 4, 6] {
+            for v in &vars {
+                let mut g = v.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+            let st = train::accumulate(&m, &batch, micro, &cfg).unwrap();
+            losses.push(st.loss);
+            grads.push(tch::Tensor::cat(&vars.iter().map(|v| v.grad().flatten(0, -1)).collect::<Vec<_>>(), 0));
+        }
+        for (k, g) in grads.iter().enumerate().skip(1) {
+            let d = (g - &grads[0]).abs().max().double_value(&[]);
+            let scale = grads[0].abs().max().double_value(&[]);
+            assert!(d <= 1e-5 * scale.max(1e-6), "{ratio:?}: micro-batch variant {k} differs by {d} (scale {scale})");
+            assert!((losses[k] - losses[0]).abs() <= 1e-5 * losses[0].abs().max(1e-3), "{ratio:?}: loss {losses:?}");
+        }
+    }
+    // The schedule: warm-up then linear decay.
+    assert_eq!(train::learning_rate(1.0, 0, 10, 2, true), 0.5);
+    assert_eq!(train::learning_rate(1.0, 2, 10, 2, true), 1.0);
+    assert_eq!(train::learning_rate(1.0, 6, 10, 2, true), 0.5);
+    assert_eq!(train::learning_rate(1.0, 6, 10, 2, false), 1.0);
 }
