@@ -13,6 +13,7 @@ mod checkpoint;
 mod config;
 mod eval;
 mod generate;
+mod init;
 mod model;
 mod sample;
 mod task;
@@ -238,6 +239,36 @@ enum Command {
         /// Skip malformed data lines and completions longer than the context (counted).
         #[arg(long)]
         skip_bad_lines: bool,
+    },
+    /// Create a small Llama from scratch (random weights, byte-level tokenizer, chat template) in
+    /// the Hugging Face layout: a model that needs nothing downloaded.
+    Init {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 4)]
+        layers: i64,
+        #[arg(long, default_value_t = 128)]
+        hidden: i64,
+        #[arg(long, default_value_t = 4)]
+        heads: i64,
+        #[arg(long, default_value_t = 2)]
+        kv_heads: i64,
+        #[arg(long, default_value_t = 384)]
+        intermediate: i64,
+        #[arg(long, default_value_t = 512)]
+        max_positions: i64,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
+    /// Write a task's worked solutions as a data set (reward +1), for supervised warm-up with
+    /// `train --objective sft`.
+    SftData {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Load a checkpoint and save it again (e.g. in another dtype), in the Hugging Face layout.
     Convert {
@@ -504,6 +535,18 @@ fn run(cli: Cli) -> Result<()> {
             pb.finish_and_clear();
             checkpoint::save(&m, &model.model, &out)?;
             eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
+        }
+        Command::Init { out, layers, hidden, heads, kv_heads, intermediate, max_positions, seed } => {
+            let size = init::Size { layers, hidden, heads, kv_heads, intermediate, max_positions };
+            init::init(&out, size, seed)?;
+            eprintln!("wrote a new model to {}", out.display());
+        }
+        Command::SftData { model, task, out } => {
+            let cfg = config::LlamaConfig::load(&model.model)?;
+            let tok = tokenizer::Tokenizer::load(&model.model, &cfg)?;
+            let (problems, style) = task.load()?;
+            let n = sample::write_solutions(&tok, &problems, &style, &out)?;
+            eprintln!("wrote {n} worked solutions to {}", out.display());
         }
         Command::Convert { model, out } => {
             let (m, _) = load(&model)?;

@@ -187,3 +187,40 @@ pub fn sample_dataset(
     pb.finish_and_clear();
     Ok(written)
 }
+
+/// Writes the worked solutions of `problems` as a data set in the same format, for supervised
+/// warm-up (`train --objective sft`): each completion is the solution followed by the first EOS
+/// token, with reward +1. μ's log-probs are recorded as 0: the SFT objective gives positives
+/// weight 1 whatever the ratio, so they are never used.
+pub fn write_solutions(tok: &Tokenizer, problems: &[Problem], style: &PromptStyle, out: &Path) -> Result<usize> {
+    let eos = *tok.eos_ids.first().context("the tokenizer has no EOS id")?;
+    let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
+    let mut w =
+        std::io::BufWriter::new(std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?);
+    for p in problems {
+        let mut ids = tok.encode(&p.solution, false)?;
+        ids.push(eos);
+        let smp = Sample {
+            id: p.id.clone(),
+            sample: 0,
+            question: p.question.clone(),
+            prompt_ids: prompt_ids(tok, style, p)?,
+            completion: p.solution.clone(),
+            logp_mu: vec![0.0; ids.len()],
+            logp_sampling: vec![0.0; ids.len()],
+            completion_ids: ids,
+            seq_logp_mu: 0.0,
+            seq_logp_sampling: 0.0,
+            answer: Some(p.answer),
+            reference: p.answer,
+            correct: true,
+            invalid: false,
+            reward: 1.0,
+            stop: generate::Stop::Eos,
+            sampling: record.clone(),
+        };
+        writeln!(w, "{}", serde_json::to_string(&smp)?)?;
+    }
+    w.flush()?;
+    Ok(problems.len())
+}

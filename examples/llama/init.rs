@@ -1,0 +1,117 @@
+//! A small Llama initialised from scratch, with a byte-level tokenizer built here (256 byte
+//! tokens and 4 special tokens, no merges) and a chat template: a complete Hugging Face directory
+//! that needs nothing downloaded, for the CPU demo.
+
+use crate::checkpoint;
+use crate::config::LlamaConfig;
+use crate::model::Llama;
+use anyhow::{Context, Result, anyhow};
+use serde_json::json;
+use std::path::Path;
+use tch::{Device, Kind};
+
+pub const SPECIALS: [&str; 4] = ["<s>", "</s>", "<|user|>", "<|assistant|>"];
+const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+
+/// The sizes of the model to create.
+#[derive(Debug, Clone, Copy)]
+pub struct Size {
+    pub layers: i64,
+    pub hidden: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub intermediate: i64,
+    pub max_positions: i64,
+}
+
+/// `tokenizer.json` of a byte-level BPE without merges: one token per byte, plus the specials.
+fn byte_tokenizer_json() -> serde_json::Value {
+    let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().collect();
+    alphabet.sort_unstable();
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in alphabet.iter().enumerate() {
+        vocab.insert(c.to_string(), json!(i));
+    }
+    let base = alphabet.len();
+    for (k, s) in SPECIALS.iter().enumerate() {
+        vocab.insert(s.to_string(), json!(base + k));
+    }
+    let added: Vec<serde_json::Value> = SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(k, s)| json!({"id": base + k, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [base], "tokens": ["<s>"]}}
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    })
+}
+
+/// Writes a randomly initialised Llama (weights `N(0, 0.02)`, norms 1, as transformers
+/// initialises them) with the byte-level tokenizer to `out`.
+pub fn init(out: &Path, size: Size, seed: i64) -> Result<()> {
+    std::fs::create_dir_all(out)?;
+    let tok = byte_tokenizer_json();
+    let vocab = tok["model"]["vocab"].as_object().map(|v| v.len()).context("vocab")? as i64;
+    let (bos, eos) = (vocab - 4, vocab - 3);
+    // Check that the tokenizer loads before writing anything else.
+    let text = serde_json::to_string(&tok)?;
+    text.parse::<tokenizers::Tokenizer>().map_err(|e| anyhow!("building the byte-level tokenizer: {e}"))?;
+    std::fs::write(out.join("tokenizer.json"), text)?;
+    std::fs::write(
+        out.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(
+            &json!({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}),
+        )?,
+    )?;
+    std::fs::write(out.join("chat_template.jinja"), CHAT_TEMPLATE)?;
+    std::fs::write(
+        out.join("generation_config.json"),
+        serde_json::to_string_pretty(&json!({"bos_token_id": bos, "eos_token_id": eos}))?,
+    )?;
+    let cfg: LlamaConfig = serde_json::from_value(json!({
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": size.max_positions,
+        "tie_word_embeddings": true,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "hidden_act": "silu"
+    }))?;
+    cfg.check()?;
+    let model = Llama::new(cfg, Device::Cpu, Kind::Float)?;
+    tch::manual_seed(seed);
+    tch::no_grad(|| {
+        for (name, v) in model.vs.variables() {
+            let mut v = v;
+            if name.ends_with("norm.weight") {
+                let _ = v.fill_(1.0);
+            } else {
+                let _ = v.normal_(0.0, 0.02);
+            }
+        }
+    });
+    checkpoint::save(&model, out, out)
+}
