@@ -47,6 +47,32 @@ struct ModelArgs {
     dtype: String,
 }
 
+/// Sampling settings shared by `eval` and `sample`.
+#[derive(Args, Clone)]
+struct SamplingArgs {
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: i64,
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    top_k: i64,
+}
+
+impl SamplingArgs {
+    fn sampling(&self) -> generate::Sampling {
+        generate::Sampling {
+            greedy: false,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            max_new_tokens: self.max_new_tokens,
+        }
+    }
+}
+
 #[derive(Args, Clone)]
 struct TaskArgs {
     /// gsm8k (needs --data) or synthetic.
@@ -146,17 +172,11 @@ enum Command {
         model: ModelArgs,
         #[command(flatten)]
         task: TaskArgs,
-        #[arg(long, default_value_t = 256)]
-        max_new_tokens: i64,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// Samples per question for sampled pass@1, maj@K and pass@K (0: greedy only).
         #[arg(long, default_value_t = 0)]
         samples: usize,
-        #[arg(long, default_value_t = 1.0)]
-        temperature: f64,
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f64,
-        #[arg(long, default_value_t = 0)]
-        top_k: i64,
         #[arg(long, default_value_t = 16)]
         batch_size: usize,
         #[arg(long, default_value_t = 0)]
@@ -177,14 +197,8 @@ enum Command {
         out: PathBuf,
         #[arg(long, default_value_t = 4)]
         samples_per_prompt: usize,
-        #[arg(long, default_value_t = 1.0)]
-        temperature: f64,
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f64,
-        #[arg(long, default_value_t = 0)]
-        top_k: i64,
-        #[arg(long, default_value_t = 256)]
-        max_new_tokens: i64,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// Prompts per generation batch (each with all its samples).
         #[arg(long, default_value_t = 4)]
         batch_prompts: usize,
@@ -383,11 +397,12 @@ fn run(cli: Cli) -> Result<()> {
             );
             println!("{}", tok.decode(&c.tokens)?);
         }
-        Command::Eval { model, task, max_new_tokens, samples, temperature, top_p, top_k, batch_size, seed, out } => {
+        Command::Eval { model, task, sampling, samples, batch_size, seed, out } => {
             let (m, tok) = load(&model)?;
             let (problems, style) = task.load()?;
             tch::manual_seed(seed);
-            let sampling = generate::Sampling { greedy: false, temperature, top_p, top_k, max_new_tokens };
+            let max_new_tokens = sampling.max_new_tokens;
+            let sampling = sampling.sampling();
             sampling.check()?;
             let mut file = match &out {
                 Some(p) => Some(std::io::BufWriter::new(
@@ -409,21 +424,10 @@ fn run(cli: Cli) -> Result<()> {
             )?;
             println!("{}", serde_json::to_string(&s)?);
         }
-        Command::Sample {
-            model,
-            task,
-            out,
-            samples_per_prompt,
-            temperature,
-            top_p,
-            top_k,
-            max_new_tokens,
-            batch_prompts,
-            seed,
-        } => {
+        Command::Sample { model, task, out, samples_per_prompt, sampling, batch_prompts, seed } => {
             let (m, tok) = load(&model)?;
             let (problems, style) = task.load()?;
-            let s = generate::Sampling { greedy: false, temperature, top_p, top_k, max_new_tokens };
+            let s = sampling.sampling();
             let n =
                 sample::sample_dataset(&m, &tok, &problems, &style, samples_per_prompt, &s, seed, batch_prompts, &out)?;
             let (all, _) = sample::read_dataset(&out, false)?;
