@@ -260,6 +260,30 @@ fn chunk_backward(
     Ok(grad)
 }
 
+/// Runs the closed-form backward chunk by chunk, without a graph: for each chunk of valid tokens,
+/// `use_grad(idx, ∂L/∂z)` with `idx [n]` the chunk's flat token indices and `∂L/∂z [n, V]` from
+/// `g_logp` and `g_ent` (`[B, T]`, the loss's gradients w.r.t. the log-probs and entropies).
+fn for_each_chunk_gradient(
+    p: &Prepared,
+    cfg: &LogProbConfig,
+    rows: &dyn Fn(&Tensor) -> Result<Tensor, LossError>,
+    g_logp: &Tensor,
+    g_ent: Option<&Tensor>,
+    mut use_grad: impl FnMut(&Tensor, &Tensor) -> Result<(), LossError>,
+) -> Result<(), LossError> {
+    let g_logp = g_logp.f_flatten(0, -1)?;
+    let g_ent = g_ent.map(|g| g.f_flatten(0, -1)).transpose()?;
+    tch::no_grad(|| {
+        for (idx, y) in chunks(p, cfg)? {
+            let z = tempered(&rows(&idx)?, p.kind, cfg.temperature)?;
+            let gl = g_logp.f_index_select(0, &idx)?;
+            let ge = g_ent.as_ref().map(|g| g.f_index_select(0, &idx)).transpose()?;
+            use_grad(&idx, &chunk_backward(&z, &y, &gl, ge.as_ref(), cfg.temperature)?)?;
+        }
+        Ok(())
+    })
+}
+
 /// Scatters per-valid-token values `[N]` chunks back into a zero `[B, T]` tensor.
 fn unflatten(p: &Prepared, parts: &[(Tensor, Tensor)]) -> Result<Tensor, LossError> {
     let mut out = Tensor::f_zeros([p.shape[0] * p.shape[1]], (p.kind, p.device))?;
@@ -465,17 +489,9 @@ pub fn backward_through_logprobs(
     if !logits.requires_grad() {
         return Ok(loss);
     }
-    let g_logp = g_logp.f_flatten(0, -1)?;
-    let g_ent = g_ent.map(|g| g.f_flatten(0, -1)).transpose()?;
     let mut grad = flat.f_zeros_like()?; // [B·T, V] in the logits' dtype
-    tch::no_grad(|| -> Result<(), LossError> {
-        for (idx, y) in chunks(&p, cfg)? {
-            let z = tempered(&rows(&idx)?, kind, cfg.temperature)?;
-            let gl = g_logp.f_index_select(0, &idx)?;
-            let ge = g_ent.as_ref().map(|g| g.f_index_select(0, &idx)).transpose()?;
-            let gz = chunk_backward(&z, &y, &gl, ge.as_ref(), cfg.temperature)?;
-            let _ = grad.f_index_copy_(0, &idx, &gz.f_to_kind(grad.kind())?)?;
-        }
+    for_each_chunk_gradient(&p, cfg, &rows, &g_logp, g_ent.as_ref(), |idx, gz| {
+        let _ = grad.f_index_copy_(0, idx, &gz.f_to_kind(grad.kind())?)?;
         Ok(())
     })?;
     // ∂/∂logits of Σ logits · grad is `grad`: one dot product pushes it into the graph.
@@ -599,21 +615,13 @@ pub fn backward_through_fused_logprobs(
     if !hidden.requires_grad() && !weight.requires_grad() {
         return Ok(loss);
     }
-    let g_logp = g_logp.f_flatten(0, -1)?;
-    let g_ent = g_ent.map(|g| g.f_flatten(0, -1)).transpose()?;
     let mut grad_h = Tensor::f_zeros(h.size().as_slice(), (kind, h.device()))?; // [B·T, H]
     let mut grad_w = Tensor::f_zeros(w.size().as_slice(), (kind, w.device()))?; // [V, H]
     let wk = w.f_to_kind(kind)?;
-    tch::no_grad(|| -> Result<(), LossError> {
-        for (idx, y) in chunks(&p, cfg)? {
-            let z = tempered(&rows(&idx)?, kind, cfg.temperature)?;
-            let gl = g_logp.f_index_select(0, &idx)?;
-            let ge = g_ent.as_ref().map(|g| g.f_index_select(0, &idx)).transpose()?;
-            let gz = chunk_backward(&z, &y, &gl, ge.as_ref(), cfg.temperature)?; // [n, V]
-            let _ = grad_h.f_index_copy_(0, &idx, &gz.f_matmul(&wk)?)?;
-            let hc = h.f_index_select(0, &idx)?.f_to_kind(kind)?;
-            let _ = grad_w.f_add_(&gz.f_tr()?.f_matmul(&hc)?)?;
-        }
+    for_each_chunk_gradient(&p, cfg, &rows, &g_logp, g_ent.as_ref(), |idx, gz| {
+        let _ = grad_h.f_index_copy_(0, idx, &gz.f_matmul(&wk)?)?; // [n, V] · [V, H]
+        let hc = h.f_index_select(0, idx)?.f_to_kind(kind)?;
+        let _ = grad_w.f_add_(&gz.f_tr()?.f_matmul(&hc)?)?;
         Ok(())
     })?;
     let mut surrogate: Option<Tensor> = None;

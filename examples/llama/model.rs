@@ -176,6 +176,9 @@ impl Llama {
         h.narrow(1, t - 1, 1).squeeze_dim(1).matmul(&self.lm_head.tr())
     }
 
+    // `x = x + …` on purpose: tch's `+=` adds in place, which would modify a tensor that the
+    // autograd graph saved for the backward pass.
+    #[allow(clippy::assign_op_pattern)]
     fn run(&self, ids: &Tensor, positions: &Tensor, attend: &Attend, mut cache: Option<&mut KvCache>) -> Tensor {
         let (cos, sin) = rope_cos_sin(&self.inv_freq, positions, self.kind); // [B, 1, T, hd]
         let mut x = Tensor::embedding(&self.embed, ids, -1, false, false); // [B, T, H]
