@@ -42,7 +42,7 @@ pub struct QuestionResult {
 }
 
 /// The aggregate metrics.
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct Summary {
     pub questions: usize,
     pub pass1_greedy: f64,

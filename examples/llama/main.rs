@@ -14,6 +14,7 @@ mod config;
 mod eval;
 mod generate;
 mod init;
+mod iterate;
 mod model;
 mod sample;
 mod task;
@@ -22,9 +23,7 @@ mod train;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use std::io::Write;
 use std::path::PathBuf;
-use tch::nn::OptimizerConfig;
 use tch::{Device, Kind};
 
 #[derive(Parser)]
@@ -45,6 +44,73 @@ struct ModelArgs {
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+}
+
+/// Training settings shared by `train` and `iterate`.
+#[derive(Args, Clone)]
+struct TrainArgs {
+    /// topr, tis, sft, reinforce or is.
+    #[arg(long, default_value = "topr")]
+    objective: String,
+    /// The baseline c subtracted from rewards.
+    #[arg(long, allow_hyphen_values = true)]
+    baseline: Option<f64>,
+    /// Derive the baseline from the data set's share of positives so that positives carry this
+    /// share of the weight (the paper finds 0.1–0.2 best on GSM8K).
+    #[arg(long)]
+    target_positive_proportion: Option<f64>,
+    /// sequence (the paper), sequence-mean (verl) or token (Trinity-RFT).
+    #[arg(long, default_value = "sequence")]
+    ratio: String,
+    #[arg(long, default_value_t = 1e-5)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Completions per optimiser step.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Completions per forward/backward pass (gradient accumulation; same update for any value).
+    #[arg(long, default_value_t = 4)]
+    micro_batch_size: usize,
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    #[arg(long, default_value_t = 1.0)]
+    max_grad_norm: f64,
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
+    /// Decay the learning rate linearly to 0 after the warm-up (else constant).
+    #[arg(long)]
+    lr_decay: bool,
+    #[arg(long, default_value_t = 0)]
+    train_seed: u64,
+    /// Skip malformed data-set records and completions longer than the context (counted).
+    #[arg(long)]
+    skip_bad_records: bool,
+}
+
+impl TrainArgs {
+    fn options(&self) -> Result<train::Options> {
+        Ok(train::Options {
+            objective: train::Objective::parse(&self.objective)?,
+            baseline: self.baseline,
+            target_positive_proportion: self.target_positive_proportion,
+            ratio: match self.ratio.as_str() {
+                "sequence" => topr_loss::RatioLevel::Sequence,
+                "sequence-mean" => topr_loss::RatioLevel::SequenceMean,
+                "token" => topr_loss::RatioLevel::Token,
+                other => bail!("--ratio must be sequence, sequence-mean or token, got {other:?}"),
+            },
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            batch_size: self.batch_size.max(1),
+            micro_batch_size: self.micro_batch_size.max(1),
+            epochs: self.epochs,
+            max_grad_norm: self.max_grad_norm,
+            warmup_steps: self.warmup_steps,
+            lr_decay: self.lr_decay,
+            seed: self.train_seed,
+        })
+    }
 }
 
 /// Sampling settings shared by `eval` and `sample`.
@@ -216,43 +282,40 @@ enum Command {
         /// Output directory: the trained model and metrics.jsonl.
         #[arg(long)]
         out: PathBuf,
-        /// topr, tis, sft, reinforce or is.
-        #[arg(long, default_value = "topr")]
-        objective: String,
-        /// The baseline c subtracted from rewards.
+        #[command(flatten)]
+        train: TrainArgs,
+    },
+    /// The whole loop for K iterations: sample with the current model as μ, optionally curate,
+    /// train off-policy, evaluate on held-out problems. Rerun the same command to resume: finished
+    /// stages are not redone and sampled data sets are never regenerated.
+    Iterate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        /// Working directory: one folder per iteration, and iterations.jsonl.
         #[arg(long)]
-        baseline: Option<f64>,
-        /// Derive the baseline from the data set's share of positives so that positives carry
-        /// this share of the weight (the paper finds 0.1–0.2 best on GSM8K).
-        #[arg(long)]
-        target_positive_proportion: Option<f64>,
-        /// sequence (the paper), sequence-mean (verl) or token (Trinity-RFT).
-        #[arg(long, default_value = "sequence")]
-        ratio: String,
-        #[arg(long, default_value_t = 1e-5)]
-        lr: f64,
-        #[arg(long, default_value_t = 0.0)]
-        weight_decay: f64,
-        /// Completions per optimiser step.
-        #[arg(long, default_value_t = 16)]
-        batch_size: usize,
-        /// Completions per forward/backward pass (gradient accumulation; same update for any value).
+        work: PathBuf,
+        #[arg(long, default_value_t = 3)]
+        iterations: usize,
         #[arg(long, default_value_t = 4)]
-        micro_batch_size: usize,
-        #[arg(long, default_value_t = 1)]
-        epochs: usize,
-        #[arg(long, default_value_t = 1.0)]
-        max_grad_norm: f64,
-        #[arg(long, default_value_t = 0)]
-        warmup_steps: usize,
-        /// Decay the learning rate linearly to 0 after the warm-up (else constant).
+        samples_per_prompt: usize,
+        #[arg(long, default_value_t = 8)]
+        batch_prompts: usize,
+        /// none, or one-positive: keep every negative and one positive per question.
+        #[arg(long, default_value = "none")]
+        curate: String,
+        /// Held-out evaluation: a GSM8K file (with --task gsm8k) or this many synthetic problems.
         #[arg(long)]
-        lr_decay: bool,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Skip malformed data lines and completions longer than the context (counted).
-        #[arg(long)]
-        skip_bad_lines: bool,
+        eval_data: Option<PathBuf>,
+        #[arg(long, default_value_t = 128)]
+        eval_n: usize,
+        #[arg(long, default_value_t = 64)]
+        eval_batch_size: usize,
     },
     /// Create a small Llama from scratch (random weights, byte-level tokenizer, chat template) in
     /// the Hugging Face layout: a model that needs nothing downloaded.
@@ -439,106 +502,43 @@ fn run(cli: Cli) -> Result<()> {
                 serde_json::json!({"completions": all.len(), "correct_fraction": correct as f64 / all.len().max(1) as f64, "invalid_fraction": invalid as f64 / all.len().max(1) as f64})
             );
         }
-        Command::Train {
-            model,
-            data,
-            out,
-            objective,
-            baseline,
-            target_positive_proportion,
-            ratio,
-            lr,
-            weight_decay,
-            batch_size,
-            micro_batch_size,
-            epochs,
-            max_grad_norm,
-            warmup_steps,
-            lr_decay,
-            seed,
-            skip_bad_lines,
-        } => {
+        Command::Train { model, data, out, train } => {
             let (m, _) = load(&model)?;
-            let objective = train::Objective::parse(&objective)?;
-            let (mut samples, mut skipped) = sample::read_dataset(&data, skip_bad_lines)?;
-            let limit = m.cfg.max_position_embeddings as usize;
-            let before = samples.len();
-            if let Some((i, s)) =
-                samples.iter().enumerate().find(|(_, s)| s.prompt_ids.len() + s.completion_ids.len() > limit)
-            {
-                if !skip_bad_lines {
-                    bail!(
-                        "{}: record {} ({}) has {} tokens, more than the model's context of {limit} (use --skip-bad-lines to skip such records)",
-                        data.display(),
-                        i + 1,
-                        s.id,
-                        s.prompt_ids.len() + s.completion_ids.len()
-                    );
-                }
-            }
-            samples.retain(|s| s.prompt_ids.len() + s.completion_ids.len() <= limit && !s.completion_ids.is_empty());
-            skipped += before - samples.len();
-            if skipped > 0 {
-                eprintln!("skipped {skipped} record(s) of {}", data.display());
-            }
-            if samples.is_empty() {
-                bail!("{}: no usable records", data.display());
-            }
-            let (c, p) = train::resolve_baseline(&samples, baseline, target_positive_proportion)?;
-            let p_tilde = topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?;
-            eprintln!(
-                "{} completions, {:.1}% positive; baseline c = {c:.4}, effective positive proportion p~ = {p_tilde:.3}",
-                samples.len(),
-                100.0 * p
-            );
-            let cfg = topr_loss::ToprTokenConfig {
-                topr: objective.limits().with_baseline(c),
-                ratio: match ratio.as_str() {
-                    "sequence" => topr_loss::RatioLevel::Sequence,
-                    "sequence-mean" => topr_loss::RatioLevel::SequenceMean,
-                    "token" => topr_loss::RatioLevel::Token,
-                    other => bail!("--ratio must be sequence, sequence-mean or token, got {other:?}"),
-                },
-                ..topr_loss::ToprTokenConfig::paper()
-            };
-            std::fs::create_dir_all(&out)?;
-            let mut metrics = std::io::BufWriter::new(std::fs::File::create(out.join("metrics.jsonl"))?);
-            let mut opt = tch::nn::AdamW { wd: weight_decay, ..Default::default() }.build(&m.vs, lr)?;
-            let steps_per_epoch = samples.len().div_ceil(batch_size.max(1));
-            let total = steps_per_epoch * epochs;
-            let pb = indicatif::ProgressBar::new(total as u64);
-            pb.set_style(
-                indicatif::ProgressStyle::with_template("train [{bar:30}] {pos}/{len} steps {msg} ETA {eta}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            let vars = m.vs.trainable_variables();
-            let mut step = 0;
-            for epoch in 0..epochs {
-                // A deterministic shuffle per epoch.
-                let mut order: Vec<usize> = (0..samples.len()).collect();
-                let mut rng = task::Rng::new(seed.wrapping_add(epoch as u64));
-                for i in (1..order.len()).rev() {
-                    order.swap(i, rng.range(0, i as i64) as usize);
-                }
-                for chunk in order.chunks(batch_size.max(1)) {
-                    let batch: Vec<&sample::Sample> = chunk.iter().map(|&i| &samples[i]).collect();
-                    let stats = train::accumulate(&m, &batch, micro_batch_size, &cfg)?;
-                    let grad_norm = train::clip_grad_norm(&vars, Some(max_grad_norm));
-                    let lr_now = train::learning_rate(lr, step, total, warmup_steps, lr_decay);
-                    opt.set_lr(lr_now);
-                    opt.step();
-                    opt.zero_grad();
-                    let line = serde_json::json!({"step": step + 1, "epoch": epoch, "lr": lr_now, "grad_norm": grad_norm, "baseline": c, "p_tilde": p_tilde, "stats": stats});
-                    writeln!(metrics, "{line}")?;
-                    metrics.flush()?;
-                    pb.set_message(format!("loss {:.4}", stats.loss));
-                    pb.inc(1);
-                    step += 1;
-                }
-            }
-            pb.finish_and_clear();
+            let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, train.skip_bad_records)?;
+            let summary = train::run(&m, &samples, &train.options()?, &out.join("metrics.jsonl"))?;
             checkpoint::save(&m, &model.model, &out)?;
             eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
+            println!("{}", serde_json::to_string(&summary)?);
+        }
+        Command::Iterate {
+            model,
+            task,
+            train,
+            sampling,
+            work,
+            iterations,
+            samples_per_prompt,
+            batch_prompts,
+            curate,
+            eval_data,
+            eval_n,
+            eval_batch_size,
+        } => {
+            let it = iterate::Plan {
+                task,
+                options: train.options()?,
+                skip_bad_lines: train.skip_bad_records,
+                sampling: sampling.sampling(),
+                work,
+                iterations,
+                samples_per_prompt,
+                batch_prompts,
+                curate: iterate::Curation::parse(&curate)?,
+                eval_data,
+                eval_n,
+                eval_batch_size,
+            };
+            iterate::run(&model, &it)?;
         }
         Command::Init { out, layers, hidden, heads, kv_heads, intermediate, max_positions, seed } => {
             let size = init::Size { layers, hidden, heads, kv_heads, intermediate, max_positions };

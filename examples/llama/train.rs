@@ -193,3 +193,127 @@ pub fn learning_rate(base: f64, step: usize, total: usize, warmup: usize, decay:
     }
     base
 }
+
+/// Everything `run` needs besides the model and the data.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub objective: Objective,
+    pub baseline: Option<f64>,
+    pub target_positive_proportion: Option<f64>,
+    pub ratio: topr_loss::RatioLevel,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub batch_size: usize,
+    pub micro_batch_size: usize,
+    pub epochs: usize,
+    pub max_grad_norm: f64,
+    pub warmup_steps: usize,
+    pub lr_decay: bool,
+    pub seed: u64,
+}
+
+/// What a training run did.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct Summary {
+    pub completions: usize,
+    pub positive_fraction: f64,
+    pub baseline: f64,
+    pub p_tilde: f64,
+    pub steps: usize,
+    pub final_loss: f64,
+    /// Mean over steps of the truncated fraction of the negative branch.
+    pub truncated_fraction_neg: f64,
+}
+
+/// Reads a data set for training: malformed lines and completions longer than `context` tokens
+/// are errors naming the record, or are skipped and counted with `skip_bad`.
+pub fn load_data(path: &std::path::Path, context: usize, skip_bad: bool) -> Result<Vec<Sample>> {
+    let (mut samples, mut skipped) = crate::sample::read_dataset(path, skip_bad)?;
+    let too_long = |s: &Sample| s.prompt_ids.len() + s.completion_ids.len() > context;
+    if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| too_long(s)) {
+        if !skip_bad {
+            bail!(
+                "{}: record {} ({}) has {} tokens, more than the model's context of {context} (use --skip-bad-lines to skip such records)",
+                path.display(),
+                i + 1,
+                s.id,
+                s.prompt_ids.len() + s.completion_ids.len()
+            );
+        }
+    }
+    let before = samples.len();
+    samples.retain(|s| !too_long(s) && !s.completion_ids.is_empty());
+    skipped += before - samples.len();
+    if skipped > 0 {
+        eprintln!("skipped {skipped} record(s) of {}", path.display());
+    }
+    if samples.is_empty() {
+        bail!("{}: no usable records", path.display());
+    }
+    Ok(samples)
+}
+
+/// Trains `model` in place on `samples`: AdamW, micro-batching, clipping, schedule; one JSON line
+/// of metrics per optimiser step to `metrics_path`.
+pub fn run(model: &Llama, samples: &[Sample], o: &Options, metrics_path: &std::path::Path) -> Result<Summary> {
+    use std::io::Write;
+    use tch::nn::OptimizerConfig;
+    let (c, p) = resolve_baseline(samples, o.baseline, o.target_positive_proportion)?;
+    let p_tilde = topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?;
+    eprintln!(
+        "{} completions, {:.1}% positive; baseline c = {c:.4}, effective positive proportion p~ = {p_tilde:.3}",
+        samples.len(),
+        100.0 * p
+    );
+    let cfg =
+        ToprTokenConfig { topr: o.objective.limits().with_baseline(c), ratio: o.ratio, ..ToprTokenConfig::paper() };
+    if let Some(dir) = metrics_path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut metrics = std::io::BufWriter::new(std::fs::File::create(metrics_path)?);
+    let mut opt = tch::nn::AdamW { wd: o.weight_decay, ..Default::default() }.build(&model.vs, o.lr)?;
+    let total = samples.len().div_ceil(o.batch_size) * o.epochs;
+    let pb = indicatif::ProgressBar::new(total as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("train [{bar:30}] {pos}/{len} steps {msg} ETA {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let vars = model.vs.trainable_variables();
+    let mut step = 0;
+    let (mut last_loss, mut trunc_sum) = (f64::NAN, 0.0);
+    for epoch in 0..o.epochs {
+        // A deterministic shuffle per epoch (Fisher–Yates).
+        let mut order: Vec<usize> = (0..samples.len()).collect();
+        let mut rng = crate::task::Rng::new(o.seed.wrapping_add(epoch as u64));
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.range(0, i as i64) as usize);
+        }
+        for chunk in order.chunks(o.batch_size) {
+            let batch: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
+            let stats = accumulate(model, &batch, o.micro_batch_size, &cfg)?;
+            let grad_norm = clip_grad_norm(&vars, Some(o.max_grad_norm));
+            let lr_now = learning_rate(o.lr, step, total, o.warmup_steps, o.lr_decay);
+            opt.set_lr(lr_now);
+            opt.step();
+            opt.zero_grad();
+            let line = serde_json::json!({"step": step + 1, "epoch": epoch, "lr": lr_now, "grad_norm": grad_norm, "baseline": c, "p_tilde": p_tilde, "stats": stats});
+            writeln!(metrics, "{line}")?;
+            metrics.flush()?;
+            pb.set_message(format!("loss {:.4}", stats.loss));
+            pb.inc(1);
+            last_loss = stats.loss;
+            trunc_sum += stats.truncated_fraction_neg;
+            step += 1;
+        }
+    }
+    pb.finish_and_clear();
+    Ok(Summary {
+        completions: samples.len(),
+        positive_fraction: p,
+        baseline: c,
+        p_tilde,
+        steps: step,
+        final_loss: last_loss,
+        truncated_fraction_neg: trunc_sum / step.max(1) as f64,
+    })
+}
