@@ -5,13 +5,27 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The example binary cargo built for this test run (`cargo test` builds the examples).
+/// The example binary, built (or found up to date) once per test run with the profile of the
+/// tests themselves, so that running this test alone never uses a stale binary.
 fn llama() -> PathBuf {
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    let release = !cfg!(debug_assertions);
+    BUILD.call_once(|| {
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args([
+            "build",
+            "--example",
+            "llama",
+            "--manifest-path",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        ]);
+        if release {
+            cmd.arg("--release");
+        }
+        assert!(cmd.status().unwrap().success(), "building the llama example failed");
+    });
     let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).parent().unwrap().to_path_buf();
-    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
-    let bin = target.join(profile).join("examples").join("llama");
-    assert!(bin.exists(), "{} is missing: run through `cargo test`, which builds the examples", bin.display());
-    bin
+    target.join(if release { "release" } else { "debug" }).join("examples").join("llama")
 }
 
 fn run(args: &[&str]) -> String {
