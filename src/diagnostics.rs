@@ -7,8 +7,7 @@
 //! wherever the loss is (a weight may be `inf` only with an infinite upper limit).
 
 use crate::error::LossError;
-use crate::taper::clamp_log;
-use crate::topr::{TieRule, ToprConfig, check_sequence_inputs, positive_branch};
+use crate::topr::{TieRule, ToprConfig, branch_clamp, check_sequence_inputs, positive_branch};
 use crate::topr_token::{ToprTokenConfig, check_inputs, level_terms};
 use tch::{Kind, Tensor};
 
@@ -77,16 +76,11 @@ fn diagnose(
     let negative = positive.f_logical_not()?.f_logical_and(&valid)?;
     let r_prime = expand(&r_prime.f_to_kind(Kind::Double)?)?;
 
-    let weight_of = |a: f64, b: f64| -> Result<(Tensor, Tensor), LossError> {
-        if b == 0.0 {
-            return Ok((s.f_zeros_like()?, s.f_ones_like()?.f_to_kind(Kind::Bool)?));
-        }
-        let d = clamp_log(&s, a, b)?;
-        Ok((d.f_exp()?, d.f_ne_tensor(&s)?))
-    };
-    let (w_pos, cut_pos) = weight_of(cfg.a_pos, cfg.b_pos)?;
-    let (w_neg, cut_neg) = weight_of(cfg.a_neg, cfg.b_neg)?;
-    let w = w_pos.f_where_self(&positive, &w_neg)?;
+    // The weight applied, [ρ]_a^b = on · exp(clamp(ln ρ, ln a, ln b)); a ratio is truncated when
+    // the clamp moved it, or when its branch is switched off (b = 0).
+    let (d, on) = branch_clamp(&s, &positive, cfg)?;
+    let w = d.f_exp()?.f_mul(&on)?;
+    let cut = d.f_ne_tensor(&s)?.f_logical_or(&on.f_eq(0.0)?)?;
 
     let count = |m: &Tensor| -> Result<i64, LossError> { Ok(m.f_sum(Kind::Int64)?.f_int64_value(&[])?) };
     let sum_where = |t: &Tensor, m: &Tensor| -> Result<f64, LossError> {
@@ -108,8 +102,8 @@ fn diagnose(
     Ok(ToprDiagnostics {
         samples,
         negative_fraction: ratio(n_neg, samples),
-        truncated_fraction_pos: ratio(count(&cut_pos.f_logical_and(&positive)?)?, n_pos),
-        truncated_fraction_neg: ratio(count(&cut_neg.f_logical_and(&negative)?)?, n_neg),
+        truncated_fraction_pos: ratio(count(&cut.f_logical_and(&positive)?)?, n_pos),
+        truncated_fraction_neg: ratio(count(&cut.f_logical_and(&negative)?)?, n_neg),
         weight_min,
         weight_mean: if samples > 0 { sum_where(&w, &valid)? / samples as f64 } else { 0.0 },
         weight_max,

@@ -26,6 +26,7 @@
 //!
 //! The gradient equals that of the naive `log_softmax` + `gather` (tested to 1e-5 in f32).
 
+use crate::aggregate::masked_fill_zero;
 use crate::error::LossError;
 use crate::validate;
 use tch::{Device, Kind, Tensor};
@@ -262,17 +263,16 @@ fn chunk_backward(
 
 /// Runs the closed-form backward chunk by chunk, without a graph: for each chunk of valid tokens,
 /// `use_grad(idx, ∂L/∂z)` with `idx [n]` the chunk's flat token indices and `∂L/∂z [n, V]` from
-/// `g_logp` and `g_ent` (`[B, T]`, the loss's gradients w.r.t. the log-probs and entropies).
+/// the loss's gradients w.r.t. the log-probs and entropies.
 fn for_each_chunk_gradient(
     p: &Prepared,
     cfg: &LogProbConfig,
     rows: &dyn Fn(&Tensor) -> Result<Tensor, LossError>,
-    g_logp: &Tensor,
-    g_ent: Option<&Tensor>,
+    grads: &LeafGrads,
     mut use_grad: impl FnMut(&Tensor, &Tensor) -> Result<(), LossError>,
 ) -> Result<(), LossError> {
-    let g_logp = g_logp.f_flatten(0, -1)?;
-    let g_ent = g_ent.map(|g| g.f_flatten(0, -1)).transpose()?;
+    let g_logp = grads.logp.f_flatten(0, -1)?;
+    let g_ent = grads.entropy.as_ref().map(|g| g.f_flatten(0, -1)).transpose()?;
     tch::no_grad(|| {
         for (idx, y) in chunks(p, cfg)? {
             let z = tempered(&rows(&idx)?, p.kind, cfg.temperature)?;
@@ -391,12 +391,19 @@ pub fn token_logprobs(
     forward_with(&p, cfg, &|idx| Ok(flat.f_index_select(0, idx)?))
 }
 
-/// Validates the loss a `loss_fn` returned and back-propagates it to the leaf log-probs,
-/// returning `(loss value, ∂L/∂logp [B, T], ∂L/∂H [B, T] if entropies were used)`.
+/// `∂L/∂logp` and `∂L/∂H` (`[B, T]`, zero where masked) of the loss a `loss_fn` returned.
+struct LeafGrads {
+    logp: Tensor,
+    entropy: Option<Tensor>,
+}
+
+/// Hands the log-probs (and entropies) to `loss_fn` as leaf tensors, checks that it returns a
+/// scalar and back-propagates it to the leaves. Returns the loss value, detached, and the leaves'
+/// gradients, or `None` when the loss does not depend on them (nothing to push further).
 fn backward_to_leaves(
     fwd: TokenLogProbs,
     loss_fn: impl FnOnce(&TokenLogProbs) -> Result<Tensor, LossError>,
-) -> Result<(Tensor, Tensor, Option<Tensor>, Tensor), LossError> {
+) -> Result<(Tensor, Option<LeafGrads>), LossError> {
     let leaf = |t: &Tensor| -> Result<Tensor, LossError> { Ok(t.f_detach()?.f_set_requires_grad(true)?) };
     let leaves = TokenLogProbs {
         logp: leaf(&fwd.logp)?,
@@ -413,22 +420,15 @@ fn backward_to_leaves(
         });
     }
     if !loss.requires_grad() {
-        // Nothing to back-propagate: the loss does not depend on the log-probs.
-        let zeros = fwd.logp.f_zeros_like()?;
-        return Ok((loss.f_detach()?, zeros, None, fwd.mask));
+        return Ok((loss.f_detach()?, None));
     }
     loss.f_backward()?;
     let grad_of = |t: &Tensor| -> Result<Tensor, LossError> {
         let g = t.f_grad()?;
-        Ok(if g.defined() { masked_zero(&g, &fwd.mask)? } else { t.f_zeros_like()? })
+        Ok(if g.defined() { masked_fill_zero(&g, &fwd.mask)? } else { t.f_zeros_like()? })
     };
-    let g_logp = grad_of(&leaves.logp)?;
-    let g_ent = leaves.entropy.as_ref().map(grad_of).transpose()?;
-    Ok((loss.f_detach()?, g_logp, g_ent, fwd.mask))
-}
-
-fn masked_zero(t: &Tensor, mask: &Tensor) -> Result<Tensor, LossError> {
-    crate::aggregate::masked_fill_zero(t, mask)
+    let grads = LeafGrads { logp: grad_of(&leaves.logp)?, entropy: leaves.entropy.as_ref().map(grad_of).transpose()? };
+    Ok((loss.f_detach()?, Some(grads)))
 }
 
 /// Computes token log-probs (and entropies) from `logits` chunk by chunk, lets `loss_fn` turn them
@@ -485,12 +485,12 @@ pub fn backward_through_logprobs(
     let flat = logits.f_detach()?.f_flatten(0, 1)?;
     let rows = |idx: &Tensor| -> Result<Tensor, LossError> { Ok(flat.f_index_select(0, idx)?) };
     let fwd = forward_with(&p, cfg, &rows)?;
-    let (loss, g_logp, g_ent, _) = backward_to_leaves(fwd, loss_fn)?;
-    if !logits.requires_grad() {
+    let (loss, grads) = backward_to_leaves(fwd, loss_fn)?;
+    let Some(grads) = grads.filter(|_| logits.requires_grad()) else {
         return Ok(loss);
-    }
+    };
     let mut grad = flat.f_zeros_like()?; // [B·T, V] in the logits' dtype
-    for_each_chunk_gradient(&p, cfg, &rows, &g_logp, g_ent.as_ref(), |idx, gz| {
+    for_each_chunk_gradient(&p, cfg, &rows, &grads, |idx, gz| {
         let _ = grad.f_index_copy_(0, idx, &gz.f_to_kind(grad.kind())?)?;
         Ok(())
     })?;
@@ -611,14 +611,14 @@ pub fn backward_through_fused_logprobs(
     let wt = w.f_tr()?;
     let rows = |idx: &Tensor| -> Result<Tensor, LossError> { Ok(h.f_index_select(0, idx)?.f_matmul(&wt)?) };
     let fwd = forward_with(&p, cfg, &rows)?;
-    let (loss, g_logp, g_ent, _) = backward_to_leaves(fwd, loss_fn)?;
-    if !hidden.requires_grad() && !weight.requires_grad() {
+    let (loss, grads) = backward_to_leaves(fwd, loss_fn)?;
+    let Some(grads) = grads.filter(|_| hidden.requires_grad() || weight.requires_grad()) else {
         return Ok(loss);
-    }
+    };
     let mut grad_h = Tensor::f_zeros(h.size().as_slice(), (kind, h.device()))?; // [B·T, H]
     let mut grad_w = Tensor::f_zeros(w.size().as_slice(), (kind, w.device()))?; // [V, H]
     let wk = w.f_to_kind(kind)?;
-    for_each_chunk_gradient(&p, cfg, &rows, &g_logp, g_ent.as_ref(), |idx, gz| {
+    for_each_chunk_gradient(&p, cfg, &rows, &grads, |idx, gz| {
         let _ = grad_h.f_index_copy_(0, idx, &gz.f_matmul(&wk)?)?; // [n, V] · [V, H]
         let hc = h.f_index_select(0, idx)?.f_to_kind(kind)?;
         let _ = grad_w.f_add_(&gz.f_tr()?.f_matmul(&hc)?)?;
@@ -671,7 +671,7 @@ pub fn sequence_logprobs(logp: &Tensor, mask: &Tensor, reduce: SequenceReduce) -
     validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
     validate::same_device(&m, "mask", logp.device(), "logp")?;
     validate::finite(logp, "logp", Some(&m))?;
-    let sum = masked_zero(&logp.f_to_kind(kind)?, &m)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
+    let sum = masked_fill_zero(&logp.f_to_kind(kind)?, &m)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
     Ok(match reduce {
         SequenceReduce::Sum => sum,
         SequenceReduce::Mean => sum.f_div(&m.f_sum_dim_intlist(1, false, kind)?.f_clamp_min(1.0)?)?,

@@ -30,7 +30,7 @@ use num_traits::Float;
 use tch::Tensor;
 
 /// `d = clamp(δ, ln a, ln b)`, skipping a bound that is `−∞` (`a = 0`) or `+∞` (`b = ∞`).
-pub(crate) fn clamp_log(delta: &Tensor, a: f64, b: f64) -> Result<Tensor, LossError> {
+fn clamp_log(delta: &Tensor, a: f64, b: f64) -> Result<Tensor, LossError> {
     let lo = (a > 0.0).then(|| a.ln());
     let hi = b.is_finite().then(|| b.ln());
     Ok(match (lo, hi) {

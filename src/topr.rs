@@ -177,26 +177,32 @@ fn log_limits(a: f64, b: f64) -> (f64, f64, f64) {
     if b == 0.0 { (0.0, 0.0, 0.0) } else { (a.ln(), b.ln(), 1.0) }
 }
 
+/// `d = clamp(s, ln a±, ln b±)` with the limits picked per entry by `positive`, and `on`
+/// (0 where the branch has `b = 0`, i.e. `T ≡ 0` and weight 0; else 1). The limits take the shape
+/// of `positive` (`[B]` or `[B, 1]`), so this costs one clamp over `s`.
+pub(crate) fn branch_clamp(s: &Tensor, positive: &Tensor, cfg: &ToprConfig) -> Result<(Tensor, Tensor), LossError> {
+    let (lo_p, hi_p, on_p) = log_limits(cfg.a_pos, cfg.b_pos);
+    let (lo_n, hi_n, on_n) = log_limits(cfg.a_neg, cfg.b_neg);
+    let options = (s.f_kind()?, s.device());
+    let pick = |p: f64, n: f64| -> Result<Tensor, LossError> {
+        let n = Tensor::f_scalar_tensor(n, options)?;
+        Ok(Tensor::f_scalar_tensor(p, options)?.f_where_self(positive, &n)?)
+    };
+    let (lo, hi, on) = (pick(lo_p, lo_n)?, pick(hi_p, hi_n)?, pick(on_p, on_n)?);
+    Ok((s.f_clamp_tensor(Some(&lo), Some(&hi))?, on))
+}
+
 /// `−R' · T(exp(s); a±, b±)` per entry, the limits picked per entry by `positive`. One
 /// evaluation of the taper with per-entry limits (`clamp` against tensors), so no unused branch
 /// is computed whose `inf` could turn into a NaN gradient. `s`, `r_prime` and `positive`
-/// broadcast together; the limits take the shape of `positive` (`[B]` or `[B, 1]`), cheap.
+/// broadcast together.
 pub(crate) fn tapered_terms(
     s: &Tensor,
     r_prime: &Tensor,
     positive: &Tensor,
     cfg: &ToprConfig,
 ) -> Result<Tensor, LossError> {
-    let kind = s.f_kind()?;
-    let (lo_p, hi_p, on_p) = log_limits(cfg.a_pos, cfg.b_pos);
-    let (lo_n, hi_n, on_n) = log_limits(cfg.a_neg, cfg.b_neg);
-    let options = (kind, s.device());
-    let pick = |p: f64, n: f64| -> Result<Tensor, LossError> {
-        let n = Tensor::f_scalar_tensor(n, options)?;
-        Ok(Tensor::f_scalar_tensor(p, options)?.f_where_self(positive, &n)?)
-    };
-    let (lo, hi, on) = (pick(lo_p, lo_n)?, pick(hi_p, hi_n)?, pick(on_p, on_n)?);
-    let d = s.f_clamp_tensor(Some(&lo), Some(&hi))?;
+    let (d, on) = branch_clamp(s, positive, cfg)?;
     let t = taper_from_clamped(s, &d)?;
     Ok(t.f_mul(&r_prime.f_mul(&on)?.f_neg()?)?)
 }

@@ -115,9 +115,14 @@ pub fn run(args: &ModelArgs, plan: &Plan) -> Result<()> {
         std::fs::create_dir_all(&dir)?;
         let model_dir = dir.join("model");
         let done = dir.join("train.done.json");
-        // 1. Sample with μ (resumable; a finished data set is never regenerated).
+        // 1. Sample with μ (resumable; a finished data set is never regenerated), then 2–3. curate
+        //    and train that same loaded model (it becomes π), unless this iteration's training
+        //    finished already. μ is loaded once per iteration.
         let data = dir.join("data.jsonl");
-        {
+        let summary: train::Summary = if done.exists() && data.exists() {
+            serde_json::from_str(&std::fs::read_to_string(&done)?)
+                .with_context(|| format!("reading {}", done.display()))?
+        } else {
             let (m, tok) = load(&ModelArgs { model: mu_dir.clone(), ..args.clone() })?;
             let seed = (plan.options.seed as i64).wrapping_add(1_000 * i as i64);
             sample::sample_dataset(
@@ -131,13 +136,6 @@ pub fn run(args: &ModelArgs, plan: &Plan) -> Result<()> {
                 plan.batch_prompts,
                 &data,
             )?;
-        }
-        // 2–3. Curate and train a copy of μ, unless this iteration's training finished.
-        let summary: train::Summary = if done.exists() {
-            serde_json::from_str(&std::fs::read_to_string(&done)?)
-                .with_context(|| format!("reading {}", done.display()))?
-        } else {
-            let (m, _) = load(&ModelArgs { model: mu_dir.clone(), ..args.clone() })?;
             let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, plan.skip_bad_lines)?;
             let samples = plan.curate.apply(samples);
             let s = train::run(&m, &samples, &plan.options, &dir.join("metrics.jsonl"))?;

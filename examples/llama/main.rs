@@ -206,6 +206,8 @@ impl TaskArgs {
     }
 }
 
+// Parsed once per run: the size difference between subcommands does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Print the completion of a prompt.

@@ -164,9 +164,10 @@ impl Llama {
         let causal = key_idx.le_tensor(&query_idx); // [T, S]
         let real = cache.key_mask.narrow(1, 0, total).unsqueeze(1); // [B, 1, S]
         let own = key_idx.eq_tensor(&query_idx); // [T, S]
-        let attend = if start == 0 && real.all().int64_value(&[]) == 1 {
+        let no_padding = real.all().int64_value(&[]) == 1;
+        let attend = if start == 0 && no_padding {
             Attend::Causal
-        } else if t == 1 && real.all().int64_value(&[]) == 1 {
+        } else if t == 1 && no_padding {
             Attend::All // one new token that may see every (real) cached key
         } else {
             Attend::Mask(causal.unsqueeze(0).logical_and(&real).logical_or(&own.unsqueeze(0)).unsqueeze(1))

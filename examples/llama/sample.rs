@@ -56,17 +56,24 @@ pub struct Sample {
 /// lines are skipped and counted instead. A truncated last line (an interrupted write) is
 /// always ignored.
 pub fn read_dataset(path: &Path, skip_bad: bool) -> Result<(Vec<Sample>, usize)> {
+    let (records, skipped) = read_records(path, skip_bad)?;
+    Ok((records.into_iter().map(|(_, s)| s).collect(), skipped))
+}
+
+/// [`read_dataset`], keeping each record's line as it is in the file.
+fn read_records(path: &Path, skip_bad: bool) -> Result<(Vec<(String, Sample)>, usize)> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let lines: Vec<String> = std::io::BufReader::new(f).lines().collect::<Result<_, _>>()?;
+    let last = lines.len();
     let mut out = vec![];
     let mut skipped = 0;
-    for (n, line) in lines.iter().enumerate() {
+    for (n, line) in lines.into_iter().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        match serde_json::from_str::<Sample>(line) {
-            Ok(s) => out.push(s),
-            Err(_) if n + 1 == lines.len() && !line.ends_with('}') => {} // cut short by a kill
+        match serde_json::from_str::<Sample>(&line) {
+            Ok(s) => out.push((line, s)),
+            Err(_) if n + 1 == last && !line.ends_with('}') => {} // cut short by a kill
             Err(e) if skip_bad => {
                 eprintln!("{}:{}: skipping malformed record: {e}", path.display(), n + 1);
                 skipped += 1;
@@ -105,10 +112,9 @@ pub fn sample_dataset(
     let mut start = 0;
     if out.exists() {
         // Kept lines are copied verbatim, never re-serialised.
-        let text = std::fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
-        let existing = read_dataset(out, false)?.0;
+        let existing = read_records(out, false)?.0;
         let mut count: HashMap<&str, usize> = HashMap::new();
-        for smp in &existing {
+        for (_, smp) in &existing {
             if smp.sampling != record {
                 bail!("{} was sampled with other settings ({:?}); use a new output file", out.display(), smp.sampling);
             }
@@ -119,7 +125,7 @@ pub fn sample_dataset(
         let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
         let tmp = out.with_extension("jsonl.tmp");
         let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-        for (line, smp) in text.lines().filter(|l| !l.trim().is_empty()).zip(&existing) {
+        for (line, smp) in &existing {
             if keep.contains(smp.id.as_str()) {
                 writeln!(w, "{line}")?;
             }
