@@ -131,11 +131,70 @@ fn a_ci_sized_run_of_every_command() {
     assert!(first.contains("iteration"), "{first}");
     let rows = std::fs::read_to_string(work.join("iterations.jsonl")).unwrap();
     assert_eq!(rows.lines().count(), 2);
-    // Rerunning resumes: nothing is sampled or trained again, the table is the same.
+    // Rerunning without --resume refuses to touch the finished run; with it, nothing is sampled
+    // or trained again and the table is the same.
+    let out = Command::new(llama()).args(&a).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
     let data_before = std::fs::read_to_string(work.join("iter-1/data.jsonl")).unwrap();
+    a.push("--resume");
     let second = run(&a);
     assert_eq!(first, second);
     assert_eq!(std::fs::read_to_string(work.join("iter-1/data.jsonl")).unwrap(), data_before);
+
+    // Every other objective and Adafactor, on the sampled data with some completions marked
+    // correct (so that DPO has pairs and GRPO non-zero advantages).
+    let mixed = dir.join("mixed.jsonl");
+    let lines: Vec<String> = std::fs::read_to_string(&data)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            let good = v["sample"] == 0;
+            v["correct"] = good.into();
+            v["reward"] = (if good { 1.0 } else { -1.0 }).into();
+            v.to_string()
+        })
+        .collect();
+    std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
+    for (objective, optimizer) in [("ppo", "adamw"), ("grpo", "adamw"), ("dpo", "adafactor"), ("topr", "adafactor")] {
+        let out = dir.join(format!("m-{objective}-{optimizer}"));
+        let summary: Value = serde_json::from_str(
+            run(&[
+                "train",
+                "--model",
+                s(&m1),
+                "--data",
+                s(&mixed),
+                "--out",
+                s(&out),
+                "--objective",
+                objective,
+                "--optimizer",
+                optimizer,
+                "--lr",
+                "1e-3",
+                "--batch-size",
+                "8",
+                "--micro-batch-size",
+                "3",
+            ])
+            .trim(),
+        )
+        .unwrap();
+        // 24 completions: 3 steps of 8; DPO has 12 pairs, 4 per step of 8 completions.
+        assert_eq!(summary["steps"], 3, "{objective}: {summary}");
+        assert_eq!(summary["objective"], objective);
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let last: Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+        assert!(last["stats"]["loss"].as_f64().unwrap().is_finite(), "{objective}: {last}");
+        match objective {
+            "dpo" => assert!(last["stats"]["dpo_accuracy"].is_number(), "{last}"),
+            "ppo" | "grpo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
+            _ => assert!(last["stats"]["topr"]["truncated_fraction_neg"].is_number(), "{last}"),
+        }
+        assert!(out.join("model.safetensors").exists() && !out.join("state").exists());
+    }
 
     // Errors are one clear line, not a panic.
     let out = Command::new(llama())
@@ -145,4 +204,108 @@ fn a_ci_sized_run_of_every_command() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("error: opening /nonexistent.jsonl"), "{err}");
+}
+
+/// A training run killed (SIGKILL) in the middle and resumed with `--resume` ends with the same
+/// model and the same metrics, step for step, as a run that was never interrupted.
+#[test]
+fn a_killed_training_run_resumes_where_it_stopped() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama_cli_kill");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let m0 = dir.join("m0");
+    run(&[
+        "init",
+        "--out",
+        s(&m0),
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "64",
+    ]);
+    let sft = dir.join("sft.jsonl");
+    run(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--task", "synthetic", "--synthetic-n", "20"]);
+    let train = |out: &Path| -> Vec<String> {
+        [
+            "train",
+            "--model",
+            s(&m0),
+            "--data",
+            s(&sft),
+            "--out",
+            s(out),
+            "--objective",
+            "sft",
+            "--optimizer",
+            "adafactor",
+            "--lr",
+            "1e-3",
+            "--batch-size",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--epochs",
+            "4",
+            "--warmup-steps",
+            "5",
+            "--lr-decay",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+    };
+    let total = 40; // 20 completions, 2 per step, 4 epochs
+    let whole = dir.join("whole");
+    run(&train(&whole).iter().map(String::as_str).collect::<Vec<_>>());
+
+    let killed = dir.join("killed");
+    let mut child = Command::new(llama()).args(train(&killed)).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let progress = killed.join("state/progress.json");
+    let start = std::time::Instant::now();
+    let step_at_kill = loop {
+        let step = std::fs::read_to_string(&progress)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|v| v["step"].as_u64());
+        if step.is_some_and(|n| n >= 5) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break step.unwrap();
+        }
+        assert!(start.elapsed().as_secs() < 120, "the run saved no state in 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    assert!(step_at_kill < total as u64 && !killed.join("model.safetensors").exists(), "killed too late");
+
+    // Without --resume the interrupted state is not silently overwritten.
+    let out = Command::new(llama()).args(train(&killed)).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let mut args = train(&killed);
+    args.push("--resume".into());
+    run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!killed.join("state").exists(), "the state of a finished run is removed");
+    let metrics = |d: &Path| std::fs::read_to_string(d.join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> =
+        metrics(&killed).lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=total).collect::<Vec<u64>>(), "each step logged once, in order");
+    assert_eq!(metrics(&killed), metrics(&whole), "the resumed run took the same steps");
+    let read = |d: &Path| {
+        let mut t = tch::Tensor::read_safetensors(d.join("model.safetensors")).unwrap();
+        t.sort_by(|x, y| x.0.cmp(&y.0));
+        t
+    };
+    let (a, b) = (read(&whole), read(&killed));
+    assert_eq!(a.len(), b.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na} differs after the resume");
+    }
 }

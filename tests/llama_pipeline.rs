@@ -13,6 +13,8 @@ mod eval;
 mod generate;
 #[path = "../examples/llama/model.rs"]
 mod model;
+#[path = "../examples/llama/optim.rs"]
+mod optim;
 #[path = "../examples/llama/sample.rs"]
 mod sample;
 #[path = "../examples/llama/task.rs"]
@@ -134,14 +136,39 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
         d.completion_ids.truncate(keep);
         d.logp_mu.truncate(keep);
     }
-    let batch: Vec<&sample::Sample> = data.iter().collect();
     let vars = m.vs.trainable_variables();
-    for ratio in [topr_loss::RatioLevel::Sequence, topr_loss::RatioLevel::SequenceMean, topr_loss::RatioLevel::Token] {
-        let cfg = topr_loss::ToprTokenConfig {
+    let topr = |ratio| {
+        train::Loss::Topr(topr_loss::ToprTokenConfig {
             topr: topr_loss::ToprConfig::canonical().with_baseline(0.2),
             ratio,
             ..topr_loss::ToprTokenConfig::paper()
-        };
+        })
+    };
+    let cases = [
+        ("topr sequence", train::Objective::Topr, topr(topr_loss::RatioLevel::Sequence)),
+        ("topr sequence-mean", train::Objective::Topr, topr(topr_loss::RatioLevel::SequenceMean)),
+        ("topr token", train::Objective::Topr, topr(topr_loss::RatioLevel::Token)),
+        ("ppo", train::Objective::Ppo, train::Loss::Ppo(topr_loss::PpoConfig::ppo())),
+        (
+            "grpo",
+            train::Objective::Grpo,
+            train::Loss::Ppo(topr_loss::PpoConfig {
+                aggregation: topr_loss::AggregationMode::SeqMeanTokenMean,
+                ..topr_loss::PpoConfig::ppo()
+            }),
+        ),
+        ("dpo", train::Objective::Dpo, train::Loss::Dpo(topr_loss::DpoConfig::default())),
+    ];
+    // π ≠ μ, so that ratios differ from 1 and clipping and truncation are exercised.
+    for d in data.iter_mut() {
+        for (k, lp) in d.logp_mu.iter_mut().enumerate() {
+            *lp += if k % 2 == 0 { 0.3 } else { -0.25 };
+        }
+    }
+    for (name, objective, loss) in cases {
+        let units = train::units(&data, objective, 0.1).unwrap();
+        let completions: usize = units.iter().map(|u| u.completions()).sum();
+        assert!(completions >= 4, "{name}: {completions} completions");
         let mut grads = vec![];
         let mut losses = vec![];
         for micro in [1, 2, 4, 6] {
@@ -151,17 +178,48 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
                     let _ = g.zero_();
                 }
             }
-            let st = train::accumulate(&m, &batch, micro, &cfg).unwrap();
+            let st = train::accumulate(&m, &units, micro, &loss).unwrap();
+            assert_eq!(st.sequences, completions);
             losses.push(st.loss);
             grads.push(tch::Tensor::cat(&vars.iter().map(|v| v.grad().flatten(0, -1)).collect::<Vec<_>>(), 0));
         }
+        let scale = grads[0].abs().max().double_value(&[]);
+        assert!(scale > 0.0, "{name}: zero gradient");
         for (k, g) in grads.iter().enumerate().skip(1) {
             let d = (g - &grads[0]).abs().max().double_value(&[]);
-            let scale = grads[0].abs().max().double_value(&[]);
-            assert!(d <= 1e-5 * scale.max(1e-6), "{ratio:?}: micro-batch variant {k} differs by {d} (scale {scale})");
-            assert!((losses[k] - losses[0]).abs() <= 1e-5 * losses[0].abs().max(1e-3), "{ratio:?}: loss {losses:?}");
+            assert!(d <= 1e-5 * scale, "{name}: micro-batch variant {k} differs by {d} (scale {scale})");
+            assert!((losses[k] - losses[0]).abs() <= 1e-5 * losses[0].abs().max(1e-3), "{name}: loss {losses:?}");
         }
     }
+    // The units themselves: GRPO's advantages per question, DPO's (correct, incorrect) pairs.
+    let values = |o| -> Vec<f32> {
+        train::units(&data, o, 0.1)
+            .unwrap()
+            .iter()
+            .map(|u| match u {
+                train::Unit::Single(_, v) => *v,
+                train::Unit::Pair(..) => unreachable!(),
+            })
+            .collect()
+    };
+    let a = std::f32::consts::FRAC_1_SQRT_2; // (±1 − 0) / std([1, −1]) with the unbiased std √2
+    let grpo = values(train::Objective::Grpo);
+    assert!(grpo.iter().zip([a, -a, -a, a, 0.0, 0.0]).all(|(x, y)| (x - y).abs() < 1e-5), "{grpo:?}");
+    assert_eq!(values(train::Objective::Ppo), vec![0.9, -1.1, -1.1, 0.9, -1.1, -1.1]);
+    let pairs: Vec<(usize, usize)> = train::units(&data, train::Objective::Dpo, 0.0)
+        .unwrap()
+        .iter()
+        .map(|u| match u {
+            train::Unit::Pair(w, l) => (w.sample + 10 * w.id.len(), l.sample + 10 * l.id.len()),
+            train::Unit::Single(..) => unreachable!(),
+        })
+        .collect();
+    assert_eq!(pairs.len(), 2, "{pairs:?}");
+    for d in data.iter_mut() {
+        d.reward = -1.0;
+    }
+    let err = train::units(&data, train::Objective::Dpo, 0.0).unwrap_err().to_string();
+    assert!(err.contains("both a correct and an incorrect"), "{err}");
     // The schedule: warm-up then linear decay.
     assert_eq!(train::learning_rate(1.0, 0, 10, 2, true), 0.5);
     assert_eq!(train::learning_rate(1.0, 2, 10, 2, true), 1.0);

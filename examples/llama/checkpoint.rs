@@ -77,6 +77,7 @@ fn dtype_name(kind: Kind) -> Result<&'static str> {
         Kind::Float => "F32",
         Kind::BFloat16 => "BF16",
         Kind::Half => "F16",
+        Kind::Int64 => "I64",
         other => bail!("cannot save a {other:?} tensor"),
     })
 }

@@ -98,6 +98,13 @@ fn evaluate_cached(
 }
 
 pub fn run(args: &ModelArgs, plan: &Plan) -> Result<()> {
+    let started = plan.work.join("eval-initial.json").exists() || plan.work.join("iter-1").exists();
+    if started && !plan.options.resume {
+        bail!(
+            "{} holds an earlier run: pass --resume to continue it (finished stages are kept), or choose another --work",
+            plan.work.display()
+        );
+    }
     std::fs::create_dir_all(&plan.work)?;
     let (problems, style) = plan.task.load()?;
     let held_out = eval_problems(plan)?;
@@ -138,20 +145,22 @@ pub fn run(args: &ModelArgs, plan: &Plan) -> Result<()> {
             )?;
             let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, plan.skip_bad_lines)?;
             let samples = plan.curate.apply(samples);
-            let s = train::run(&m, &samples, &plan.options, &dir.join("metrics.jsonl"))?;
+            let s = train::run(&m, &samples, &plan.options, &dir)?;
             checkpoint::save(&m, &mu_dir, &model_dir)?;
+            train::finish(&dir);
             std::fs::write(&done, serde_json::to_string(&s)?)?;
             s
         };
         // 4. Evaluate.
         let e = evaluate_cached(&model_dir, args, &held_out, &style, plan, &dir.join("eval.json"))?;
+        let opt = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
         eprintln!(
-            "iteration {i}: held-out pass@1 {:.3}, invalid {:.3}, data {:.1}% positive, p~ {:.3}, truncated (neg) {:.3}",
+            "iteration {i}: held-out pass@1 {:.3}, invalid {:.3}, data {:.1}% positive, p~ {}, truncated (neg) {}",
             e.pass1_greedy,
             e.invalid_rate_greedy,
             100.0 * summary.positive_fraction,
-            summary.p_tilde,
-            summary.truncated_fraction_neg
+            opt(summary.p_tilde),
+            opt(summary.truncated_fraction_neg)
         );
         rows.push(serde_json::json!({"iteration": i, "accuracy": e.pass1_greedy, "invalid_rate": e.invalid_rate_greedy, "p_tilde": summary.p_tilde, "truncated_fraction_neg": summary.truncated_fraction_neg, "data_positive_fraction": summary.positive_fraction}));
         mu_dir = model_dir;

@@ -16,6 +16,7 @@ mod generate;
 mod init;
 mod iterate;
 mod model;
+mod optim;
 mod sample;
 mod task;
 mod tokenizer;
@@ -49,7 +50,7 @@ struct ModelArgs {
 /// Training settings shared by `train` and `iterate`.
 #[derive(Args, Clone)]
 struct TrainArgs {
-    /// topr, tis, sft, reinforce or is.
+    /// topr, tis, sft, reinforce, is (the TOPR family), ppo, grpo or dpo.
     #[arg(long, default_value = "topr")]
     objective: String,
     /// The baseline c subtracted from rewards.
@@ -64,8 +65,15 @@ struct TrainArgs {
     ratio: String,
     #[arg(long, default_value_t = 1e-5)]
     lr: f64,
+    /// adamw, or adafactor (factored second moments, no first moment: the paper's optimiser and
+    /// the one that fits an 8B model on one GPU).
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
+    /// DPO's β (strength of the implicit KL constraint to μ).
+    #[arg(long, default_value_t = 0.1)]
+    dpo_beta: f64,
     /// Completions per optimiser step.
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
@@ -86,6 +94,13 @@ struct TrainArgs {
     /// Skip malformed data-set records and completions longer than the context (counted).
     #[arg(long)]
     skip_bad_records: bool,
+    /// Save the training state (model, optimiser, position) every this many steps, so that a
+    /// killed run loses at most that many (0: never).
+    #[arg(long, default_value_t = 1)]
+    save_every: usize,
+    /// Continue an interrupted run from its saved state.
+    #[arg(long)]
+    resume: bool,
 }
 
 impl TrainArgs {
@@ -100,8 +115,8 @@ impl TrainArgs {
                 "token" => topr_loss::RatioLevel::Token,
                 other => bail!("--ratio must be sequence, sequence-mean or token, got {other:?}"),
             },
+            optimizer: optim::OptimizerConfig::parse(&self.optimizer, self.weight_decay)?,
             lr: self.lr,
-            weight_decay: self.weight_decay,
             batch_size: self.batch_size.max(1),
             micro_batch_size: self.micro_batch_size.max(1),
             epochs: self.epochs,
@@ -109,6 +124,9 @@ impl TrainArgs {
             warmup_steps: self.warmup_steps,
             lr_decay: self.lr_decay,
             seed: self.train_seed,
+            dpo_beta: self.dpo_beta,
+            save_every: self.save_every,
+            resume: self.resume,
         })
     }
 }
@@ -507,8 +525,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train { model, data, out, train } => {
             let (m, _) = load(&model)?;
             let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, train.skip_bad_records)?;
-            let summary = train::run(&m, &samples, &train.options()?, &out.join("metrics.jsonl"))?;
+            let summary = train::run(&m, &samples, &train.options()?, &out)?;
             checkpoint::save(&m, &model.model, &out)?;
+            train::finish(&out);
             eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
             println!("{}", serde_json::to_string(&summary)?);
         }

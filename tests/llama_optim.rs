@@ -1,0 +1,189 @@
+//! The Llama example's optimisers against their reference implementations: torch.optim.AdamW and
+//! transformers' Adafactor, step by step on the same parameters and gradients; and the saved
+//! state resumes a run exactly.
+
+#![allow(dead_code)]
+
+#[path = "../examples/llama/optim.rs"]
+mod optim;
+
+mod common;
+
+use optim::{Optimizer, OptimizerConfig};
+use serde_json::json;
+use std::collections::BTreeMap;
+use tch::{Kind, Tensor};
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+const SHAPES: [(&str, &[i64]); 3] = [("a.weight", &[5, 3]), ("b.bias", &[4]), ("c.weight", &[2, 3, 4])];
+
+fn params() -> Vec<(String, Tensor)> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, (n, s))| {
+            let numel = s.iter().product::<i64>() as usize;
+            (n.to_string(), Tensor::from_slice(&values(i as u64, numel)).view(*s).set_requires_grad(true))
+        })
+        .collect()
+}
+
+fn grads(step: usize) -> BTreeMap<String, Vec<f32>> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, (n, s))| {
+            let numel = s.iter().product::<i64>() as usize;
+            // Scaled per step so that the second moments change (and a tiny one tests ε).
+            let scale = [1.0, 0.01, 3.0, 1e-4][step % 4];
+            (n.to_string(), values(100 + 10 * step as u64 + i as u64, numel).iter().map(|v| v * scale).collect())
+        })
+        .collect()
+}
+
+fn set_grads(ps: &[(String, Tensor)], g: &BTreeMap<String, Vec<f32>>) {
+    for (n, p) in ps {
+        let mut grad = p.grad();
+        if !grad.defined() {
+            // Create the gradient buffer with a backward pass of a zero loss.
+            (p * 0.0).sum(Kind::Float).backward();
+            grad = p.grad();
+        }
+        grad.copy_(&Tensor::from_slice(&g[n]).view(p.size().as_slice()));
+    }
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()
+}
+
+fn compare(name: &str, cfg: OptimizerConfig, request: serde_json::Value, lrs: &[f64]) {
+    let ps = params();
+    let mut opt = Optimizer::new(cfg, ps.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect());
+    let mut req = request;
+    req["params"] = json!(
+        ps.iter()
+            .map(|(n, p)| (n.clone(), json!({"shape": p.size(), "data": flat(p)})))
+            .collect::<serde_json::Map<_, _>>()
+    );
+    req["grads"] = json!((0..lrs.len()).map(grads).collect::<Vec<_>>());
+    req["lr"] = json!(lrs);
+    let file = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("optim-{name}.json"));
+    std::fs::write(&file, req.to_string()).unwrap();
+    let out = std::process::Command::new(common::llama::python())
+        .arg(common::llama::repo().join("tests/reference/optim.py"))
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "reference failed: {}", String::from_utf8_lossy(&out.stderr));
+    let want: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for (step, lr) in lrs.iter().enumerate() {
+        set_grads(&ps, &grads(step));
+        opt.step(*lr).unwrap();
+        for (n, p) in &ps {
+            let w: Vec<f32> =
+                want["steps"][step][n].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+            let got = flat(p);
+            for (k, (a, b)) in got.iter().zip(&w).enumerate() {
+                assert!((a - b).abs() <= 2e-6 * (1.0 + b.abs()), "{cfg:?} step {step} {n}[{k}]: {a} vs reference {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn adamw_matches_torch() {
+    let cfg = OptimizerConfig::parse("adamw", 0.1).unwrap();
+    compare("adamw", cfg, json!({"optimizer": "adamw", "weight_decay": 0.1}), &[1e-2, 5e-3, 2e-2, 1e-2, 1e-3]);
+}
+
+#[test]
+fn adafactor_matches_transformers() {
+    let cfg = OptimizerConfig::parse("adafactor", 0.05).unwrap();
+    compare(
+        "adafactor",
+        cfg,
+        json!({"optimizer": "adafactor", "weight_decay": 0.05, "beta1": null, "scale_parameter": false}),
+        &[1e-2, 5e-3, 2e-2, 1e-2, 1e-3],
+    );
+}
+
+#[test]
+fn adafactor_with_momentum_and_parameter_scale_matches_transformers() {
+    let OptimizerConfig::Adafactor { eps1, eps2, clip_threshold, decay_rate, .. } =
+        OptimizerConfig::parse("adafactor", 0.0).unwrap()
+    else {
+        unreachable!()
+    };
+    let cfg = OptimizerConfig::Adafactor {
+        beta1: Some(0.9),
+        eps1,
+        eps2,
+        clip_threshold,
+        decay_rate,
+        weight_decay: 0.0,
+        scale_parameter: true,
+    };
+    compare(
+        "adafactor-momentum",
+        cfg,
+        json!({"optimizer": "adafactor", "weight_decay": 0.0, "beta1": 0.9, "scale_parameter": true}),
+        &[1e-1, 5e-2, 1e-1, 1e-1],
+    );
+}
+
+/// Two steps, save, a fresh optimiser loads the state and takes two more: the same parameters as
+/// four steps in one go.
+#[test]
+fn saved_state_resumes_exactly() {
+    for name in ["adamw", "adafactor"] {
+        let cfg = OptimizerConfig::parse(name, 0.01).unwrap();
+        let run = |split: bool| {
+            let ps = params();
+            let named = || ps.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect();
+            let mut opt = Optimizer::new(cfg, named());
+            for step in 0..4 {
+                if split && step == 2 {
+                    let state = opt.state();
+                    opt = Optimizer::new(cfg, named());
+                    opt.load_state(state).unwrap();
+                }
+                set_grads(&ps, &grads(step));
+                opt.step(1e-2).unwrap();
+            }
+            assert_eq!(opt.steps(), 4);
+            ps.iter().map(|(_, p)| flat(p)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(false), run(true), "{name}");
+    }
+}
+
+#[test]
+fn refuses_a_state_of_another_model() {
+    let cfg = OptimizerConfig::parse("adafactor", 0.0).unwrap();
+    let ps = params();
+    let mut opt = Optimizer::new(cfg, ps.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect());
+    set_grads(&ps, &grads(0));
+    opt.step(1e-2).unwrap();
+    let mut state = opt.state();
+    state.insert("z.weight.exp_avg_sq".into(), Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)));
+    let err = Optimizer::new(cfg, params()).load_state(state).unwrap_err().to_string();
+    assert!(err.contains("z.weight"), "{err}");
+    let mut state = opt.state();
+    state.insert("a.weight.exp_avg_sq_row".into(), Tensor::zeros([7], (Kind::Float, tch::Device::Cpu)));
+    let err = Optimizer::new(cfg, params()).load_state(state).unwrap_err().to_string();
+    assert!(err.contains("shape"), "{err}");
+    assert!(OptimizerConfig::parse("sgd", 0.0).is_err());
+    assert!(OptimizerConfig::parse("adamw", -1.0).is_err());
+    assert!(opt.step(f64::NAN).is_err());
+}
