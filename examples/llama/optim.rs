@@ -164,7 +164,7 @@ impl Optimizer {
                         };
                         u = &u / (rms(&u) / clip_threshold).clamp_min(1.0);
                         let alpha = if scale_parameter { lr * rms(&theta).double_value(&[]).max(eps2) } else { lr };
-                        u = u * alpha;
+                        u *= alpha;
                         if let Some(b1) = beta1 {
                             let mut m = self.slot(format!("{name}.exp_avg"), || g.zeros_like());
                             let _ = m.g_mul_scalar_(b1).g_add_(&(&u * (1.0 - b1)));
