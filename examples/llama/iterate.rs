@@ -170,14 +170,19 @@ pub fn run(args: &ModelArgs, plan: &Plan) -> Result<()> {
         writeln!(w, "{r}")?;
     }
     w.flush()?;
-    println!("{:>9} {:>9} {:>8} {:>7} {:>10}", "iteration", "accuracy", "invalid", "p~", "truncated");
+    crate::plot::report("iterations", || crate::plot::plot_iterations(&plan.work));
+    println!(
+        "{:>9} {:>9} {:>8} {:>10} {:>7} {:>10}",
+        "iteration", "accuracy", "invalid", "positives", "p~", "truncated"
+    );
     for r in &rows {
         let f = |k: &str| r[k].as_f64().map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
         println!(
-            "{:>9} {:>9} {:>8} {:>7} {:>10}",
+            "{:>9} {:>9} {:>8} {:>10} {:>7} {:>10}",
             r["iteration"].to_string(),
             f("accuracy"),
             f("invalid_rate"),
+            f("data_positive_fraction"),
             f("p_tilde"),
             f("truncated_fraction_neg")
         );

@@ -17,6 +17,7 @@ mod init;
 mod iterate;
 mod model;
 mod optim;
+mod plot;
 mod sample;
 mod task;
 mod tokenizer;
@@ -367,6 +368,13 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
+    /// `training.png` of a `train` output directory.
+    Plot {
+        /// An `iterate --work` directory or a `train --out` directory.
+        #[arg(long)]
+        dir: PathBuf,
+    },
     /// Load a checkpoint and save it again (e.g. in another dtype), in the Hugging Face layout.
     Convert {
         #[command(flatten)]
@@ -528,6 +536,7 @@ fn run(cli: Cli) -> Result<()> {
             let summary = train::run(&m, &samples, &train.options()?, &out)?;
             checkpoint::save(&m, &model.model, &out)?;
             train::finish(&out);
+            plot::report("training", || plot::plot_training(&out));
             eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
             println!("{}", serde_json::to_string(&summary)?);
         }
@@ -572,6 +581,16 @@ fn run(cli: Cli) -> Result<()> {
             let (problems, style) = task.load()?;
             let n = sample::write_solutions(&tok, &problems, &style, &out)?;
             eprintln!("wrote {n} worked solutions to {}", out.display());
+        }
+        Command::Plot { dir } => {
+            let path = if dir.join("iterations.jsonl").exists() {
+                plot::plot_iterations(&dir)?
+            } else if dir.join("metrics.jsonl").exists() {
+                plot::plot_training(&dir)?
+            } else {
+                bail!("{} holds neither iterations.jsonl (iterate) nor metrics.jsonl (train)", dir.display());
+            };
+            eprintln!("wrote {}", path.display());
         }
         Command::Convert { model, out } => {
             let (m, _) = load(&model)?;

@@ -1,0 +1,259 @@
+//! PNG plots of a run, drawn with plotters from the JSONL metrics: for `iterate`, held-out
+//! accuracy per iteration and the per-step training curves of every iteration; for `train`, the
+//! curves of one run.
+//!
+//! Text needs a TrueType font: `$TOPR_PLOT_FONT`, else DejaVu Sans or Liberation Sans from the
+//! usual system folders (Debian's `fonts-dejavu-core`). Without one, plotting is skipped with a
+//! message; the metrics are in the JSONL files either way.
+
+use anyhow::{Context, Result, bail};
+use plotters::prelude::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+const FONT_PATHS: [&str; 5] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/Library/Fonts/Arial Unicode.ttf",
+];
+
+/// Registers a font as "sans-serif" once per process.
+fn font() -> Result<()> {
+    static FONT: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    FONT.get_or_init(|| {
+        let candidates: Vec<PathBuf> = std::env::var_os("TOPR_PLOT_FONT")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(FONT_PATHS.map(PathBuf::from))
+            .collect();
+        let Some(path) = candidates.iter().find(|p| p.exists()) else {
+            return Err("no TrueType font found: install fonts-dejavu-core or set TOPR_PLOT_FONT to a .ttf file".into());
+        };
+        let bytes = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+        plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
+            .map_err(|_| format!("{} is not a font plotters can read", path.display()))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// One line of a panel.
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One chart: title, axis names and its lines.
+pub struct Panel {
+    pub title: String,
+    pub x: String,
+    pub y: String,
+    pub series: Vec<Series>,
+}
+
+const COLOURS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+fn range(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
+    let (lo, hi) =
+        values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.05).max(1e-6 * hi.abs().max(1.0));
+    (lo - pad, hi + pad)
+}
+
+/// Draws `panels` on a grid of `cols` columns into the PNG `path`.
+pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
+    font()?;
+    let rows = panels.len().div_ceil(cols.max(1));
+    let size = (480 * cols as u32, 340 * rows as u32);
+    let root = BitMapBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let areas = root.split_evenly((rows, cols));
+    for (panel, area) in panels.iter().zip(areas.iter()) {
+        let all = panel.series.iter().flat_map(|s| s.points.iter().copied());
+        let (x0, x1) = range(all.clone().map(|p| p.0));
+        let (y0, y1) = range(all.map(|p| p.1));
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.title, ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(55)
+            .build_cartesian_2d(x0..x1, y0..y1)
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        chart
+            .configure_mesh()
+            .x_desc(panel.x.as_str())
+            .y_desc(panel.y.as_str())
+            .label_style(("sans-serif", 12))
+            .draw()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        for (k, s) in panel.series.iter().enumerate() {
+            let colour = COLOURS[k % COLOURS.len()];
+            let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.1.is_finite()).collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?
+                .label(s.label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
+            if pts.len() <= 30 {
+                chart
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            }
+        }
+        if panel.series.len() > 1 || !panel.series.iter().all(|s| s.label.is_empty()) {
+            chart
+                .configure_series_labels()
+                .label_font(("sans-serif", 12))
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        }
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn read_jsonl(path: &Path) -> Result<Vec<Value>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines().filter(|l| !l.trim().is_empty()).map(|l| Ok(serde_json::from_str(l)?)).collect()
+}
+
+/// `value[a][b]…` as f64 (`NaN` when absent).
+fn get(v: &Value, keys: &[&str]) -> f64 {
+    keys.iter().fold(v, |v, k| &v[*k]).as_f64().unwrap_or(f64::NAN)
+}
+
+/// The per-step panels of training metrics, each line offset by its run's first step.
+fn step_panels(runs: &[(String, Vec<Value>)]) -> Vec<Panel> {
+    let line = |keys: &[&str], label: &dyn Fn(&str) -> String| -> Vec<Series> {
+        let mut offset = 0.0;
+        runs.iter()
+            .map(|(name, rows)| {
+                let points: Vec<(f64, f64)> = rows.iter().map(|r| (offset + get(r, &["step"]), get(r, keys))).collect();
+                offset += rows.len() as f64;
+                Series { label: label(name), points }
+            })
+            .collect()
+    };
+    let one = |keys: &[&str], label: &str| -> Series {
+        let mut s = Series { label: label.into(), points: vec![] };
+        for row in line(keys, &|_| String::new()) {
+            s.points.extend(row.points);
+        }
+        s
+    };
+    let mut panels = vec![
+        Panel {
+            title: "training loss".into(),
+            x: "optimiser step".into(),
+            y: "loss".into(),
+            series: line(&["stats", "loss"], &|n| n.to_string()),
+        },
+        Panel {
+            title: "gradient norm (before clipping)".into(),
+            x: "optimiser step".into(),
+            y: "‖g‖".into(),
+            series: vec![one(&["grad_norm"], "")],
+        },
+    ];
+    let has_topr = runs.iter().any(|(_, rows)| rows.iter().any(|r| r["stats"]["topr"].is_object()));
+    if has_topr {
+        panels.push(Panel {
+            title: "effective positive proportion".into(),
+            x: "optimiser step".into(),
+            y: "share of weight on positives".into(),
+            series: vec![
+                one(&["stats", "topr", "effective_positive_proportion"], "in the batch"),
+                one(&["p_tilde"], "target p~ (data set)"),
+            ],
+        });
+        panels.push(Panel {
+            title: "truncated fractions".into(),
+            x: "optimiser step".into(),
+            y: "share of samples".into(),
+            series: vec![
+                one(&["stats", "topr", "truncated_fraction_pos"], "positives (ratio outside [a+, b+])"),
+                one(&["stats", "topr", "truncated_fraction_neg"], "negatives (ratio > 1)"),
+            ],
+        });
+        panels.push(Panel {
+            title: "importance weights".into(),
+            x: "optimiser step".into(),
+            y: "weight".into(),
+            series: vec![
+                one(&["stats", "topr", "weight_mean"], "mean applied weight"),
+                one(&["stats", "topr", "weight_max"], "max applied weight"),
+            ],
+        });
+    }
+    panels.push(Panel {
+        title: "log-ratio log pi - log mu (per token)".into(),
+        x: "optimiser step".into(),
+        y: "mean".into(),
+        series: vec![one(&["stats", "log_ratio_mean"], "")],
+    });
+    panels
+}
+
+/// `dir/training.png` from `dir/metrics.jsonl`.
+pub fn plot_training(dir: &Path) -> Result<PathBuf> {
+    let rows = read_jsonl(&dir.join("metrics.jsonl"))?;
+    if rows.is_empty() {
+        bail!("{}: no steps to plot", dir.join("metrics.jsonl").display());
+    }
+    let out = dir.join("training.png");
+    draw(&out, &step_panels(&[("run".into(), rows)]), 3)?;
+    Ok(out)
+}
+
+/// `work/iterations.png`: held-out accuracy and invalid rate per iteration, the data's share of
+/// positives, and the per-step curves of every iteration's training.
+pub fn plot_iterations(work: &Path) -> Result<PathBuf> {
+    let table = read_jsonl(&work.join("iterations.jsonl"))?;
+    let per_iter =
+        |k: &str| -> Vec<(f64, f64)> { table.iter().map(|r| (get(r, &["iteration"]), get(r, &[k]))).collect() };
+    let mut panels = vec![Panel {
+        title: "held-out accuracy (greedy pass@1)".into(),
+        x: "iteration".into(),
+        y: "share of problems".into(),
+        series: vec![
+            Series { label: "accuracy".into(), points: per_iter("accuracy") },
+            Series { label: "invalid answers".into(), points: per_iter("invalid_rate") },
+            Series { label: "positives in the sampled data".into(), points: per_iter("data_positive_fraction") },
+        ],
+    }];
+    let mut runs = vec![];
+    for r in table.iter().skip(1) {
+        let i = get(r, &["iteration"]) as usize;
+        let m = work.join(format!("iter-{i}")).join("metrics.jsonl");
+        if m.exists() {
+            runs.push((format!("iteration {i}"), read_jsonl(&m)?));
+        }
+    }
+    panels.extend(step_panels(&runs));
+    let out = work.join("iterations.png");
+    draw(&out, &panels, 3)?;
+    Ok(out)
+}
+
+/// Runs `f`, turning a failure into a message on stderr: plots never fail a finished run.
+pub fn report(what: &str, f: impl FnOnce() -> Result<PathBuf>) {
+    match f() {
+        Ok(p) => eprintln!("wrote {what} plot {}", p.display()),
+        Err(e) => eprintln!("no {what} plot: {e:#}"),
+    }
+}
