@@ -187,3 +187,31 @@ fn refuses_a_state_of_another_model() {
     assert!(OptimizerConfig::parse("adamw", -1.0).is_err());
     assert!(opt.step(f64::NAN).is_err());
 }
+
+/// bf16 parameters follow an f32 master copy: a long run of updates far smaller than a bf16 ulp
+/// moves them as far as the same run in f32 (to within one bf16 rounding), instead of being
+/// rounded away step after step.
+#[test]
+fn half_precision_parameters_keep_small_updates() {
+    for name in ["adamw", "adafactor"] {
+        let cfg = OptimizerConfig::parse(name, 0.0).unwrap();
+        let run = |kind: Kind| {
+            let p = Tensor::ones([4, 3], (kind, tch::Device::Cpu)).set_requires_grad(true);
+            let mut opt = Optimizer::new(cfg, vec![("w".into(), p.shallow_clone())]);
+            for step in 0..200 {
+                let g = Tensor::from_slice(&values(step, 12)).view([4, 3]).abs() + 0.5; // always > 0
+                set_grads(
+                    &[("w".into(), p.shallow_clone())],
+                    &[("w".to_string(), Vec::<f32>::try_from(&g.flatten(0, -1)).unwrap())].into(),
+                );
+                opt.step(1e-4).unwrap();
+            }
+            p.detach().to_kind(Kind::Float)
+        };
+        let (full, half) = (run(Kind::Float), run(Kind::BFloat16));
+        let moved = (1.0 - full.max().double_value(&[])).abs();
+        assert!(moved > 0.01, "{name}: the f32 run moved only {moved}");
+        let err = (&full - &half).abs().max().double_value(&[]);
+        assert!(err <= 0.0079, "{name}: bf16 run is {err} from the f32 run (it moved {moved})");
+    }
+}
