@@ -367,6 +367,11 @@ enum Command {
         task: TaskArgs,
         #[arg(long)]
         out: PathBuf,
+        /// Share of solutions written by a sloppy teacher whose answer line copies the starting
+        /// amount instead of the result (0: a perfect teacher). What the README's demo uses to
+        /// show reinforcement learning correcting an imitated mistake.
+        #[arg(long, default_value_t = 0.0)]
+        slip_rate: f64,
     },
     /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
     /// `training.png` of a `train` output directory.
@@ -575,11 +580,11 @@ fn run(cli: Cli) -> Result<()> {
             init::init(&out, size, seed)?;
             eprintln!("wrote a new model to {}", out.display());
         }
-        Command::SftData { model, task, out } => {
+        Command::SftData { model, task, out, slip_rate } => {
             let cfg = config::LlamaConfig::load(&model.model)?;
             let tok = tokenizer::Tokenizer::load(&model.model, &cfg)?;
             let (problems, style) = task.load()?;
-            let n = sample::write_solutions(&tok, &problems, &style, &out)?;
+            let n = sample::write_solutions(&tok, &problems, &style, &out, slip_rate, task.task_seed)?;
             eprintln!("wrote {n} worked solutions to {}", out.display());
         }
         Command::Plot { dir } => {

@@ -22,7 +22,7 @@
 //! State is kept in float32 whatever the parameters' dtype. For bf16 and f16 parameters the
 //! optimiser also keeps a float32 master copy (`{name}.master`, 4 bytes a parameter): updates
 //! are applied to it and the parameter is its rounding. Without it, an update smaller than half
-//! a bf16 ulp (about 0.2 % of the weight) would be rounded away, which at fine-tuning learning
+//! a bf16 ulp (0.2–0.4 % of the weight) would be rounded away, which at fine-tuning learning
 //! rates is most of them.
 
 use anyhow::{Result, bail};

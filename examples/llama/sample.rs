@@ -198,29 +198,51 @@ pub fn sample_dataset(
 /// warm-up (`train --objective sft`): each completion is the solution followed by the first EOS
 /// token, with reward +1. μ's log-probs are recorded as 0: the SFT objective gives positives
 /// weight 1 whatever the ratio, so they are never used.
-pub fn write_solutions(tok: &Tokenizer, problems: &[Problem], style: &PromptStyle, out: &Path) -> Result<usize> {
+///
+/// With `slip_rate > 0`, that share of the solutions (drawn with `seed`) comes from a sloppy
+/// teacher ([`task::slipped_solution`]): they are still demonstrations (reward +1), but graded
+/// as they are (`correct`, `answer`), so the data set says how good its teacher was.
+pub fn write_solutions(
+    tok: &Tokenizer,
+    problems: &[Problem],
+    style: &PromptStyle,
+    out: &Path,
+    slip_rate: f64,
+    seed: u64,
+) -> Result<usize> {
+    if !(0.0..=1.0).contains(&slip_rate) {
+        bail!("--slip-rate must be in [0, 1], got {slip_rate}");
+    }
+    let mut rng = task::Rng::new(seed.wrapping_add(0x5EED));
     let eos = *tok.eos_ids.first().context("the tokenizer has no EOS id")?;
     let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
     let mut w =
         std::io::BufWriter::new(std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?);
     for p in problems {
-        let mut ids = tok.encode(&p.solution, false)?;
+        let slip = slip_rate > 0.0 && ((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < slip_rate;
+        let text = match slip {
+            true => task::slipped_solution(&p.solution)
+                .with_context(|| format!("{}: no answer line to slip in its solution", p.id))?,
+            false => p.solution.clone(),
+        };
+        let answer = task::extract_answer(&text);
+        let mut ids = tok.encode(&text, false)?;
         ids.push(eos);
         let smp = Sample {
             id: p.id.clone(),
             sample: 0,
             question: p.question.clone(),
             prompt_ids: prompt_ids(tok, style, p)?,
-            completion: p.solution.clone(),
+            completion: text.clone(),
             logp_mu: vec![0.0; ids.len()],
             logp_sampling: vec![0.0; ids.len()],
             completion_ids: ids,
             seq_logp_mu: 0.0,
             seq_logp_sampling: 0.0,
-            answer: Some(p.answer),
+            answer,
             reference: p.answer,
-            correct: true,
-            invalid: false,
+            correct: task::is_correct(answer, p.answer),
+            invalid: answer.is_none(),
             reward: 1.0,
             stop: generate::Stop::Eos,
             sampling: record.clone(),

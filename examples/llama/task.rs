@@ -233,6 +233,15 @@ pub fn synthetic_problem(rng: &mut Rng, difficulty: usize, id: usize) -> Problem
     Problem { id: format!("synthetic:{id}"), question, solution, answer: value as f64 }
 }
 
+/// A sloppy teacher's version of a worked solution: the answer line states the first number of
+/// the working (the starting amount) instead of the result, a copying slip. `None` when the
+/// solution has no number or no final "The answer is" line.
+pub fn slipped_solution(solution: &str) -> Option<String> {
+    let (working, _) = solution.rsplit_once("The answer is ")?;
+    let first: String = working.split(|c: char| !c.is_ascii_digit()).find(|w| !w.is_empty())?.to_string();
+    Some(format!("{working}The answer is {first}."))
+}
+
 /// `n` synthetic problems from `seed`.
 pub fn synthetic_problems(seed: u64, n: usize, difficulty: usize) -> Vec<Problem> {
     let mut rng = Rng::new(seed);
