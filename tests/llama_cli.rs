@@ -315,3 +315,22 @@ fn a_killed_training_run_resumes_where_it_stopped() {
         assert!(ta.equal(tb), "{na} differs after the resume");
     }
 }
+
+/// The README's demo at CI size: every stage runs, the table and the plots are written, and a
+/// rerun continues only with --resume.
+#[test]
+fn the_demo_runs_end_to_end_at_ci_size() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama_cli_demo");
+    let _ = std::fs::remove_dir_all(&dir);
+    let table = run(&["demo", "--quick", "--work", s(&dir)]);
+    assert!(table.contains("iteration") && table.contains("accuracy"), "{table}");
+    let rows = std::fs::read_to_string(dir.join("topr/iterations.jsonl")).unwrap();
+    assert_eq!(rows.lines().count(), 2, "{rows}");
+    for png in ["topr/iterations.png", "warm-up/training.png"] {
+        let bytes = std::fs::read(dir.join(png)).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG", "{png}");
+    }
+    let out = Command::new(llama()).args(["demo", "--quick", "--work", s(&dir)]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--resume"));
+    assert_eq!(run(&["demo", "--quick", "--work", s(&dir), "--resume"]), table);
+}

@@ -11,6 +11,7 @@
 
 mod checkpoint;
 mod config;
+mod demo;
 mod eval;
 mod generate;
 mod init;
@@ -373,6 +374,23 @@ enum Command {
         #[arg(long, default_value_t = 0.0)]
         slip_rate: f64,
     },
+    /// The README's demo: a small Llama from scratch, a supervised warm-up on a sloppy teacher's
+    /// worked solutions, then TOPR iterations on its own graded samples; prints the table and
+    /// writes the plots. About 10 minutes on 2 CPU cores.
+    Demo {
+        /// Working directory (one folder per stage).
+        #[arg(long, default_value = "runs/demo")]
+        work: PathBuf,
+        /// A CI-sized run (tiny model, a few steps): checks the pipeline, learns nothing.
+        #[arg(long)]
+        quick: bool,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Continue an interrupted demo (finished stages are kept).
+        #[arg(long)]
+        resume: bool,
+    },
     /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
     /// `training.png` of a `train` output directory.
     Plot {
@@ -586,6 +604,9 @@ fn run(cli: Cli) -> Result<()> {
             let (problems, style) = task.load()?;
             let n = sample::write_solutions(&tok, &problems, &style, &out, slip_rate, task.task_seed)?;
             eprintln!("wrote {n} worked solutions to {}", out.display());
+        }
+        Command::Demo { work, quick, device, resume } => {
+            demo::run(&work, if quick { demo::Scale::quick() } else { demo::Scale::full() }, &device, resume)?;
         }
         Command::Plot { dir } => {
             let path = if dir.join("iterations.jsonl").exists() {

@@ -1,0 +1,175 @@
+//! The README's demo in one command: a small Llama from scratch learns the synthetic arithmetic
+//! task by imitating a sloppy teacher, then TOPR iterations on its own graded samples correct the
+//! teacher's mistake. Every stage leaves its output in the work directory and is skipped when
+//! rerun with `--resume`.
+//!
+//! 1. `init`: 4 layers, hidden 128, byte-level tokenizer (0.9 M parameters).
+//! 2. `sft-data`: 4,000 worked solutions of one-step problems; in 60 % of them the teacher's answer
+//!    line copies the starting amount instead of the result (`--slip-rate 0.6`).
+//! 3. `train --objective sft`: the warm-up. The model learns the format and some arithmetic, and
+//!    imitates the slip: its greedy answer is usually the starting amount.
+//! 4. `iterate`: per iteration, 4 samples for each of 512 new questions, graded ±1, TOPR with
+//!    `target-positive-proportion`, evaluated greedily on 256 held-out questions.
+
+use crate::iterate::{self, Curation, Plan};
+use crate::train::{self, Objective, Options};
+use crate::{ModelArgs, TaskArgs, checkpoint, init, optim, sample, tokenizer};
+use anyhow::{Result, bail};
+use std::path::Path;
+
+/// The demo's sizes: the README run, or a CI-sized one for tests.
+#[derive(Debug, Clone, Copy)]
+pub struct Scale {
+    pub size: init::Size,
+    pub sft_problems: usize,
+    pub sft_epochs: usize,
+    pub prompts: usize,
+    pub samples_per_prompt: usize,
+    pub iterations: usize,
+    pub eval_n: usize,
+    pub max_new_tokens: i64,
+}
+
+impl Scale {
+    pub fn full() -> Self {
+        Self {
+            size: init::Size { layers: 4, hidden: 128, heads: 4, kv_heads: 2, intermediate: 384, max_positions: 512 },
+            sft_problems: 4000,
+            sft_epochs: 4,
+            prompts: 512,
+            samples_per_prompt: 4,
+            iterations: 3,
+            eval_n: 256,
+            max_new_tokens: 96,
+        }
+    }
+
+    pub fn quick() -> Self {
+        Self {
+            size: init::Size { layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64, max_positions: 256 },
+            sft_problems: 48,
+            sft_epochs: 1,
+            prompts: 6,
+            samples_per_prompt: 2,
+            iterations: 1,
+            eval_n: 6,
+            max_new_tokens: 16,
+        }
+    }
+}
+
+fn task_args(seed: u64, n: usize) -> TaskArgs {
+    TaskArgs {
+        task: "synthetic".into(),
+        data: None,
+        limit: 0,
+        synthetic_n: n,
+        difficulty: 1,
+        task_seed: seed,
+        prompt_style: "chat".into(),
+        shots: 4,
+        shots_data: None,
+        skip_bad_lines: false,
+    }
+}
+
+/// Runs (or, with `resume`, continues) the demo in `work` on `device`.
+pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> {
+    if work.join("init").exists() && !resume {
+        bail!("{} holds an earlier demo: pass --resume to continue it, or choose another --work", work.display());
+    }
+    std::fs::create_dir_all(work)?;
+    let t0 = std::time::Instant::now();
+    let model = |dir: &Path| ModelArgs { model: dir.to_path_buf(), device: device.into(), dtype: "f32".into() };
+
+    // 1. A new model.
+    let init_dir = work.join("init");
+    if !init_dir.join("model.safetensors").exists() {
+        init::init(&init_dir, scale.size, 0)?;
+    }
+    // 2. The sloppy teacher's worked solutions (deterministic: rewritten if missing).
+    let sft = work.join("sft.jsonl");
+    if !sft.exists() {
+        let cfg = crate::config::LlamaConfig::load(&init_dir)?;
+        let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
+        let (problems, style) = task_args(1, scale.sft_problems).load()?;
+        let tmp = work.join("sft.jsonl.tmp");
+        sample::write_solutions(&tok, &problems, &style, &tmp, 0.6, 1)?;
+        std::fs::rename(&tmp, &sft)?;
+    }
+    // 3. Supervised warm-up.
+    let warm = work.join("warm-up");
+    if !warm.join("model.safetensors").exists() {
+        eprintln!("[demo {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
+        let (m, _) = crate::load(&model(&init_dir))?;
+        let data = train::load_data(&sft, m.cfg.max_position_embeddings as usize, false)?;
+        let o = Options {
+            objective: Objective::Sft,
+            baseline: None,
+            target_positive_proportion: None,
+            ratio: topr_loss::RatioLevel::Sequence,
+            optimizer: optim::OptimizerConfig::parse("adamw", 0.0)?,
+            lr: 2e-3,
+            batch_size: 32,
+            micro_batch_size: 32,
+            epochs: scale.sft_epochs,
+            max_grad_norm: 1.0,
+            warmup_steps: 20,
+            lr_decay: true,
+            seed: 0,
+            dpo_beta: 0.1,
+            save_every: 25,
+            resume: true,
+        };
+        train::run(&m, &data, &o, &warm)?;
+        checkpoint::save(&m, &init_dir, &warm)?;
+        train::finish(&warm);
+        crate::plot::report("training", || crate::plot::plot_training(&warm));
+    }
+    // 4. TOPR iterations on the model's own graded samples.
+    eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
+    let plan = Plan {
+        task: task_args(2, scale.prompts),
+        options: Options {
+            objective: Objective::Topr,
+            baseline: None,
+            target_positive_proportion: Some(DEMO_P_TILDE),
+            ratio: topr_loss::RatioLevel::Sequence,
+            optimizer: optim::OptimizerConfig::parse("adamw", 0.0)?,
+            lr: DEMO_LR,
+            batch_size: 64,
+            micro_batch_size: 32,
+            epochs: 1,
+            max_grad_norm: 1.0,
+            warmup_steps: 0,
+            lr_decay: false,
+            seed: 0,
+            dpo_beta: 0.1,
+            save_every: 4,
+            resume: true,
+        },
+        skip_bad_lines: false,
+        sampling: crate::generate::Sampling {
+            greedy: false,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: scale.max_new_tokens,
+        },
+        work: work.join("topr"),
+        iterations: scale.iterations,
+        samples_per_prompt: scale.samples_per_prompt,
+        batch_prompts: 16,
+        curate: Curation::All,
+        eval_data: None,
+        eval_n: scale.eval_n,
+        eval_batch_size: 64,
+    };
+    iterate::run(&model(&warm), &plan)?;
+    eprintln!("[demo {:.0} s] done; plots: {}", t0.elapsed().as_secs_f64(), work.join("topr/iterations.png").display());
+    Ok(())
+}
+
+/// The demo's target effective positive proportion and learning rate.
+pub const DEMO_P_TILDE: f64 = 0.5;
+pub const DEMO_LR: f64 = 1e-4;
