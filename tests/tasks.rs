@@ -108,3 +108,20 @@ fn prompts_carry_the_answer_instruction_and_the_shots() {
     assert!(fs.contains(&ps[0].solution) && fs.contains(&ps[1].solution));
     assert!(fs.ends_with(&format!("Question: {}\nAnswer:", ps[2].question)));
 }
+
+/// The sloppy teacher of the demo: its answer line repeats the starting amount, the working is
+/// untouched, and the grader sees the slip.
+#[test]
+fn the_sloppy_teacher_copies_the_starting_amount() {
+    for p in synthetic_problems(5, 200, 2) {
+        let start: f64 =
+            p.solution.split(|c: char| !c.is_ascii_digit()).find(|w| !w.is_empty()).unwrap().parse().unwrap();
+        let slipped = slipped_solution(&p.solution).unwrap();
+        let (working, _) = p.solution.rsplit_once("The answer is").unwrap();
+        assert!(slipped.starts_with(working), "{slipped}");
+        assert_eq!(extract_answer(&slipped), Some(start));
+        assert_eq!(is_correct(extract_answer(&slipped), p.answer), start == p.answer);
+    }
+    assert_eq!(slipped_solution("no answer line"), None);
+    assert_eq!(slipped_solution("The answer is 4."), None); // no number before the answer line
+}
