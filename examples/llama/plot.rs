@@ -91,8 +91,12 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             .y_label_area_size(55)
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        // Steps and iterations are whole numbers: label them so, one tick per iteration.
+        let ticks = if panel.x == "iteration" { ((x1 - x0).round() as usize + 1).clamp(2, 12) } else { 10 };
         chart
             .configure_mesh()
+            .x_labels(ticks)
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .x_desc(panel.x.as_str())
             .y_desc(panel.y.as_str())
             .label_style(("sans-serif", 12))
@@ -118,7 +122,8 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
                 .label_font(("sans-serif", 12))
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
-                .position(SeriesLabelPosition::UpperRight)
+                // Accuracy rises from the lower left: keep its legend out of the way.
+                .position(if panel.x == "iteration" { SeriesLabelPosition::LowerRight } else { SeriesLabelPosition::UpperRight })
                 .draw()
                 .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         }

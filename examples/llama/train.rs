@@ -404,8 +404,8 @@ pub struct Summary {
     pub completions: usize,
     pub positive_fraction: f64,
     pub baseline: f64,
-    /// The effective positive proportion of the TOPR family and PPO (`None` for GRPO and DPO,
-    /// whose weights are not `R − c`).
+    /// The effective positive proportion `p̃` (rewards ±1, baseline c; 1 for SFT, which gives
+    /// negatives no weight; `None` for GRPO and DPO, whose weights are not `R − c`).
     pub p_tilde: Option<f64>,
     pub steps: usize,
     pub final_loss: f64,
@@ -542,8 +542,12 @@ fn keep_metrics(path: &Path, step: usize) -> Result<String> {
 pub fn run(model: &Llama, samples: &[Sample], o: &Options, dir: &Path) -> Result<Summary> {
     use std::io::Write;
     let (c, p) = resolve_baseline(samples, o.baseline, o.target_positive_proportion)?;
-    let topr_like = o.objective.limits().is_some() || o.objective == Objective::Ppo;
-    let p_tilde = if topr_like { Some(topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?) } else { None };
+    // SFT gives negatives no weight: all of it is on positives.
+    let p_tilde = match o.objective {
+        Objective::Sft => Some(1.0),
+        Objective::Grpo | Objective::Dpo => None,
+        _ => Some(topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?),
+    };
     eprintln!(
         "{} completions, {:.1}% positive; baseline c = {c:.4}{}",
         samples.len(),
