@@ -97,6 +97,7 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             .configure_mesh()
             .x_labels(ticks)
             .x_label_formatter(&|x| format!("{x:.0}"))
+            .light_line_style(WHITE)
             .x_desc(panel.x.as_str())
             .y_desc(panel.y.as_str())
             .label_style(("sans-serif", 12))
