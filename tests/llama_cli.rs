@@ -38,27 +38,20 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-#[test]
-fn a_ci_sized_run_of_every_command() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama_cli");
+/// A new directory under the test temp dir with a tiny model from `init` in `m0`.
+fn fresh_tiny_model(name: &str, layers: &str) -> (PathBuf, PathBuf) {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let m0 = dir.join("m0");
-    run(&[
-        "init",
-        "--out",
-        s(&m0),
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--intermediate",
-        "64",
-    ]);
+    let args = ["--layers", layers, "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
+    run(&[&["init", "--out", s(&m0)][..], &args[..]].concat());
+    (dir, m0)
+}
+
+#[test]
+fn a_ci_sized_run_of_every_command() {
+    let (dir, m0) = fresh_tiny_model("llama_cli", "2");
     let sft = dir.join("sft.jsonl");
     let task = ["--task", "synthetic", "--synthetic-n", "12", "--difficulty", "1"];
     let mut a = vec!["sft-data", "--model", s(&m0), "--out", s(&sft)];
@@ -210,25 +203,7 @@ fn a_ci_sized_run_of_every_command() {
 /// model and the same metrics, step for step, as a run that was never interrupted.
 #[test]
 fn a_killed_training_run_resumes_where_it_stopped() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama_cli_kill");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let m0 = dir.join("m0");
-    run(&[
-        "init",
-        "--out",
-        s(&m0),
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--intermediate",
-        "64",
-    ]);
+    let (dir, m0) = fresh_tiny_model("llama_cli_kill", "1");
     let sft = dir.join("sft.jsonl");
     run(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--task", "synthetic", "--synthetic-n", "20"]);
     let train = |out: &Path| -> Vec<String> {

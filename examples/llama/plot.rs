@@ -124,7 +124,11 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
                 // Accuracy rises from the lower left: keep its legend out of the way.
-                .position(if panel.x == "iteration" { SeriesLabelPosition::LowerRight } else { SeriesLabelPosition::UpperRight })
+                .position(if panel.x == "iteration" {
+                    SeriesLabelPosition::LowerRight
+                } else {
+                    SeriesLabelPosition::UpperRight
+                })
                 .draw()
                 .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         }
