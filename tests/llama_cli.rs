@@ -189,6 +189,24 @@ fn a_ci_sized_run_of_every_command() {
         assert!(out.join("model.safetensors").exists() && !out.join("state").exists());
     }
 
+    // A completion longer than the model's context (512 here): an error naming the file and the
+    // record, or skipped and counted with --skip-bad-records.
+    let long = dir.join("long.jsonl");
+    let mut lines: Vec<String> = std::fs::read_to_string(&mixed).unwrap().lines().map(String::from).collect();
+    let mut v: Value = serde_json::from_str(&lines[1]).unwrap();
+    v["completion_ids"] = serde_json::json!(vec![65; 600]);
+    v["logp_mu"] = serde_json::json!(vec![-1.0; 600]);
+    lines[1] = v.to_string();
+    std::fs::write(&long, lines.join("\n") + "\n").unwrap();
+    let long_out = dir.join("long");
+    let args = ["train", "--model", s(&m1), "--data", s(&long), "--out", s(&long_out), "--batch-size", "8"];
+    let out = Command::new(llama()).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("long.jsonl: record 2") && err.contains("context"), "{err}");
+    let out = Command::new(llama()).args(args).arg("--skip-bad-records").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("skipped 1 record(s)"), "{err}");
+
     // Errors are one clear line, not a panic.
     let out = Command::new(llama())
         .args(["train", "--model", s(&m0), "--data", "/nonexistent.jsonl", "--out", s(&dir.join("x"))])

@@ -73,12 +73,22 @@ impl Objective {
 }
 
 /// The baseline: given, or derived from the data set's share of positives and a target
-/// effective proportion `p̃` (rewards ±1).
+/// effective proportion `p̃` (rewards ±1; `c = 0`, with a warning, when every sample has the same
+/// sign, as no baseline can then change their share).
 pub fn resolve_baseline(data: &[Sample], baseline: Option<f64>, target: Option<f64>) -> Result<(f64, f64)> {
     let p = data.iter().filter(|s| s.reward > 0.0).count() as f64 / data.len().max(1) as f64;
     let c = match (baseline, target) {
         (Some(_), Some(_)) => bail!("give --baseline or --target-positive-proportion, not both"),
         (Some(c), None) => c,
+        // All samples of one sign: no baseline changes their share. Train with c = 0 rather than
+        // stop a loop whose model got every sample wrong (or right) this time.
+        (None, Some(_)) if p == 0.0 || p == 1.0 => {
+            eprintln!(
+                "warning: every completion is {}: --target-positive-proportion cannot be met; using baseline c = 0",
+                if p == 0.0 { "wrong" } else { "right" }
+            );
+            0.0
+        }
         (None, Some(pt)) => baseline_for_effective_proportion(p, pt)?,
         (None, None) => 0.0,
     };
