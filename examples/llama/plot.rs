@@ -68,7 +68,9 @@ fn range(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
-    let pad = ((hi - lo) * 0.05).max(1e-6 * hi.abs().max(1.0));
+    // 5 % either side; a flat series gets ±5 % of its value (or ±0.05 around 0) so that its
+    // ticks stay readable.
+    let pad = ((hi - lo) * 0.05).max(0.05 * hi.abs().max(lo.abs())).max(if hi == lo { 0.05 } else { 0.0 });
     (lo - pad, hi + pad)
 }
 
@@ -107,7 +109,7 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             let colour = COLOURS[k % COLOURS.len()];
             let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.1.is_finite()).collect();
             chart
-                .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))
+                .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(1)))
                 .map_err(|e| anyhow::anyhow!("{e:?}"))?
                 .label(s.label.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
