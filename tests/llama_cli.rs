@@ -327,3 +327,28 @@ fn the_demo_runs_end_to_end_at_ci_size() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--resume"));
     assert_eq!(run(&["demo", "--quick", "--work", s(&dir), "--resume"]), table);
 }
+
+/// Same seed, same numbers: two `init` runs (separate processes, so separate hash-map orders)
+/// write the same weights.
+#[test]
+fn init_is_deterministic() {
+    let (dir, a) = fresh_tiny_model("llama_cli_init", "2");
+    let b = dir.join("again");
+    run(&[
+        "init",
+        "--out",
+        s(&b),
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "64",
+    ]);
+    let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(bytes(&a) == bytes(&b), "two inits with the same seed differ");
+}
