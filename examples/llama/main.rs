@@ -1,13 +1,18 @@
 //! A Llama for the topr-loss examples: loads Hugging Face checkpoints (Llama 2, 3, 3.1, 3.2,
-//! TinyLlama, SmolLM2), tokenizes with the `tokenizers` crate, generates with a KV cache and
-//! scores completions.
+//! TinyLlama, SmolLM2), tokenizes with the `tokenizers` crate, generates with a KV cache, and runs
+//! the paper's self-taught loop: sample graded data sets with μ, train off-policy with any of the
+//! crate's objectives, evaluate, repeat.
 //!
 //! ```text
+//! cargo run --release --example llama -- demo                       # the README's demo (7 min on 2 cores)
 //! cargo run --release --example llama -- generate --model DIR --prompt "2+2?" --chat --greedy
-//! cargo run --release --example llama -- score --model DIR --prompt "2+2=" --completion " 4"
+//! cargo run --release --example llama -- sample --model DIR --task synthetic --out data.jsonl
+//! cargo run --release --example llama -- train --model DIR --data data.jsonl --out DIR2 --objective topr
+//! cargo run --release --example llama -- iterate --model DIR --work WORK --iterations 3
 //! ```
 //!
-//! Results go to stdout (the completion text; the score as one JSON object); logs to stderr.
+//! Results go to stdout (completions, JSON summaries, tables); logs and progress bars to stderr.
+//! Every subcommand is described in `docs/llama.md`.
 
 mod checkpoint;
 mod config;
@@ -30,7 +35,10 @@ use std::path::PathBuf;
 use tch::{Device, Kind};
 
 #[derive(Parser)]
-#[command(name = "llama", about = "Llama checkpoints for topr-loss: generate and score")]
+#[command(
+    name = "llama",
+    about = "Llama checkpoints for topr-loss: generate, evaluate, sample, train off-policy, iterate"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
