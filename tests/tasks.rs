@@ -123,5 +123,10 @@ fn the_sloppy_teacher_copies_the_starting_amount() {
         assert_eq!(is_correct(extract_answer(&slipped), p.answer), start == p.answer);
     }
     assert_eq!(slipped_solution("no answer line"), None);
+    // The draw that decides each slip is uniform in [0, 1).
+    let mut rng = Rng::new(3);
+    let u: Vec<f64> = (0..1000).map(|_| rng.uniform()).collect();
+    assert!(u.iter().all(|x| (0.0..1.0).contains(x)));
+    assert!((u.iter().sum::<f64>() / 1000.0 - 0.5).abs() < 0.05);
     assert_eq!(slipped_solution("The answer is 4."), None); // no number before the answer line
 }

@@ -41,22 +41,30 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
     let cfg = LlamaConfig::load(dir)?;
     let model = Llama::new(cfg, device, kind)?;
+    read_weights(&model, &weight_files(dir)?, dir)?;
+    Ok(model)
+}
+
+/// The model's tensors by name (a name-ordered map, so that writing them is deterministic).
+pub fn weights(model: &Llama) -> BTreeMap<String, Tensor> {
+    model.vs.variables().into_iter().collect()
+}
+
+/// Copies the tensors of safetensors `files` into the model's variables (converting the dtype),
+/// refusing a tensor of the wrong shape, one that is not part of the model, or a missing one
+/// (`what` names the whole in messages).
+pub fn read_weights(model: &Llama, files: &[PathBuf], what: &Path) -> Result<()> {
     let vars = model.vs.variables();
     let mut loaded = BTreeSet::new();
-    for file in weight_files(dir)? {
-        let tensors = Tensor::read_safetensors(&file).with_context(|| format!("reading {}", file.display()))?;
+    for file in files {
+        let tensors = Tensor::read_safetensors(file).with_context(|| format!("reading {}", file.display()))?;
         for (name, t) in tensors {
             match vars.get(&name) {
                 Some(var) => {
                     if var.size() != t.size() {
-                        bail!(
-                            "{}: {name} has shape {:?}, the config implies {:?}",
-                            file.display(),
-                            t.size(),
-                            var.size()
-                        );
+                        bail!("{}: {name} has shape {:?}, the model {:?}", file.display(), t.size(), var.size());
                     }
-                    tch::no_grad(|| var.shallow_clone().copy_(&t.to_kind(kind)));
+                    tch::no_grad(|| var.shallow_clone().copy_(&t.to_kind(var.kind())));
                     loaded.insert(name);
                 }
                 None if name == "lm_head.weight" && model.cfg.tie_word_embeddings => {}
@@ -67,9 +75,9 @@ pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
     }
     let missing: Vec<&String> = vars.keys().filter(|k| !loaded.contains(*k)).collect();
     if !missing.is_empty() {
-        bail!("{}: missing tensors {missing:?}", dir.display());
+        bail!("{}: missing tensors {missing:?}", what.display());
     }
-    Ok(model)
+    Ok(())
 }
 
 fn dtype_name(kind: Kind) -> Result<&'static str> {
@@ -136,9 +144,8 @@ pub fn save(model: &Llama, source: &Path, out: &Path) -> Result<()> {
     let tmp = out.join("config.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, out.join("config.json"))?;
-    let tensors: BTreeMap<String, Tensor> = model.vs.variables().into_iter().collect();
     let tmp = out.join("model.safetensors.tmp");
-    write_safetensors(&tensors, &tmp)?;
+    write_safetensors(&weights(model), &tmp)?;
     std::fs::rename(&tmp, out.join("model.safetensors"))?;
     if source != out {
         for f in SIDE_FILES {

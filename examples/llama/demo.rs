@@ -12,8 +12,8 @@
 //!    `target-positive-proportion`, evaluated greedily on 256 held-out questions.
 
 use crate::iterate::{self, Curation, Plan};
-use crate::train::{self, Objective, Options};
-use crate::{ModelArgs, TaskArgs, checkpoint, init, optim, sample, tokenizer};
+use crate::train::{Objective, Options};
+use crate::{ModelArgs, TaskArgs, init, optim, sample, tokenizer};
 use anyhow::{Result, bail};
 use std::path::Path;
 
@@ -97,57 +97,47 @@ pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> 
         sample::write_solutions(&tok, &problems, &style, &tmp, 0.6, 1)?;
         std::fs::rename(&tmp, &sft)?;
     }
+    // The TOPR iterations' training settings; the warm-up differs where it says.
+    let topr = Options {
+        objective: Objective::Topr,
+        baseline: None,
+        target_positive_proportion: Some(DEMO_P_TILDE),
+        ratio: topr_loss::RatioLevel::Sequence,
+        optimizer: optim::OptimizerConfig::parse("adamw", 0.0)?,
+        lr: DEMO_LR,
+        batch_size: 64,
+        micro_batch_size: 32,
+        epochs: 1,
+        max_grad_norm: 1.0,
+        warmup_steps: 0,
+        lr_decay: false,
+        seed: 0,
+        dpo_beta: 0.1,
+        save_every: 4,
+        resume: true,
+    };
     // 3. Supervised warm-up.
     let warm = work.join("warm-up");
     if !warm.join("model.safetensors").exists() {
         eprintln!("[demo {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
-        let (m, _) = crate::load(&model(&init_dir))?;
-        let data = train::load_data(&sft, m.cfg.max_position_embeddings as usize, false)?;
         let o = Options {
             objective: Objective::Sft,
-            baseline: None,
             target_positive_proportion: None,
-            ratio: topr_loss::RatioLevel::Sequence,
-            optimizer: optim::OptimizerConfig::parse("adamw", 0.0)?,
             lr: 2e-3,
             batch_size: 32,
-            micro_batch_size: 32,
             epochs: scale.sft_epochs,
-            max_grad_norm: 1.0,
             warmup_steps: 20,
             lr_decay: true,
-            seed: 0,
-            dpo_beta: 0.1,
             save_every: 25,
-            resume: true,
+            ..topr.clone()
         };
-        train::run(&m, &data, &o, &warm)?;
-        checkpoint::save(&m, &init_dir, &warm)?;
-        train::finish(&warm);
-        crate::plot::report("training", || crate::plot::plot_training(&warm));
+        crate::train_to_dir(&model(&init_dir), &sft, &o, false, &warm)?;
     }
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
     let plan = Plan {
         task: task_args(2, scale.prompts),
-        options: Options {
-            objective: Objective::Topr,
-            baseline: None,
-            target_positive_proportion: Some(DEMO_P_TILDE),
-            ratio: topr_loss::RatioLevel::Sequence,
-            optimizer: optim::OptimizerConfig::parse("adamw", 0.0)?,
-            lr: DEMO_LR,
-            batch_size: 64,
-            micro_batch_size: 32,
-            epochs: 1,
-            max_grad_norm: 1.0,
-            warmup_steps: 0,
-            lr_decay: false,
-            seed: 0,
-            dpo_beta: 0.1,
-            save_every: 4,
-            resume: true,
-        },
+        options: topr,
         skip_bad_lines: false,
         sampling: crate::generate::Sampling {
             greedy: false,

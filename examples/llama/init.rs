@@ -104,9 +104,8 @@ pub fn init(out: &Path, size: Size, seed: i64) -> Result<()> {
     let model = Llama::new(cfg, Device::Cpu, Kind::Float)?;
     tch::manual_seed(seed);
     // In name order: `variables()` is a hash map, whose order changes from run to run.
-    let vars: std::collections::BTreeMap<String, tch::Tensor> = model.vs.variables().into_iter().collect();
     tch::no_grad(|| {
-        for (name, v) in vars {
+        for (name, v) in checkpoint::weights(&model) {
             let mut v = v;
             if name.ends_with("norm.weight") {
                 let _ = v.fill_(1.0);

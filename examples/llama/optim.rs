@@ -154,14 +154,11 @@ impl Optimizer {
                         let sq = g.square() + eps1;
                         let shape = g.size();
                         let mut u = if shape.len() >= 2 {
-                            let mut r = self.slot(format!("{name}.exp_avg_sq_row"), || {
-                                sq.mean_dim(-1, false, Kind::Float).zeros_like()
-                            });
-                            let mut c = self.slot(format!("{name}.exp_avg_sq_col"), || {
-                                sq.mean_dim(-2, false, Kind::Float).zeros_like()
-                            });
-                            let _ = r.g_mul_scalar_(rho).g_add_(&(sq.mean_dim(-1, false, Kind::Float) * (1.0 - rho)));
-                            let _ = c.g_mul_scalar_(rho).g_add_(&(sq.mean_dim(-2, false, Kind::Float) * (1.0 - rho)));
+                            let (row, col) = (sq.mean_dim(-1, false, Kind::Float), sq.mean_dim(-2, false, Kind::Float));
+                            let mut r = self.slot(format!("{name}.exp_avg_sq_row"), || row.zeros_like());
+                            let mut c = self.slot(format!("{name}.exp_avg_sq_col"), || col.zeros_like());
+                            let _ = r.g_mul_scalar_(rho).g_add_(&(row * (1.0 - rho)));
+                            let _ = c.g_mul_scalar_(rho).g_add_(&(col * (1.0 - rho)));
                             let r_factor = (&r / r.mean_dim(-1, true, Kind::Float)).rsqrt().unsqueeze(-1);
                             let c_factor = c.unsqueeze(-2).rsqrt();
                             r_factor * c_factor * &g

@@ -53,6 +53,13 @@ pub struct Panel {
     pub series: Vec<Series>,
 }
 
+impl Panel {
+    /// A panel of per-step curves.
+    fn steps(title: &str, y: &str, series: Vec<Series>) -> Self {
+        Self { title: title.into(), x: "optimiser step".into(), y: y.into(), series }
+    }
+}
+
 const COLOURS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
@@ -74,13 +81,18 @@ fn range(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
     (lo - pad, hi + pad)
 }
 
+/// plotters' drawing errors, as anyhow errors.
+fn drawing(e: impl std::fmt::Debug) -> anyhow::Error {
+    anyhow::anyhow!("drawing a plot: {e:?}")
+}
+
 /// Draws `panels` on a grid of `cols` columns into the PNG `path`.
 pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     font()?;
     let rows = panels.len().div_ceil(cols.max(1));
     let size = (480 * cols as u32, 340 * rows as u32);
     let root = BitMapBackend::new(path, size).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    root.fill(&WHITE).map_err(drawing)?;
     let areas = root.split_evenly((rows, cols));
     for (panel, area) in panels.iter().zip(areas.iter()) {
         let all = panel.series.iter().flat_map(|s| s.points.iter().copied());
@@ -92,7 +104,7 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             .x_label_area_size(35)
             .y_label_area_size(55)
             .build_cartesian_2d(x0..x1, y0..y1)
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            .map_err(drawing)?;
         // Steps and iterations are whole numbers: label them so, one tick per iteration.
         let ticks = if panel.x == "iteration" { ((x1 - x0).round() as usize + 1).clamp(2, 12) } else { 10 };
         chart
@@ -104,19 +116,17 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             .y_desc(panel.y.as_str())
             .label_style(("sans-serif", 12))
             .draw()
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            .map_err(drawing)?;
         for (k, s) in panel.series.iter().enumerate() {
             let colour = COLOURS[k % COLOURS.len()];
             let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.1.is_finite()).collect();
             chart
                 .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(1)))
-                .map_err(|e| anyhow::anyhow!("{e:?}"))?
+                .map_err(drawing)?
                 .label(s.label.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
             if pts.len() <= 30 {
-                chart
-                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled())))
-                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(drawing)?;
             }
         }
         if panel.series.len() > 1 || !panel.series.iter().all(|s| s.label.is_empty()) {
@@ -132,7 +142,7 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
                     SeriesLabelPosition::UpperRight
                 })
                 .draw()
-                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                .map_err(drawing)?;
         }
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
@@ -169,55 +179,36 @@ fn step_panels(runs: &[(String, Vec<Value>)]) -> Vec<Panel> {
         s
     };
     let mut panels = vec![
-        Panel {
-            title: "training loss".into(),
-            x: "optimiser step".into(),
-            y: "loss".into(),
-            series: line(&["stats", "loss"], &|n| n.to_string()),
-        },
-        Panel {
-            title: "gradient norm (before clipping)".into(),
-            x: "optimiser step".into(),
-            y: "‖g‖".into(),
-            series: vec![one(&["grad_norm"], "")],
-        },
+        Panel::steps("training loss", "loss", line(&["stats", "loss"], &|n| n.to_string())),
+        Panel::steps("gradient norm (before clipping)", "‖g‖", vec![one(&["grad_norm"], "")]),
     ];
     let has_topr = runs.iter().any(|(_, rows)| rows.iter().any(|r| r["stats"]["topr"].is_object()));
     if has_topr {
-        panels.push(Panel {
-            title: "effective positive proportion".into(),
-            x: "optimiser step".into(),
-            y: "share of weight on positives".into(),
-            series: vec![
-                one(&["stats", "topr", "effective_positive_proportion"], "in the batch"),
-                one(&["p_tilde"], "target p~ (data set)"),
+        let topr = |k: &str, label: &str| one(&["stats", "topr", k], label);
+        panels.push(Panel::steps(
+            "effective positive proportion",
+            "share of weight on positives",
+            vec![topr("effective_positive_proportion", "in the batch"), one(&["p_tilde"], "target p~ (data set)")],
+        ));
+        panels.push(Panel::steps(
+            "truncated fractions",
+            "share of samples",
+            vec![
+                topr("truncated_fraction_pos", "positives (ratio outside [a+, b+])"),
+                topr("truncated_fraction_neg", "negatives (ratio > 1)"),
             ],
-        });
-        panels.push(Panel {
-            title: "truncated fractions".into(),
-            x: "optimiser step".into(),
-            y: "share of samples".into(),
-            series: vec![
-                one(&["stats", "topr", "truncated_fraction_pos"], "positives (ratio outside [a+, b+])"),
-                one(&["stats", "topr", "truncated_fraction_neg"], "negatives (ratio > 1)"),
-            ],
-        });
-        panels.push(Panel {
-            title: "importance weights".into(),
-            x: "optimiser step".into(),
-            y: "weight".into(),
-            series: vec![
-                one(&["stats", "topr", "weight_mean"], "mean applied weight"),
-                one(&["stats", "topr", "weight_max"], "max applied weight"),
-            ],
-        });
+        ));
+        panels.push(Panel::steps(
+            "importance weights",
+            "weight",
+            vec![topr("weight_mean", "mean applied weight"), topr("weight_max", "max applied weight")],
+        ));
     }
-    panels.push(Panel {
-        title: "log-ratio log pi - log mu (per token)".into(),
-        x: "optimiser step".into(),
-        y: "mean".into(),
-        series: vec![one(&["stats", "log_ratio_mean"], "")],
-    });
+    panels.push(Panel::steps(
+        "log-ratio log pi - log mu (per token)",
+        "mean",
+        vec![one(&["stats", "log_ratio_mean"], "")],
+    ));
     panels
 }
 

@@ -219,7 +219,7 @@ pub fn write_solutions(
     let mut w =
         std::io::BufWriter::new(std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?);
     for p in problems {
-        let slip = slip_rate > 0.0 && ((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < slip_rate;
+        let slip = slip_rate > 0.0 && rng.uniform() < slip_rate;
         let text = match slip {
             true => task::slipped_solution(&p.solution)
                 .with_context(|| format!("{}: no answer line to slip in its solution", p.id))?,

@@ -182,6 +182,10 @@ impl Rng {
     pub fn range(&mut self, lo: i64, hi: i64) -> i64 {
         lo + (self.next_u64() % (hi - lo + 1) as u64) as i64
     }
+    /// Uniform in `[0, 1)`, from the top 53 bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
     pub fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
         &xs[self.range(0, xs.len() as i64 - 1) as usize]
     }

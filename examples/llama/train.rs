@@ -313,7 +313,8 @@ pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> R
                 }
                 Loss::Ppo(cfg) => {
                     let cfg = PpoConfig { normalizer, ..*cfg };
-                    let outside = delta.exp().lt(1.0 - cfg.clip_low).logical_or(&delta.exp().gt(1.0 + cfg.clip_high));
+                    let ratio = delta.exp();
+                    let outside = ratio.lt(1.0 - cfg.clip_low).logical_or(&ratio.gt(1.0 + cfg.clip_high));
                     clipped += masked_sum(&outside, &lp.mask);
                     ppo_clip_loss(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)
                 }
@@ -476,8 +477,7 @@ impl StateDir {
         let tmp = self.dir.join("state.tmp");
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp)?;
-        let vars: BTreeMap<String, Tensor> = model.vs.variables().into_iter().collect();
-        crate::checkpoint::write_safetensors(&vars, &tmp.join("model.safetensors"))?;
+        crate::checkpoint::write_safetensors(&crate::checkpoint::weights(model), &tmp.join("model.safetensors"))?;
         crate::checkpoint::write_safetensors(&opt.state(), &tmp.join("optimizer.safetensors"))?;
         std::fs::write(tmp.join("progress.json"), serde_json::to_string(progress)?)?;
         let old = self.dir.join("state.old");
@@ -504,14 +504,7 @@ impl StateDir {
         let progress: Progress =
             serde_json::from_str(&std::fs::read_to_string(dir.join("progress.json")).with_context(ctx)?)
                 .with_context(ctx)?;
-        let mut vars = model.vs.variables();
-        for (name, t) in Tensor::read_safetensors(dir.join("model.safetensors")).with_context(ctx)? {
-            let Some(v) = vars.get_mut(&name) else { bail!("{}: unknown tensor {name}", dir.display()) };
-            if v.size() != t.size() {
-                bail!("{}: {name} has shape {:?}, the model {:?}", dir.display(), t.size(), v.size());
-            }
-            tch::no_grad(|| v.copy_(&t));
-        }
+        crate::checkpoint::read_weights(model, &[dir.join("model.safetensors")], &dir).with_context(ctx)?;
         let state = Tensor::read_safetensors(dir.join("optimizer.safetensors")).with_context(ctx)?;
         opt.load_state(state.into_iter().collect()).with_context(ctx)?;
         Ok(Some(progress))
@@ -533,7 +526,7 @@ fn fingerprint(samples: &[Sample], o: &Options) -> String {
 }
 
 /// The metrics lines of steps `1..=step` (a resumed run drops those of steps it will redo).
-fn keep_metrics(path: &Path, step: usize) -> Result<String> {
+fn keep_metrics(path: &Path, step: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let mut kept = String::new();
     for line in text.lines() {
@@ -543,7 +536,7 @@ fn keep_metrics(path: &Path, step: usize) -> Result<String> {
             kept.push('\n');
         }
     }
-    Ok(kept)
+    kept
 }
 
 /// Trains `model` in place on `samples`: micro-batching, clipping, schedule; one JSON line of
@@ -609,7 +602,7 @@ pub fn run(model: &Llama, samples: &[Sample], o: &Options, dir: &Path) -> Result
             progress = saved;
         }
     }
-    let kept = keep_metrics(&metrics_path, progress.step)?;
+    let kept = keep_metrics(&metrics_path, progress.step);
     let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path)?);
     metrics.write_all(kept.as_bytes())?;
     let units_per_step = (o.batch_size / units[0].completions()).max(1);
