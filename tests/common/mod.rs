@@ -1,5 +1,5 @@
-//! Helpers shared by the integration tests: independent scalar references of the formulas in
-//! `../shared/reference/objectives.md`, tensor <-> Vec conversion and finite differences.
+//! Helpers shared by the integration tests: independent scalar references of the published formulas
+//! (the paper and the peers' code, as `docs/family.md` and `docs/methods.md` state them), tensor <-> Vec conversion and finite differences.
 //! Nothing here calls the library's own math.
 #![allow(dead_code)]
 
