@@ -26,6 +26,7 @@ use tch::{Kind, Tensor};
 /// assert_eq!(GroupAdvantage::asymre(), GroupAdvantage::AsymRe { shift: -0.1 });
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub enum GroupAdvantage {
     /// `(R − m_g)/(s_g + eps)`, `s_g` the unbiased group standard deviation (as TRL and verl
     /// compute it); a group of one completion gets advantage 0.
@@ -51,7 +52,7 @@ impl GroupAdvantage {
     /// ```
     /// assert_eq!(topr_loss::GroupAdvantage::grpo(), topr_loss::GroupAdvantage::Grpo { eps: 1e-6 });
     /// ```
-    pub fn grpo() -> Self {
+    pub const fn grpo() -> Self {
         Self::Grpo { eps: 1e-6 }
     }
 
@@ -60,7 +61,7 @@ impl GroupAdvantage {
     /// ```
     /// assert_eq!(topr_loss::GroupAdvantage::asymre(), topr_loss::GroupAdvantage::AsymRe { shift: -0.1 });
     /// ```
-    pub fn asymre() -> Self {
+    pub const fn asymre() -> Self {
         Self::AsymRe { shift: -0.1 }
     }
 }

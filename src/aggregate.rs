@@ -7,7 +7,8 @@
 //! | [`AggregationMode::TokenSum`] | `Σ_{i,t} m ℓ` |
 //! | [`AggregationMode::SeqMeanTokenSum`] | `(1/S) Σ_i Σ_t m ℓ` |
 //! | [`AggregationMode::SeqMeanTokenMean`] | `(1/S) Σ_i (Σ_t m ℓ / L_i)` |
-//! | [`AggregationMode::SeqMeanTokenSumNorm`] | `(1/S) Σ_i Σ_t m ℓ / L` (`L` a fixed length) |
+//! | [`AggregationMode::DrGrpo`] | `(1/S) Σ_i Σ_t m ℓ / L` (`L` a fixed length) |
+//! | [`AggregationMode::TokenSumNorm`] | `Σ_{i,t} m ℓ / L` (`L` a fixed length) |
 //!
 //! `L_i = Σ_t m_{i,t}` is a sequence's length. `N` (the number of unmasked tokens) and `S` (the
 //! number of sequences) come from a [`Normalizer`]: by default the counts of the tensors passed in,
@@ -23,16 +24,33 @@ use crate::error::LossError;
 use crate::validate;
 use tch::{Kind, Tensor};
 
-/// How per-token losses are reduced to a scalar. The names are verl's `loss_agg_mode` values.
+/// How per-token losses are reduced to a scalar.
 ///
-/// Reference: verl `agg_loss`; Dr. GRPO (Liu et al., arXiv 2503.20783) for the fixed-length norm.
+/// | variant | verl `loss_agg_mode` | formula |
+/// |---|---|---|
+/// | `TokenMean` | `token-mean` | `Σ m ℓ / N` |
+/// | `TokenSum` | — | `Σ m ℓ` |
+/// | `SeqMeanTokenSum` | `seq-mean-token-sum` | `(1/S) Σ_i Σ_t m ℓ` |
+/// | `SeqMeanTokenMean` | `seq-mean-token-mean` | `(1/S) Σ_i Σ_t m ℓ / L_i` |
+/// | `DrGrpo { length }` | — (Dr. GRPO's reduction) | `(1/S) Σ_i Σ_t m ℓ / L` |
+/// | `TokenSumNorm { length }` | `seq-mean-token-sum-norm` | `Σ_i Σ_t m ℓ / L` |
+///
+/// verl's `seq-mean-token-sum-norm`, despite its name, divides the sum over all sequences by the
+/// fixed length only, not by the number of sequences: it is [`AggregationMode::TokenSumNorm`]. The
+/// per-sequence mean that Dr. GRPO's paper writes is [`AggregationMode::DrGrpo`]; the two differ by
+/// the factor `S`.
+///
+/// Reference: verl `agg_loss`; Dr. GRPO, Liu et al., arXiv 2503.20783.
 ///
 /// # Example
 /// ```
 /// use topr_loss::AggregationMode;
 /// assert_eq!(AggregationMode::default(), AggregationMode::TokenMean);
+/// let dr_grpo = AggregationMode::DrGrpo { length: 512.0 };
+/// # let _ = dr_grpo;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
 pub enum AggregationMode {
     /// `Σ m ℓ / N`: every token weighs the same (PPO in verl, DAPO, Trinity-RFT).
     #[default]
@@ -43,14 +61,22 @@ pub enum AggregationMode {
     SeqMeanTokenSum,
     /// `(1/S) Σ_i Σ_t m ℓ / L_i`: every sequence weighs the same, its tokens averaged (GRPO).
     SeqMeanTokenMean,
-    /// `(1/S) Σ_i Σ_t m ℓ / L`: as `SeqMeanTokenSum` divided by a fixed length `L` (Dr. GRPO).
-    SeqMeanTokenSumNorm {
+    /// `(1/S) Σ_i Σ_t m ℓ / L`: as `SeqMeanTokenSum` divided by a fixed length `L` (Dr. GRPO,
+    /// Liu et al., arXiv 2503.20783).
+    DrGrpo {
+        /// The fixed length `L` (> 0), e.g. the maximum generation length.
+        length: f64,
+    },
+    /// `Σ_i Σ_t m ℓ / L`: the token sum divided by a fixed length `L` (verl's
+    /// `seq-mean-token-sum-norm`, which does not divide by the number of sequences).
+    TokenSumNorm {
         /// The fixed length `L` (> 0), e.g. the maximum generation length.
         length: f64,
     },
 }
 
-/// The counts an aggregation divides by. `None` means "count the tensors of this call".
+/// The counts an aggregation divides by, given to each call (they belong to one optimiser step,
+/// not to a run-long config). `None` means "count the tensors of this call".
 ///
 /// For exact gradient accumulation, compute the counts once over the whole optimiser batch
 /// (all micro-batches, all data-parallel ranks) and pass the same `Normalizer` to every
@@ -59,20 +85,37 @@ pub enum AggregationMode {
 /// # Example
 /// ```
 /// use tch::Tensor;
-/// use topr_loss::Normalizer;
+/// use topr_loss::{BatchCounts, Normalizer};
 ///
 /// let mask_a = Tensor::from_slice2(&[[1i64, 1, 0], [1, 0, 0]]);
 /// let mask_b = Tensor::from_slice2(&[[1i64, 1, 1]]);
 /// let n = Normalizer::from_masks(&[&mask_a, &mask_b])?;
-/// assert_eq!(n, Normalizer::global(6.0, 3.0));
+/// assert_eq!(n, Normalizer::global(BatchCounts { tokens: 6.0, sequences: 3.0 }));
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
 pub struct Normalizer {
     /// Total number of unmasked tokens `N` (used by `TokenMean`).
     pub tokens: Option<f64>,
-    /// Total number of sequences `S` (used by the `SeqMean*` modes).
+    /// Total number of sequences `S` (used by the `SeqMean*` and `DrGrpo` modes, and as the number
+    /// of samples or pairs by the sequence-level losses).
     pub sequences: Option<f64>,
+}
+
+/// The counts of a whole optimiser batch, by name so that they cannot be swapped.
+///
+/// ```
+/// use topr_loss::{BatchCounts, Normalizer};
+/// let n = Normalizer::global(BatchCounts { tokens: 100.0, sequences: 8.0 });
+/// assert_eq!((n.tokens, n.sequences), (Some(100.0), Some(8.0)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchCounts {
+    /// Unmasked tokens in the whole batch.
+    pub tokens: f64,
+    /// Sequences (with at least one unmasked token), or preference pairs for DPO.
+    pub sequences: f64,
 }
 
 impl Normalizer {
@@ -82,18 +125,40 @@ impl Normalizer {
     /// use topr_loss::Normalizer;
     /// assert_eq!(Normalizer::local(), Normalizer::default());
     /// ```
-    pub fn local() -> Self {
+    pub const fn local() -> Self {
         Self { tokens: None, sequences: None }
     }
 
-    /// Fixed global counts: `tokens` unmasked tokens in `sequences` sequences.
+    /// Fixed global counts of the whole optimiser batch.
+    ///
+    /// ```
+    /// use topr_loss::{BatchCounts, Normalizer};
+    /// assert_eq!(Normalizer::global(BatchCounts { tokens: 100.0, sequences: 8.0 }).tokens, Some(100.0));
+    /// ```
+    pub const fn global(counts: BatchCounts) -> Self {
+        Self { tokens: Some(counts.tokens), sequences: Some(counts.sequences) }
+    }
+
+    /// Only the sequence count fixed (what the sequence-level losses and DPO use); the token count
+    /// is taken from each call.
     ///
     /// ```
     /// use topr_loss::Normalizer;
-    /// assert_eq!(Normalizer::global(100.0, 8.0).tokens, Some(100.0));
+    /// assert_eq!(Normalizer::sequences(32.0).sequences, Some(32.0));
+    /// assert_eq!(Normalizer::sequences(32.0).tokens, None);
     /// ```
-    pub fn global(tokens: f64, sequences: f64) -> Self {
-        Self { tokens: Some(tokens), sequences: Some(sequences) }
+    pub const fn sequences(sequences: f64) -> Self {
+        Self { tokens: None, sequences: Some(sequences) }
+    }
+
+    /// Only the token count fixed; the sequence count is taken from each call.
+    ///
+    /// ```
+    /// use topr_loss::Normalizer;
+    /// assert_eq!(Normalizer::tokens(512.0).tokens, Some(512.0));
+    /// ```
+    pub const fn tokens(tokens: f64) -> Self {
+        Self { tokens: Some(tokens), sequences: None }
     }
 
     /// Global counts from the masks `[B_k, T_k]` of all micro-batches of one optimiser step.
@@ -111,10 +176,16 @@ impl Normalizer {
             tokens += lengths.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
             sequences += lengths.f_gt(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
         }
-        Ok(Self::global(tokens, sequences))
+        Ok(Self::global(BatchCounts { tokens, sequences }))
     }
 
-    fn check(&self) -> Result<(), LossError> {
+    /// The sequence count: the global one, else `local`. Checked first.
+    pub(crate) fn sequences_or(&self, local: f64) -> Result<f64, LossError> {
+        self.check()?;
+        Ok(self.sequences.unwrap_or(local))
+    }
+
+    pub(crate) fn check(&self) -> Result<(), LossError> {
         for (v, field) in [(self.tokens, "Normalizer::tokens"), (self.sequences, "Normalizer::sequences")] {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0) {
@@ -134,7 +205,7 @@ impl Normalizer {
 ///
 /// ```text
 /// TokenMean: 1/N    TokenSum: 1    SeqMeanTokenSum: 1/S    SeqMeanTokenMean: 1/(S L_i)
-/// SeqMeanTokenSumNorm{L}: 1/(S L)
+/// DrGrpo{L}: 1/(S L)             TokenSumNorm{L}: 1/L
 /// ```
 ///
 /// A sequence with no unmasked token gets `α = 0`. `mask` is a bool tensor `[B, T]`; the weights
@@ -152,8 +223,8 @@ pub(crate) fn sequence_weights_checked(
     let local_seqs = has_tokens.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
     let seqs = norm.sequences.unwrap_or(local_seqs);
     let tokens = norm.tokens.unwrap_or(local_tokens);
-    let needs_tokens = matches!(mode, AggregationMode::TokenMean);
-    if (needs_tokens && tokens == 0.0) || (!needs_tokens && seqs == 0.0) {
+    let empty = if matches!(mode, AggregationMode::TokenMean) { tokens == 0.0 } else { seqs == 0.0 };
+    if empty {
         return Err(LossError::EmptyBatch { argument: "mask", found: mask.size(), unit: "unmasked token" });
     }
     let ones = has_tokens.f_to_kind(kind)?;
@@ -166,17 +237,19 @@ pub(crate) fn sequence_weights_checked(
             let safe = lengths.f_clamp_min(1.0)?;
             ones.f_div(&safe)?.f_div_scalar(seqs)?
         }
-        AggregationMode::SeqMeanTokenSumNorm { length } => {
-            if !(length.is_finite() && length > 0.0) {
-                return Err(LossError::InvalidConfig {
-                    field: "AggregationMode::SeqMeanTokenSumNorm::length",
-                    value: length,
-                    reason: "the fixed length must be finite and > 0".into(),
-                });
-            }
-            ones.f_div_scalar(seqs * length)?
+        AggregationMode::DrGrpo { length } => ones.f_div_scalar(seqs * fixed_length(length, "AggregationMode::DrGrpo::length")?)?,
+        AggregationMode::TokenSumNorm { length } => {
+            ones.f_div_scalar(fixed_length(length, "AggregationMode::TokenSumNorm::length")?)?
         }
     })
+}
+
+fn fixed_length(length: f64, field: &'static str) -> Result<f64, LossError> {
+    if length.is_finite() && length > 0.0 {
+        Ok(length)
+    } else {
+        Err(LossError::InvalidConfig { field, value: length, reason: "the fixed length must be finite and > 0".into() })
+    }
 }
 
 /// The per-sequence weights `α_i` of an aggregation mode (see the module docs).
@@ -240,7 +313,7 @@ pub fn sequence_weights(mask: &Tensor, mode: AggregationMode, norm: &Normalizer)
 /// assert!((full.double_value(&[]) - 3.0).abs() < 1e-12); // (1+2+3+4+5)/5
 ///
 /// // Two micro-batches with the global count add up to the same loss.
-/// let g = Normalizer::global(5.0, 2.0);
+/// let g = Normalizer::global(topr_loss::BatchCounts { tokens: 5.0, sequences: 2.0 });
 /// let a = aggregate(&loss.narrow(0, 0, 1), &mask.narrow(0, 0, 1), AggregationMode::TokenMean, &g)?;
 /// let b = aggregate(&loss.narrow(0, 1, 1), &mask.narrow(0, 1, 1), AggregationMode::TokenMean, &g)?;
 /// assert!((a.double_value(&[]) + b.double_value(&[]) - 3.0).abs() < 1e-12);

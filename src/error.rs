@@ -5,6 +5,8 @@
 //! malformed (undefined tensors, scalars, integer or complex tensors, tensors on two devices, NaN
 //! limits, an empty batch), makes a public function panic.
 
+use std::fmt;
+use std::sync::Arc;
 use tch::{Device, Kind};
 use thiserror::Error;
 
@@ -162,14 +164,56 @@ pub enum LossError {
     },
 
     /// libtorch reported an error. Not expected after validation; kept so that no libtorch error
-    /// ever becomes a panic.
+    /// ever becomes a panic. The original [`tch::TchError`] is the error's
+    /// [`source`](std::error::Error::source).
     #[error("libtorch error: {0}")]
-    Torch(String),
+    Torch(#[source] TorchError),
 }
 
 impl From<tch::TchError> for LossError {
     fn from(e: tch::TchError) -> Self {
-        LossError::Torch(e.to_string())
+        LossError::Torch(TorchError(Arc::new(e)))
+    }
+}
+
+/// A [`tch::TchError`] shared behind an [`Arc`], so that [`LossError`] stays `Clone` and
+/// `PartialEq` (two `TorchError`s are equal when their messages are).
+///
+/// ```
+/// use std::error::Error;
+/// use tch::{Kind, Tensor};
+/// use topr_loss::LossError;
+///
+/// let e: LossError = Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)).f_view([3]).unwrap_err().into();
+/// let LossError::Torch(inner) = &e else { unreachable!() };
+/// assert!(e.source().is_some()); // the TorchError, which holds the TchError
+/// assert!(matches!(inner.tch(), tch::TchError::Torch(_)));
+/// ```
+#[derive(Debug, Clone)]
+pub struct TorchError(Arc<tch::TchError>);
+
+impl TorchError {
+    /// The libtorch error itself.
+    pub fn tch(&self) -> &tch::TchError {
+        &self.0
+    }
+}
+
+impl fmt::Display for TorchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for TorchError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for TorchError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
     }
 }
 

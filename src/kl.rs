@@ -12,7 +12,8 @@
 
 use crate::aggregate::{AggregationMode, Normalizer};
 use crate::error::LossError;
-use crate::token_inputs::{self, TokenArgs};
+use crate::output::{LossOutput, OnDevice, diagnostics_struct, stats};
+use crate::token_inputs::{self, TokenArgs, TokenInputs};
 use crate::validate;
 use tch::Tensor;
 
@@ -24,6 +25,7 @@ use tch::Tensor;
 /// assert_eq!(KlConfig::default().estimator, KlEstimator::K3);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum KlEstimator {
     /// `d`.
     K1,
@@ -36,18 +38,20 @@ pub enum KlEstimator {
 
 /// Configuration of [`kl_penalty`].
 ///
-/// `Default`: K3, coefficient 0.001, `d` clamped to ±20 (as verl does before the exponential),
-/// token-mean with local counts.
+/// `Default` ([`KlConfig::k3`]): K3, coefficient 0.001, `d` clamped to ±20 (as verl does before
+/// the exponential), token-mean.
 ///
 /// Reference: Schulman (2020), *Approximating KL divergence*; verl `kl_penalty`.
 ///
 /// # Example
 /// ```
 /// use topr_loss::{KlConfig, KlEstimator};
-/// let cfg = KlConfig { estimator: KlEstimator::K2, coef: 0.05, ..KlConfig::default() };
+/// let cfg = KlConfig::k2().with_coef(0.05);
+/// assert_eq!((cfg.estimator, cfg.coef), (KlEstimator::K2, 0.05));
 /// assert!(cfg.validate().is_ok());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct KlConfig {
     /// The estimator.
     pub estimator: KlEstimator,
@@ -57,30 +61,87 @@ pub struct KlConfig {
     pub max_log_ratio: f64,
     /// How per-token penalties are reduced.
     pub aggregation: AggregationMode,
-    /// The counts the aggregation divides by.
-    pub normalizer: Normalizer,
 }
 
 impl Default for KlConfig {
     fn default() -> Self {
-        Self {
-            estimator: KlEstimator::K3,
-            coef: 0.001,
-            max_log_ratio: 20.0,
-            aggregation: AggregationMode::TokenMean,
-            normalizer: Normalizer::local(),
-        }
+        Self::k3()
     }
 }
 
 impl KlConfig {
+    /// K3 (`e^{−d} + d − 1`, verl's `low_var_kl`, GRPO's), coefficient 0.001, token-mean.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::KlConfig::k3(), topr_loss::KlConfig::default());
+    /// ```
+    pub const fn k3() -> Self {
+        Self { estimator: KlEstimator::K3, coef: 0.001, max_log_ratio: 20.0, aggregation: AggregationMode::TokenMean }
+    }
+
+    /// K1 (`d`, verl's `kl`), otherwise as [`KlConfig::k3`].
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::KlConfig::k1().estimator, topr_loss::KlEstimator::K1);
+    /// ```
+    pub const fn k1() -> Self {
+        Self::k3().with_estimator(KlEstimator::K1)
+    }
+
+    /// K2 (`d²/2`, verl's `mse`), otherwise as [`KlConfig::k3`].
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::KlConfig::k2().estimator, topr_loss::KlEstimator::K2);
+    /// ```
+    pub const fn k2() -> Self {
+        Self::k3().with_estimator(KlEstimator::K2)
+    }
+
+    /// The same config with another estimator.
+    ///
+    /// ```
+    /// use topr_loss::{KlConfig, KlEstimator};
+    /// assert_eq!(KlConfig::k3().with_estimator(KlEstimator::K1), KlConfig::k1());
+    /// ```
+    pub const fn with_estimator(self, estimator: KlEstimator) -> Self {
+        Self { estimator, ..self }
+    }
+
+    /// The same config with another coefficient.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::KlConfig::k3().with_coef(0.1).coef, 0.1);
+    /// ```
+    pub const fn with_coef(self, coef: f64) -> Self {
+        Self { coef, ..self }
+    }
+
+    /// The same config with another log-ratio clamp.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::KlConfig::k3().with_max_log_ratio(5.0).max_log_ratio, 5.0);
+    /// ```
+    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
+        Self { max_log_ratio, ..self }
+    }
+
+    /// The same config with another aggregation.
+    ///
+    /// ```
+    /// use topr_loss::{AggregationMode, KlConfig};
+    /// assert_eq!(KlConfig::k3().with_aggregation(AggregationMode::TokenSum).aggregation, AggregationMode::TokenSum);
+    /// ```
+    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
+        Self { aggregation, ..self }
+    }
+
     /// Checks every field.
     ///
     /// # Errors
     /// [`LossError::InvalidConfig`] naming the field.
     ///
     /// ```
-    /// assert!(topr_loss::KlConfig { coef: -1.0, ..Default::default() }.validate().is_err());
+    /// assert!(topr_loss::KlConfig::k3().with_coef(-1.0).validate().is_err());
     /// ```
     pub fn validate(&self) -> Result<(), LossError> {
         if !(self.coef.is_finite() && self.coef >= 0.0) {
@@ -103,7 +164,8 @@ impl KlConfig {
 /// loss = coef · Σ_i α_i Σ_t m k_t
 /// ```
 ///
-/// Add it to a policy loss built with the same mask and normalizer.
+/// Add it to a policy loss built with the same mask and counts ([`kl_penalty_output`] takes a
+/// [`Normalizer`]).
 ///
 /// Reference: Schulman (2020); GRPO, arXiv 2402.03300 (K3 as a loss term).
 ///
@@ -118,17 +180,59 @@ impl KlConfig {
 /// # Example
 /// ```
 /// use tch::Tensor;
-/// use topr_loss::{kl_penalty, KlConfig, KlEstimator};
+/// use topr_loss::{kl_penalty, KlConfig};
 ///
 /// let logp = Tensor::from_slice2(&[[-1.0f64, -2.0]]).set_requires_grad(true);
 /// let mask = Tensor::from_slice2(&[[true, true]]);
-/// let cfg = KlConfig { coef: 1.0, estimator: KlEstimator::K3, ..KlConfig::default() };
+/// let cfg = KlConfig::k3().with_coef(1.0);
 /// // Equal policies: zero penalty, zero gradient.
 /// let kl = kl_penalty(&logp, &logp.detach(), &mask, &cfg)?;
 /// assert_eq!(kl.double_value(&[]), 0.0);
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 pub fn kl_penalty(logp: &Tensor, logp_ref: &Tensor, mask: &Tensor, cfg: &KlConfig) -> Result<Tensor, LossError> {
+    let (x, k) = estimate(logp, logp_ref, mask, cfg)?;
+    validate::finite_loss(x.reduce_tokens(&k, cfg.aggregation, &Normalizer::local())?.f_mul_scalar(cfg.coef)?)
+}
+
+/// [`kl_penalty`] with the counts of `norm`, its per-token terms `coef · k_t` (`[B, T]`, zero on
+/// padding) and its [`KlDiagnostics`] from the same pass.
+///
+/// Reference: as [`kl_penalty`].
+///
+/// # Errors
+/// As [`kl_penalty`], and [`LossError::InvalidConfig`] for a non-positive count in `norm`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{kl_penalty_output, KlConfig, Normalizer};
+///
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -2.0]]);
+/// let logp_ref = Tensor::from_slice2(&[[-1.5f64, -2.0]]);
+/// let mask = Tensor::from_slice2(&[[true, false]]);
+/// let out = kl_penalty_output(&logp, &logp_ref, &mask, &KlConfig::k1().with_coef(2.0), &Normalizer::local())?;
+/// assert_eq!(out.loss.double_value(&[]), 1.0); // 2 · 0.5
+/// let d = out.diagnostics.read()?;
+/// assert_eq!((d.tokens, d.kl_mean), (1, 0.5));
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+pub fn kl_penalty_output(
+    logp: &Tensor,
+    logp_ref: &Tensor,
+    mask: &Tensor,
+    cfg: &KlConfig,
+    norm: &Normalizer,
+) -> Result<LossOutput<KlDiagnostics>, LossError> {
+    let (x, k) = estimate(logp, logp_ref, mask, cfg)?;
+    let loss = validate::finite_loss(x.reduce_tokens(&k, cfg.aggregation, norm)?.f_mul_scalar(cfg.coef)?)?;
+    let tokens = stats::count(&x.mask)?;
+    let diagnostics = OnDevice::new(&[tokens.shallow_clone(), stats::mean_where(&k, &x.mask)?])?;
+    Ok(LossOutput { loss, terms: x.zero_padding(&k.f_mul_scalar(cfg.coef)?)?, diagnostics })
+}
+
+/// The checked inputs and the estimator's value per token.
+fn estimate(logp: &Tensor, logp_ref: &Tensor, mask: &Tensor, cfg: &KlConfig) -> Result<(TokenInputs, Tensor), LossError> {
     cfg.validate()?;
     let x = token_inputs::check(TokenArgs {
         logp,
@@ -143,5 +247,33 @@ pub fn kl_penalty(logp: &Tensor, logp_ref: &Tensor, mask: &Tensor, cfg: &KlConfi
         KlEstimator::K2 => d.f_square()?.f_mul_scalar(0.5)?,
         KlEstimator::K3 => d.f_neg()?.f_exp()?.f_add(&d)?.f_sub_scalar(1.0)?,
     };
-    validate::finite_loss(x.reduce_tokens(&k, cfg.aggregation, &cfg.normalizer)?.f_mul_scalar(cfg.coef)?)
+    Ok((x, k))
 }
+
+/// What a trainer logs next to a KL penalty, from the same pass ([`kl_penalty_output`]).
+///
+/// ```text
+/// kl_mean = mean over unmasked tokens of k_t    (the estimate of KL(π‖π_ref) per token, before coef)
+/// ```
+///
+/// Reference: verl's `actor/kl_loss` metric.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{kl_penalty_output, KlConfig, Normalizer};
+/// let lp = Tensor::from_slice2(&[[-1.0f64, -2.0]]);
+/// let d = kl_penalty_output(&lp, &lp, &lp.ones_like(), &KlConfig::k3(), &Normalizer::local())?.diagnostics.read()?;
+/// assert_eq!((d.tokens, d.kl_mean), (2, 0.0));
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct KlDiagnostics {
+    /// Number of unmasked tokens in this call.
+    pub tokens: i64,
+    /// Mean estimator value over them.
+    pub kl_mean: f64,
+}
+
+diagnostics_struct!(KlDiagnostics { tokens, kl_mean });

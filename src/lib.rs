@@ -56,20 +56,23 @@
 //!   (`src/taper.rs`).
 //! - [`effective_positive_proportion`] and its inverse, measured or solved on reward tensors —
 //!   the baseline as a knob on the weight of positives (`src/baseline.rs`).
-//! - [`topr_diagnostics`], [`topr_token_diagnostics`] — what a trainer logs (`src/diagnostics.rs`).
+//! - [`ToprDiagnostics`] — what a trainer logs, from the same pass as the loss (`src/diagnostics.rs`).
 //!
 //! What users compare it with:
-//! - [`ppo_clip_loss`], [`gspo_loss`], [`cispo_loss`] with [`PpoConfig`] — PPO-clip (dual clip,
-//!   clip-higher), GSPO, CISPO (`src/ppo.rs`).
-//! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] — DPO, cDPO, IPO, hinge, reference-free
-//!   (`src/dpo.rs`).
+//! - [`ppo_clip_loss`], [`gspo_loss`], [`cispo_loss`] with [`PpoConfig`] and [`PpoDiagnostics`] —
+//!   PPO-clip (dual clip, clip-higher), GSPO, CISPO (`src/ppo.rs`).
+//! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] and [`DpoDiagnostics`] — DPO, cDPO, IPO,
+//!   hinge, reference-free (`src/dpo.rs`).
 //! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE) and [`whiten`]
 //!   (`src/advantages.rs`).
-//! - [`kl_penalty`] with [`KlConfig`] — the k1, k2, k3 estimators as a loss term (`src/kl.rs`).
+//! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, k2, k3 estimators as a loss
+//!   term (`src/kl.rs`).
 //!
 //! Shared pieces:
-//! - [`aggregate`], [`AggregationMode`], [`Normalizer`] — reducing per-token losses, with global
-//!   counts for split-invariant gradient accumulation (`src/aggregate.rs`).
+//! - [`LossOutput`], [`OnDevice`], [`Diagnostics`] — what the `…_output` functions return: the
+//!   loss, its unreduced terms and its diagnostics from the same pass (`src/output.rs`).
+//! - [`aggregate`], [`AggregationMode`], [`Normalizer`], [`BatchCounts`] — reducing per-token
+//!   losses, with global counts for split-invariant gradient accumulation (`src/aggregate.rs`).
 //! - [`token_logprobs`], [`fused_token_logprobs`], [`backward_through_logprobs`],
 //!   [`backward_through_fused_logprobs`], [`sequence_logprobs`] — log-probabilities from logits or
 //!   from hidden states, in chunks, with bounded memory (`src/logprobs.rs`).
@@ -78,12 +81,46 @@
 //! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
 //! DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL): `docs/methods.md`.
 //!
-//! ## Conventions
+//! ## One API for every loss
 //!
+//! Every loss is a pair of functions: the plain one returns the loss tensor; the `…_output` one
+//! takes the same arguments plus the step's [`Normalizer`] and returns a [`LossOutput`]: the same
+//! loss, its unreduced terms, and its diagnostics from the same pass (on the device until read).
+//!
+//! | loss | plain call | with counts, terms, diagnostics | config presets | diagnostics |
+//! |---|---|---|---|---|
+//! | TOPR family, `[B]` | `topr_loss(logp, logp_mu, rewards, cfg)` | [`topr_loss_output`]`(.., cfg, norm)` | [`ToprConfig`]`::{canonical, naive_reinforce, sft, tis, importance_sampling}` | [`ToprDiagnostics`] |
+//! | TOPR family, `[B, T]` | `topr_token_loss(logp, logp_mu, rewards, mask, cfg)` | [`topr_token_loss_output`]`(.., cfg, norm)` | [`ToprTokenConfig`]`::{paper, verl, trinity}` | [`ToprDiagnostics`] |
+//! | PPO-clip | `ppo_clip_loss(logp, logp_mu, advantages, mask, cfg)` | [`ppo_clip_loss_output`]`(.., cfg, norm)` | [`PpoConfig`]`::{ppo, dapo}` | [`PpoDiagnostics`] |
+//! | GSPO | `gspo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gspo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::gspo`] | [`PpoDiagnostics`] |
+//! | CISPO | `cispo_loss(logp, logp_mu, advantages, mask, cfg)` | [`cispo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::cispo`] | [`PpoDiagnostics`] |
+//! | DPO family | `dpo_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)` | [`dpo_loss_output`]`(.., cfg, norm)` | [`DpoConfig`]`::{dpo, cdpo, ipo, hinge}` | [`DpoDiagnostics`] |
+//! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3}` | [`KlDiagnostics`] |
+//!
+//! The conventions behind the table:
+//!
+//! - **Order**: the policy's log-probs first, then the other policy's, then the per-sequence (or
+//!   per-token) signal, then the mask, then the config, then (for `…_output`) the normaliser.
+//! - **Names** say the role: `logp` is the policy being trained (differentiable); `logp_mu` the
+//!   behaviour policy μ that sampled the data (PPO's "old" policy is μ); `logp_ref` a fixed
+//!   reference model (KL, DPO). `rewards` are raw rewards `R` from which the loss subtracts its
+//!   own baseline (`cfg.baseline`, the TOPR family); `advantages` are used as given (the PPO
+//!   family). Advantages can be passed to the TOPR family as rewards with baseline 0 (the
+//!   branch then follows the advantage's sign, as in verl and Trinity-RFT).
+//! - **Masks**: a loss on `[B, T]` inputs always takes `mask: &Tensor` (bool, integer or 0/1
+//!   floating); utilities that can run without padding ([`token_logprobs`], [`whiten`]) take
+//!   `Option<&Tensor>`.
+//! - **Counts** are per call: the plain function uses this call's counts; pass the
+//!   [`Normalizer`] of the whole optimiser step to `…_output` for split-invariant gradient
+//!   accumulation. Configs hold only run-long settings.
+//! - **Configs** are `#[non_exhaustive]`: start from a preset (`const fn`), change knobs with
+//!   `with_…` methods; `Default` is the first preset. So are the enums: match them with a `_` arm.
 //! - Every loss is a scalar to **minimise**, the negative of the objective.
-//! - `logp_mu` (and every reference or old log-prob) is always detached.
+//! - `logp_mu` and `logp_ref` are always detached.
 //! - f16 and bf16 inputs are computed in f32; f64 inputs in f64.
-//! - Inputs are validated first; a bad argument gives a [`LossError`] that names it.
+//! - Inputs are validated first; a bad argument gives a [`LossError`] that names it, with the
+//!   libtorch error as its `source()` where there is one. Closures given to
+//!   [`backward_through_logprobs`] return the caller's own error type.
 //! - Padding may hold NaN or inf; it gets exactly zero gradient.
 
 #![warn(missing_docs)]
@@ -96,6 +133,7 @@ mod dpo;
 mod error;
 mod kl;
 mod logprobs;
+mod output;
 mod ppo;
 mod taper;
 mod token_inputs;
@@ -104,20 +142,24 @@ mod topr_token;
 mod validate;
 
 pub use advantages::{GroupAdvantage, group_advantages, whiten};
-pub use aggregate::{AggregationMode, Normalizer, aggregate, sequence_weights};
+pub use aggregate::{AggregationMode, BatchCounts, Normalizer, aggregate, sequence_weights};
 pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,
     effective_positive_proportion_of_rewards,
 };
-pub use diagnostics::{ToprDiagnostics, topr_diagnostics, topr_token_diagnostics};
-pub use dpo::{DpoConfig, DpoRewards, DpoVariant, dpo_loss, dpo_rewards};
-pub use error::LossError;
-pub use kl::{KlConfig, KlEstimator, kl_penalty};
+pub use diagnostics::ToprDiagnostics;
+pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
+pub use error::{LossError, TorchError};
+pub use kl::{KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_output};
 pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
     fused_token_logprobs, sequence_logprobs, token_logprobs,
 };
-pub use ppo::{PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
+pub use output::{Diagnostics, LossOutput, OnDevice};
+pub use ppo::{
+    PpoConfig, PpoDiagnostics, cispo_loss, cispo_loss_output, gspo_loss, gspo_loss_output, ppo_clip_loss,
+    ppo_clip_loss_output,
+};
 pub use taper::{taper, taper_scalar, truncated_weight};
-pub use topr::{TieRule, ToprConfig, topr_loss};
-pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss};
+pub use topr::{TieRule, ToprConfig, topr_loss, topr_loss_output};
+pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss, topr_token_loss_output};

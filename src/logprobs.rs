@@ -33,15 +33,17 @@ use tch::{Device, Kind, Tensor};
 
 /// Options of the log-prob extraction.
 ///
-/// `Default`: chunks of 1024 tokens, no ignore index, no entropy, temperature 1.
+/// `Default` ([`LogProbConfig::new`]): chunks of 1024 tokens, no ignore index, no entropy,
+/// temperature 1. Change one knob with the `with_…` methods.
 ///
 /// # Example
 /// ```
 /// use topr_loss::LogProbConfig;
-/// let cfg = LogProbConfig { with_entropy: true, ignore_index: Some(-100), ..LogProbConfig::default() };
+/// let cfg = LogProbConfig::new().with_entropy(true).with_ignore_index(Some(-100));
 /// assert!(cfg.validate().is_ok());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct LogProbConfig {
     /// Tokens per chunk (> 0): the extra memory is about `chunk_tokens × V` f32 values (a few
     /// times that during the backward pass).
@@ -56,11 +58,65 @@ pub struct LogProbConfig {
 
 impl Default for LogProbConfig {
     fn default() -> Self {
-        Self { chunk_tokens: 1024, ignore_index: None, with_entropy: false, temperature: 1.0 }
+        Self::new()
     }
 }
 
 impl LogProbConfig {
+    /// Chunks of 1024 tokens, no ignore index, no entropy, temperature 1.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::LogProbConfig::new().chunk_tokens, 1024);
+    /// ```
+    pub const fn new() -> Self {
+        Self { chunk_tokens: 1024, ignore_index: None, with_entropy: false, temperature: 1.0 }
+    }
+
+    /// PyTorch's convention: labels equal to −100 are padding.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::LogProbConfig::pytorch().ignore_index, Some(-100));
+    /// ```
+    pub const fn pytorch() -> Self {
+        Self::new().with_ignore_index(Some(-100))
+    }
+
+    /// The same config with another chunk size.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::LogProbConfig::new().with_chunk_tokens(256).chunk_tokens, 256);
+    /// ```
+    pub const fn with_chunk_tokens(self, chunk_tokens: i64) -> Self {
+        Self { chunk_tokens, ..self }
+    }
+
+    /// The same config with another ignore index.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::LogProbConfig::new().with_ignore_index(Some(0)).ignore_index, Some(0));
+    /// ```
+    pub const fn with_ignore_index(self, ignore_index: Option<i64>) -> Self {
+        Self { ignore_index, ..self }
+    }
+
+    /// The same config with or without the per-token entropy.
+    ///
+    /// ```
+    /// assert!(topr_loss::LogProbConfig::new().with_entropy(true).with_entropy);
+    /// ```
+    pub const fn with_entropy(self, with_entropy: bool) -> Self {
+        Self { with_entropy, ..self }
+    }
+
+    /// The same config with another temperature.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::LogProbConfig::new().with_temperature(0.7).temperature, 0.7);
+    /// ```
+    pub const fn with_temperature(self, temperature: f64) -> Self {
+        Self { temperature, ..self }
+    }
+
     /// Checks every field.
     ///
     /// # Errors
@@ -68,7 +124,7 @@ impl LogProbConfig {
     /// temperature.
     ///
     /// ```
-    /// assert!(topr_loss::LogProbConfig { chunk_tokens: 0, ..Default::default() }.validate().is_err());
+    /// assert!(topr_loss::LogProbConfig::new().with_chunk_tokens(0).validate().is_err());
     /// ```
     pub fn validate(&self) -> Result<(), LossError> {
         if self.chunk_tokens <= 0 {
@@ -97,7 +153,7 @@ impl LogProbConfig {
 /// use topr_loss::{token_logprobs, LogProbConfig};
 /// let logits = Tensor::zeros([1, 2, 4], (Kind::Float, tch::Device::Cpu)); // uniform over 4
 /// let labels = Tensor::from_slice2(&[[3i64, -100]]);
-/// let cfg = LogProbConfig { ignore_index: Some(-100), with_entropy: true, ..LogProbConfig::default() };
+/// let cfg = LogProbConfig::pytorch().with_entropy(true);
 /// let out = token_logprobs(&logits, &labels, None, &cfg)?;
 /// assert!((out.logp.double_value(&[0, 0]) + 4f64.ln()).abs() < 1e-6);
 /// assert_eq!(out.logp.double_value(&[0, 1]), 0.0); // ignored
@@ -106,6 +162,7 @@ impl LogProbConfig {
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct TokenLogProbs {
     /// `[B, T]` f32 (f64 for f64 inputs) `log π(y_t)`; 0 where `mask` is false.
     pub logp: Tensor,
@@ -122,6 +179,7 @@ pub struct TokenLogProbs {
 /// assert_eq!(topr_loss::SequenceReduce::default(), topr_loss::SequenceReduce::Sum);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum SequenceReduce {
     /// `Σ_t m log π_t`: the sequence log-probability (DPO, TOPR).
     #[default]
@@ -473,7 +531,32 @@ fn backward_to_leaves(
 /// assert!(logits.grad().defined()); // the gradient reached the logits
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
-pub fn backward_through_logprobs(
+pub fn backward_through_logprobs<E: From<LossError>>(
+    logits: &Tensor,
+    labels: &Tensor,
+    mask: Option<&Tensor>,
+    cfg: &LogProbConfig,
+    loss_fn: impl FnOnce(&TokenLogProbs) -> Result<Tensor, E>,
+) -> Result<Tensor, E> {
+    let mut failed = None;
+    let out = logits_backward(logits, labels, mask, cfg, |lp| user_loss(lp, loss_fn, &mut failed));
+    out.map_err(|e| failed.take().unwrap_or_else(|| E::from(e)))
+}
+
+/// Runs the caller's loss, keeping its error (of the caller's type) aside; the placeholder
+/// [`LossError`] returned in its stead never reaches the caller.
+fn user_loss<E>(
+    lp: &TokenLogProbs,
+    loss_fn: impl FnOnce(&TokenLogProbs) -> Result<Tensor, E>,
+    failed: &mut Option<E>,
+) -> Result<Tensor, LossError> {
+    loss_fn(lp).map_err(|e| {
+        *failed = Some(e);
+        LossError::InvalidArgument { argument: "loss_fn", value: f64::NAN, reason: "the loss closure failed".into() }
+    })
+}
+
+fn logits_backward(
     logits: &Tensor,
     labels: &Tensor,
     mask: Option<&Tensor>,
@@ -544,7 +627,7 @@ fn check_fused(hidden: &Tensor, weight: &Tensor) -> Result<(Kind, [i64; 2], i64)
 /// let hidden = Tensor::randn([2, 4, 8], (Kind::Float, tch::Device::Cpu));
 /// let weight = Tensor::randn([11, 8], (Kind::Float, tch::Device::Cpu));
 /// let labels = Tensor::randint(11, [2, 4], (Kind::Int64, tch::Device::Cpu));
-/// let cfg = LogProbConfig { chunk_tokens: 3, ..LogProbConfig::default() };
+/// let cfg = LogProbConfig::new().with_chunk_tokens(3);
 /// let fused = fused_token_logprobs(&hidden, &weight, &labels, None, &cfg)?;
 /// let plain = token_logprobs(&hidden.matmul(&weight.tr()), &labels, None, &cfg)?;
 /// assert!((fused.logp - plain.logp).abs().max().double_value(&[]) < 1e-5);
@@ -590,13 +673,26 @@ pub fn fused_token_logprobs(
 /// let hidden = Tensor::randn([2, 4, 8], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
 /// let weight = Tensor::randn([11, 8], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
 /// let labels = Tensor::randint(11, [2, 4], (Kind::Int64, tch::Device::Cpu));
-/// let cfg = LogProbConfig { chunk_tokens: 3, ..LogProbConfig::default() };
+/// let cfg = LogProbConfig::new().with_chunk_tokens(3);
 /// // Negative log-likelihood, summed: SFT.
-/// backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |lp| Ok(-lp.logp.sum(Kind::Float)))?;
+/// backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |lp| Ok::<_, topr_loss::LossError>(-lp.logp.sum(Kind::Float)))?;
 /// assert!(hidden.grad().defined() && weight.grad().defined());
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
-pub fn backward_through_fused_logprobs(
+pub fn backward_through_fused_logprobs<E: From<LossError>>(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    mask: Option<&Tensor>,
+    cfg: &LogProbConfig,
+    loss_fn: impl FnOnce(&TokenLogProbs) -> Result<Tensor, E>,
+) -> Result<Tensor, E> {
+    let mut failed = None;
+    let out = fused_backward(hidden, weight, labels, mask, cfg, |lp| user_loss(lp, loss_fn, &mut failed));
+    out.map_err(|e| failed.take().unwrap_or_else(|| E::from(e)))
+}
+
+fn fused_backward(
     hidden: &Tensor,
     weight: &Tensor,
     labels: &Tensor,

@@ -1,9 +1,10 @@
 //! PPO-clip and its relatives: dual-clip PPO, DAPO's asymmetric clip, GSPO's sequence-level
 //! ratio and CISPO's clipped importance-sampling weight.
 //!
-//! All take per-token log-probs `[B, T]` of the policy and of the old (behaviour) policy, the
-//! advantages and a padding mask, and reduce per-token losses with an [`AggregationMode`].
-//! With `δ = log π − log π_old` and `r = exp(δ)`:
+//! All take per-token log-probs `[B, T]` of the policy and of the behaviour policy μ that sampled
+//! the data (PPO's "old" policy, `logp_mu` as everywhere in this crate), the advantages and a
+//! padding mask, and reduce per-token losses with an [`AggregationMode`].
+//! With `δ = log π − log μ` and `r = exp(δ)`:
 //!
 //! ```text
 //! PPO-clip   ℓ_t = −min(r_t A, clip(r_t, 1 − ε_low, 1 + ε_high) A)
@@ -19,14 +20,15 @@
 
 use crate::aggregate::{AggregationMode, Normalizer};
 use crate::error::LossError;
+use crate::output::{LossOutput, OnDevice, diagnostics_struct, stats};
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
 use crate::validate;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// Clip ranges, dual clip, ratio clamp and aggregation of the PPO family.
 ///
 /// `Default` is PPO as in most trainers: `ε_low = ε_high = 0.2`, no dual clip, `δ` clamped to
-/// ±20, token-mean over the mask with local counts.
+/// ±20, token-mean over the mask. Build other settings from a preset with the `with_…` methods.
 ///
 /// Reference: Schulman et al., *Proximal Policy Optimization Algorithms*, arXiv 1707.06347; dual
 /// clip: Ye et al., arXiv 1912.09729; DAPO (clip-higher): Yu et al., arXiv 2503.14476; GSPO: Zheng
@@ -38,9 +40,10 @@ use tch::Tensor;
 /// let cfg = PpoConfig::default();
 /// assert_eq!((cfg.clip_low, cfg.clip_high, cfg.dual_clip), (0.2, 0.2, None));
 /// assert_eq!(cfg.aggregation, AggregationMode::TokenMean);
-/// assert!(PpoConfig { dual_clip: Some(0.5), ..cfg }.validate().is_err()); // c must exceed 1
+/// assert!(cfg.with_dual_clip(Some(0.5)).validate().is_err()); // c must exceed 1
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct PpoConfig {
     /// `ε_low`: the ratio is clipped below at `1 − ε_low` (`≥ 0`; `∞` means no lower clip).
     pub clip_low: f64,
@@ -52,8 +55,6 @@ pub struct PpoConfig {
     pub max_log_ratio: f64,
     /// How per-token losses are reduced.
     pub aggregation: AggregationMode,
-    /// The counts the aggregation divides by.
-    pub normalizer: Normalizer,
 }
 
 impl Default for PpoConfig {
@@ -68,15 +69,8 @@ impl PpoConfig {
     /// ```
     /// assert_eq!(topr_loss::PpoConfig::ppo(), topr_loss::PpoConfig::default());
     /// ```
-    pub fn ppo() -> Self {
-        Self {
-            clip_low: 0.2,
-            clip_high: 0.2,
-            dual_clip: None,
-            max_log_ratio: 20.0,
-            aggregation: AggregationMode::TokenMean,
-            normalizer: Normalizer::local(),
-        }
+    pub const fn ppo() -> Self {
+        Self { clip_low: 0.2, clip_high: 0.2, dual_clip: None, max_log_ratio: 20.0, aggregation: AggregationMode::TokenMean }
     }
 
     /// DAPO's clip-higher: `ε_low = 0.2`, `ε_high = 0.28`, token-mean. Yu et al., arXiv 2503.14476.
@@ -84,8 +78,8 @@ impl PpoConfig {
     /// ```
     /// assert_eq!(topr_loss::PpoConfig::dapo().clip_high, 0.28);
     /// ```
-    pub fn dapo() -> Self {
-        Self { clip_high: 0.28, ..Self::ppo() }
+    pub const fn dapo() -> Self {
+        Self::ppo().with_clip(0.2, 0.28)
     }
 
     /// GSPO's setting for [`gspo_loss`]: `ε_low = 3e-4`, `ε_high = 4e-4` on the sequence ratio,
@@ -95,8 +89,8 @@ impl PpoConfig {
     /// use topr_loss::{AggregationMode, PpoConfig};
     /// assert_eq!(PpoConfig::gspo().aggregation, AggregationMode::SeqMeanTokenMean);
     /// ```
-    pub fn gspo() -> Self {
-        Self { clip_low: 3e-4, clip_high: 4e-4, aggregation: AggregationMode::SeqMeanTokenMean, ..Self::ppo() }
+    pub const fn gspo() -> Self {
+        Self::ppo().with_clip(3e-4, 4e-4).with_aggregation(AggregationMode::SeqMeanTokenMean)
     }
 
     /// CISPO's setting for [`cispo_loss`]: no lower clip (`ε_low = ∞`), `ε_high = 0.28`
@@ -105,8 +99,47 @@ impl PpoConfig {
     /// ```
     /// assert!(topr_loss::PpoConfig::cispo().clip_low.is_infinite());
     /// ```
-    pub fn cispo() -> Self {
-        Self { clip_low: f64::INFINITY, clip_high: 0.28, ..Self::ppo() }
+    pub const fn cispo() -> Self {
+        Self::ppo().with_clip(f64::INFINITY, 0.28)
+    }
+
+    /// The same config with the clip ranges `(ε_low, ε_high)`.
+    ///
+    /// ```
+    /// let c = topr_loss::PpoConfig::ppo().with_clip(0.1, 0.3);
+    /// assert_eq!((c.clip_low, c.clip_high), (0.1, 0.3));
+    /// ```
+    pub const fn with_clip(self, clip_low: f64, clip_high: f64) -> Self {
+        Self { clip_low, clip_high, ..self }
+    }
+
+    /// The same config with dual clip `c` (`None`: off).
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::PpoConfig::ppo().with_dual_clip(Some(3.0)).dual_clip, Some(3.0));
+    /// ```
+    pub const fn with_dual_clip(self, dual_clip: Option<f64>) -> Self {
+        Self { dual_clip, ..self }
+    }
+
+    /// The same config with another log-ratio clamp.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::PpoConfig::ppo().with_max_log_ratio(10.0).max_log_ratio, 10.0);
+    /// ```
+    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
+        Self { max_log_ratio, ..self }
+    }
+
+    /// The same config with another aggregation.
+    ///
+    /// ```
+    /// use topr_loss::{AggregationMode, PpoConfig};
+    /// let c = PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean);
+    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
+    /// ```
+    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
+        Self { aggregation, ..self }
     }
 
     /// Checks every field.
@@ -117,7 +150,7 @@ impl PpoConfig {
     ///
     /// ```
     /// use topr_loss::PpoConfig;
-    /// assert!(PpoConfig { clip_low: f64::NAN, ..PpoConfig::default() }.validate().is_err());
+    /// assert!(PpoConfig::default().with_clip(f64::NAN, 0.2).validate().is_err());
     /// ```
     pub fn validate(&self) -> Result<(), LossError> {
         for (v, field) in [(self.clip_low, "clip_low"), (self.clip_high, "clip_high")] {
@@ -173,11 +206,118 @@ impl PpoConfig {
             None => loss,
         })
     }
+
+    /// Where the clip decides the surrogate (`clip(r) A` is the min, so no gradient) and where
+    /// the dual clip does (`−c A` caps it), broadcast to `r`'s shape. For the diagnostics.
+    fn clip_masks(&self, r: &Tensor, adv: &Tensor) -> Result<(Tensor, Tensor), LossError> {
+        let unclipped = r.f_mul(adv)?.f_neg()?;
+        let clipped = self.clip(r)?.f_mul(adv)?.f_neg()?;
+        let clip_active = clipped.f_gt_tensor(&unclipped)?;
+        let dual_active = match self.dual_clip {
+            Some(c) => {
+                let loss = unclipped.f_maximum(&clipped)?;
+                adv.f_mul_scalar(-c)?.f_lt_tensor(&loss)?.f_logical_and(&adv.f_lt(0.0)?)?
+            }
+            None => clip_active.f_zeros_like()?,
+        };
+        Ok((clip_active, dual_active))
+    }
+}
+
+/// What a PPO-family trainer logs, from the same pass as the loss ([`ppo_clip_loss_output`],
+/// [`gspo_loss_output`], [`cispo_loss_output`]).
+///
+/// A *sample* is an unmasked token (PPO, CISPO) or a sequence with at least one unmasked token
+/// (GSPO); `r` is the (clamped) ratio at that level.
+///
+/// ```text
+/// clip_fraction       = share of samples where the clip decides: PPO/GSPO where clip(r)·A is
+///                       the min (no gradient; verl's pg_clipfrac), CISPO where the weight was clipped
+/// dual_clip_fraction  = share of samples where the dual-clip cap −c·A decides (verl's pg_clipfrac_lower)
+/// ratio_min/mean/max  = statistics of r
+/// log_ratio_mean      = mean of ln r
+/// approx_kl           = mean of r − 1 − ln r  (the k3 estimate of KL(μ‖π), ≥ 0)
+/// ```
+///
+/// Reference: verl's `pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl`; Schulman's k3 estimator.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{ppo_clip_loss_output, Normalizer, PpoConfig};
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0]]);
+/// let logp_mu = Tensor::from_slice2(&[[-1.5f64, -1.0]]); // r = e^0.5 (clipped at 1.2), then 1
+/// let mask = Tensor::from_slice2(&[[true, true]]);
+/// let out = ppo_clip_loss_output(&logp, &logp_mu, &Tensor::from_slice(&[1.0f64]), &mask, &PpoConfig::ppo(), &Normalizer::local())?;
+/// let d = out.diagnostics.read()?;
+/// assert_eq!((d.samples, d.clip_fraction, d.dual_clip_fraction), (2, 0.5, 0.0));
+/// assert!((d.ratio_max - 0.5f64.exp()).abs() < 1e-12);
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct PpoDiagnostics {
+    /// Number of samples (unmasked tokens, or sequences for GSPO).
+    pub samples: i64,
+    /// Share of samples where the clip decides the value.
+    pub clip_fraction: f64,
+    /// Share of samples where the dual-clip cap decides the value (0 without dual clip).
+    pub dual_clip_fraction: f64,
+    /// Smallest ratio.
+    pub ratio_min: f64,
+    /// Mean ratio.
+    pub ratio_mean: f64,
+    /// Largest ratio.
+    pub ratio_max: f64,
+    /// Mean log-ratio (0 on-policy).
+    pub log_ratio_mean: f64,
+    /// Mean of `r − 1 − ln r`, the k3 estimate of `KL(μ‖π)`.
+    pub approx_kl: f64,
+}
+
+diagnostics_struct!(PpoDiagnostics {
+    samples,
+    clip_fraction,
+    dual_clip_fraction,
+    ratio_min,
+    ratio_mean,
+    ratio_max,
+    log_ratio_mean,
+    approx_kl,
+});
+
+/// [`PpoDiagnostics`] over the samples where `valid`, all broadcast to `r`'s shape.
+fn ppo_diagnostics(
+    r: &Tensor,
+    clip_active: &Tensor,
+    dual_active: &Tensor,
+    valid: &Tensor,
+) -> Result<OnDevice<PpoDiagnostics>, LossError> {
+    let r = r.f_detach()?.f_to_kind(Kind::Double)?;
+    let shape = r.size();
+    let valid = valid.f_expand(shape.as_slice(), false)?;
+    let active = |m: &Tensor| -> Result<Tensor, LossError> {
+        Ok(m.f_expand(shape.as_slice(), false)?.f_logical_and(&valid)?)
+    };
+    let samples = stats::count(&valid)?;
+    let (ratio_min, ratio_max) = stats::min_max_where(&r, &valid)?;
+    let log_r = r.f_log()?;
+    let k3 = r.f_sub_scalar(1.0)?.f_sub(&log_r)?;
+    OnDevice::new(&[
+        samples.shallow_clone(),
+        stats::share(&stats::count(&active(clip_active)?)?, &samples)?,
+        stats::share(&stats::count(&active(dual_active)?)?, &samples)?,
+        ratio_min,
+        stats::mean_where(&r, &valid)?,
+        ratio_max,
+        stats::mean_where(&log_r, &valid)?,
+        stats::mean_where(&k3, &valid)?,
+    ])
 }
 
 fn check_inputs(
     logp: &Tensor,
-    logp_old: &Tensor,
+    logp_mu: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
     per_token_advantages: bool,
@@ -186,7 +326,7 @@ fn check_inputs(
     cfg.validate()?;
     token_inputs::check(TokenArgs {
         logp,
-        other: (logp_old, "logp_old"),
+        other: (logp_mu, "logp_mu"),
         weights: Some((advantages, "advantages")),
         mask,
         per_token_weights: per_token_advantages,
@@ -194,8 +334,21 @@ fn check_inputs(
 }
 
 /// Reduces per-token losses (broadcastable to `[B, T]`) with the config's aggregation.
-fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig) -> Result<Tensor, LossError> {
-    validate::finite_loss(x.reduce_tokens(per_token, cfg.aggregation, &cfg.normalizer)?)
+fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig, norm: &Normalizer) -> Result<Tensor, LossError> {
+    validate::finite_loss(x.reduce_tokens(per_token, cfg.aggregation, norm)?)
+}
+
+/// The output of a PPO-family loss: the loss, the per-token terms and the diagnostics over
+/// `valid` samples.
+fn output(
+    per_token: &Tensor,
+    x: &TokenInputs,
+    cfg: &PpoConfig,
+    norm: &Normalizer,
+    diagnostics: OnDevice<PpoDiagnostics>,
+) -> Result<LossOutput<PpoDiagnostics>, LossError> {
+    let loss = reduce(per_token, x, cfg, norm)?;
+    Ok(LossOutput { loss, terms: x.zero_padding(per_token)?, diagnostics })
 }
 
 /// The PPO clipped surrogate loss, per token, with optional dual clip and asymmetric
@@ -212,7 +365,7 @@ fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig) -> Result<Tensor
 /// asymmetric clip: DAPO, arXiv 2503.14476.
 ///
 /// # Arguments
-/// * `logp`, `logp_old` — `[B, T]` per-token log-probs of the policy (differentiable) and of the
+/// * `logp`, `logp_mu` — `[B, T]` per-token log-probs of the policy (differentiable) and of the
 ///   policy that sampled the data (detached).
 /// * `advantages` — `[B]` (broadcast over tokens) or `[B, T]`.
 /// * `mask` — `[B, T]`, bool, integer or 0/1 floating.
@@ -227,10 +380,10 @@ fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig) -> Result<Tensor
 /// use topr_loss::{ppo_clip_loss, PpoConfig};
 ///
 /// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0]]).set_requires_grad(true);
-/// let logp_old = Tensor::from_slice2(&[[-1.5f64, -1.0]]); // r = e^0.5 ≈ 1.65, then 1
+/// let logp_mu = Tensor::from_slice2(&[[-1.5f64, -1.0]]); // r = e^0.5 ≈ 1.65, then 1
 /// let mask = Tensor::from_slice2(&[[true, true]]);
 /// let adv = Tensor::from_slice(&[1.0f64]);
-/// let loss = ppo_clip_loss(&logp, &logp_old, &adv, &mask, &PpoConfig::default())?;
+/// let loss = ppo_clip_loss(&logp, &logp_mu, &adv, &mask, &PpoConfig::default())?;
 /// // Token 0 is clipped at 1.2 (no gradient), token 1 is not: loss = −(1.2 + 1)/2.
 /// assert!((loss.double_value(&[]) + 1.1).abs() < 1e-12);
 /// loss.backward();
@@ -239,15 +392,57 @@ fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig) -> Result<Tensor
 /// ```
 pub fn ppo_clip_loss(
     logp: &Tensor,
-    logp_old: &Tensor,
+    logp_mu: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
     cfg: &PpoConfig,
 ) -> Result<Tensor, LossError> {
-    let x = check_inputs(logp, logp_old, advantages, mask, true, cfg)?;
+    let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
     let r = cfg.ratio(&x.delta)?;
     let per_token = cfg.clipped_surrogate(&r, &x.weights_per_token()?)?;
-    reduce(&per_token, &x, cfg)
+    reduce(&per_token, &x, cfg, &Normalizer::local())
+}
+
+/// [`ppo_clip_loss`] with the counts of `norm`, its per-token terms (`[B, T]`, zero on padding)
+/// and its [`PpoDiagnostics`] from the same pass.
+///
+/// Reference: as [`ppo_clip_loss`].
+///
+/// # Errors
+/// As [`ppo_clip_loss`], and [`LossError::InvalidConfig`] for a non-positive count in `norm`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{aggregate, ppo_clip_loss_output, BatchCounts, Normalizer, PpoConfig};
+///
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0, 0.0]]);
+/// let logp_mu = Tensor::from_slice2(&[[-1.5f64, -1.0, 0.0]]);
+/// let mask = Tensor::from_slice2(&[[true, true, false]]);
+/// let norm = Normalizer::global(BatchCounts { tokens: 4.0, sequences: 2.0 });
+/// let cfg = PpoConfig::ppo();
+/// let out = ppo_clip_loss_output(&logp, &logp_mu, &Tensor::from_slice(&[1.0f64]), &mask, &cfg, &norm)?;
+/// assert!((out.loss.double_value(&[]) + (1.2 + 1.0) / 4.0).abs() < 1e-12);
+/// assert_eq!(out.terms.double_value(&[0, 2]), 0.0);
+/// let again = aggregate(&out.terms, &mask, cfg.aggregation, &norm)?;
+/// assert!((again.double_value(&[]) - out.loss.double_value(&[])).abs() < 1e-12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn ppo_clip_loss_output(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+    norm: &Normalizer,
+) -> Result<LossOutput<PpoDiagnostics>, LossError> {
+    let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
+    let r = cfg.ratio(&x.delta)?;
+    let adv = x.weights_per_token()?;
+    let per_token = cfg.clipped_surrogate(&r, &adv)?;
+    let (clip, dual) = cfg.clip_masks(&r, &adv)?;
+    let diagnostics = ppo_diagnostics(&r, &clip, &dual, &x.mask)?;
+    output(&per_token, &x, cfg, norm, diagnostics)
 }
 
 /// GSPO: the PPO clipped objective on the length-normalised sequence ratio.
@@ -284,15 +479,51 @@ pub fn ppo_clip_loss(
 /// ```
 pub fn gspo_loss(
     logp: &Tensor,
-    logp_old: &Tensor,
+    logp_mu: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
     cfg: &PpoConfig,
 ) -> Result<Tensor, LossError> {
-    let x = check_inputs(logp, logp_old, advantages, mask, false, cfg)?;
+    let x = check_inputs(logp, logp_mu, advantages, mask, false, cfg)?;
     let s = cfg.ratio(&x.mean_delta()?)?; // [B]
-    let per_seq = cfg.clipped_surrogate(&s, x.weights()?)?; // [B]
-    reduce(&per_seq.f_unsqueeze(1)?, &x, cfg)
+    let per_seq = cfg.clipped_surrogate(&s, x.weights())?; // [B]
+    reduce(&per_seq.f_unsqueeze(1)?, &x, cfg, &Normalizer::local())
+}
+
+/// [`gspo_loss`] with the counts of `norm`, its per-token terms (`[B, T]`: each unmasked token
+/// carries its sequence's `ℓ_i`; zero on padding) and its [`PpoDiagnostics`] over sequences.
+///
+/// Reference: as [`gspo_loss`].
+///
+/// # Errors
+/// As [`gspo_loss`], and [`LossError::InvalidConfig`] for a non-positive count in `norm`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{gspo_loss_output, Normalizer, PpoConfig};
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -2.0], [-1.0, -1.0]]);
+/// let mask = Tensor::from_slice2(&[[true, true], [true, false]]);
+/// let adv = Tensor::from_slice(&[0.5f64, -0.5]);
+/// let out = gspo_loss_output(&logp, &logp, &adv, &mask, &PpoConfig::gspo(), &Normalizer::local())?;
+/// let d = out.diagnostics.read()?;
+/// assert_eq!((d.samples, d.ratio_mean, d.clip_fraction), (2, 1.0, 0.0)); // two sequences, on-policy
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+pub fn gspo_loss_output(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+    norm: &Normalizer,
+) -> Result<LossOutput<PpoDiagnostics>, LossError> {
+    let x = check_inputs(logp, logp_mu, advantages, mask, false, cfg)?;
+    let s = cfg.ratio(&x.mean_delta()?)?; // [B]
+    let per_seq = cfg.clipped_surrogate(&s, x.weights())?;
+    let (clip, dual) = cfg.clip_masks(&s, x.weights())?;
+    let diagnostics = ppo_diagnostics(&s, &clip, &dual, &x.has_tokens.f_gt(0.0)?)?;
+    output(&per_seq.f_unsqueeze(1)?, &x, cfg, norm, diagnostics)
 }
 
 /// CISPO: REINFORCE on every token with a clipped, stop-gradient importance weight, so clipped
@@ -321,9 +552,9 @@ pub fn gspo_loss(
 /// use topr_loss::{cispo_loss, PpoConfig};
 ///
 /// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0]]).set_requires_grad(true);
-/// let logp_old = Tensor::from_slice2(&[[-2.0f64, -1.0]]); // r = e ≈ 2.72 (clipped to 1.28), then 1
+/// let logp_mu = Tensor::from_slice2(&[[-2.0f64, -1.0]]); // r = e ≈ 2.72 (clipped to 1.28), then 1
 /// let mask = Tensor::from_slice2(&[[1i64, 1]]);
-/// let loss = cispo_loss(&logp, &logp_old, &Tensor::from_slice(&[1.0f64]), &mask, &PpoConfig::cispo())?;
+/// let loss = cispo_loss(&logp, &logp_mu, &Tensor::from_slice(&[1.0f64]), &mask, &PpoConfig::cispo())?;
 /// loss.backward();
 /// let g = Vec::<f64>::try_from(&logp.grad().flatten(0, -1))?;
 /// assert!((g[0] + 1.28 / 2.0).abs() < 1e-12 && (g[1] + 0.5).abs() < 1e-12);
@@ -331,13 +562,49 @@ pub fn gspo_loss(
 /// ```
 pub fn cispo_loss(
     logp: &Tensor,
-    logp_old: &Tensor,
+    logp_mu: &Tensor,
     advantages: &Tensor,
     mask: &Tensor,
     cfg: &PpoConfig,
 ) -> Result<Tensor, LossError> {
-    let x = check_inputs(logp, logp_old, advantages, mask, true, cfg)?;
+    let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
     let w = cfg.clip(&cfg.ratio(&x.delta.f_detach()?)?)?;
     let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp)?.f_neg()?;
-    reduce(&per_token, &x, cfg)
+    reduce(&per_token, &x, cfg, &Normalizer::local())
+}
+
+/// [`cispo_loss`] with the counts of `norm`, its per-token terms (`[B, T]`, zero on padding) and
+/// its [`PpoDiagnostics`] (the clip fraction counts the tokens whose weight was clipped).
+///
+/// Reference: as [`cispo_loss`].
+///
+/// # Errors
+/// As [`cispo_loss`], and [`LossError::InvalidConfig`] for a non-positive count in `norm`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{cispo_loss_output, Normalizer, PpoConfig};
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0]]);
+/// let logp_mu = Tensor::from_slice2(&[[-2.0f64, -1.0]]); // r = e (clipped to 1.28), then 1
+/// let mask = Tensor::from_slice2(&[[1i64, 1]]);
+/// let out = cispo_loss_output(&logp, &logp_mu, &Tensor::from_slice(&[1.0f64]), &mask, &PpoConfig::cispo(), &Normalizer::local())?;
+/// assert_eq!(out.diagnostics.read()?.clip_fraction, 0.5);
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+pub fn cispo_loss_output(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+    norm: &Normalizer,
+) -> Result<LossOutput<PpoDiagnostics>, LossError> {
+    let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
+    let r = cfg.ratio(&x.delta.f_detach()?)?;
+    let w = cfg.clip(&r)?;
+    let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp)?.f_neg()?;
+    let clipped = w.f_ne_tensor(&r)?;
+    let diagnostics = ppo_diagnostics(&r, &clipped, &clipped.f_zeros_like()?, &x.mask)?;
+    output(&per_token, &x, cfg, norm, diagnostics)
 }

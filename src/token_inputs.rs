@@ -28,8 +28,9 @@ pub(crate) struct TokenInputs {
     pub logp: Tensor,
     /// `[B, T]` `log π − sg(log other)`, zero on padding.
     pub delta: Tensor,
-    /// `[B]` or `[B, T]` (zero on padding) rewards/advantages, detached; `None` if not taken.
-    pub weights: Option<Tensor>,
+    /// `[B]` or `[B, T]` (zero on padding) rewards/advantages, detached; an undefined tensor
+    /// (`Tensor::new()`) for a loss that takes none (any use of it is then a libtorch error).
+    weights: Tensor,
     /// `[B]`, `L_i` in the compute dtype.
     pub lengths: Tensor,
     /// `[B]`, 1 where `L_i > 0`, in the compute dtype.
@@ -70,16 +71,16 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     let weights = match args.weights {
         Some((w, _)) => {
             let w = w.f_detach()?.f_to_kind(kind)?;
-            Some(if per_token { masked_fill_zero(&w, &m)? } else { w })
+            if per_token { masked_fill_zero(&w, &m)? } else { w }
         }
-        None => None,
+        None => Tensor::new(),
     };
     let mut checks = vec![
         FiniteCheck { clean: &lp, original: args.logp, argument: "logp", valid: Some(&m) },
         FiniteCheck { clean: &lo, original: other, argument: other_name, valid: Some(&m) },
     ];
-    if let (Some(clean), Some((original, argument))) = (&weights, args.weights) {
-        checks.push(FiniteCheck { clean, original, argument, valid: per_token.then_some(&m) });
+    if let Some((original, argument)) = args.weights {
+        checks.push(FiniteCheck { clean: &weights, original, argument, valid: per_token.then_some(&m) });
     }
     validate::all_finite(&checks)?;
     let lengths = m.f_sum_dim_intlist(1, false, kind)?;
@@ -89,8 +90,8 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
 
 impl TokenInputs {
     /// The weights (rewards or advantages) of a loss that takes them.
-    pub(crate) fn weights(&self) -> Result<&Tensor, LossError> {
-        self.weights.as_ref().ok_or_else(|| LossError::Torch("internal: weights were not checked".into()))
+    pub(crate) fn weights(&self) -> &Tensor {
+        &self.weights
     }
 
     /// Per-sequence mean of `δ` over the unmasked tokens, `[B]` (0 for an empty sequence).
@@ -100,8 +101,13 @@ impl TokenInputs {
 
     /// Weights broadcastable to `[B, T]`: `[B, 1]` for per-sequence ones.
     pub(crate) fn weights_per_token(&self) -> Result<Tensor, LossError> {
-        let w = self.weights()?;
+        let w = self.weights();
         Ok(if w.dim() == 1 { w.f_unsqueeze(1)? } else { w.shallow_clone() })
+    }
+
+    /// Per-token values broadcastable to `[B, T]`, expanded, with padding replaced by zero.
+    pub(crate) fn zero_padding(&self, per_token: &Tensor) -> Result<Tensor, LossError> {
+        masked_fill_zero(&per_token.f_expand(self.mask.size().as_slice(), false)?, &self.mask)
     }
 
     /// `Σ_i α_i Σ_t m ℓ_{i,t}` for per-token losses broadcastable to `[B, T]`; padding is replaced

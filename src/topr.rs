@@ -20,18 +20,23 @@
 //! Reference: Le Roux, Bellemare et al., *Tapered Off-Policy REINFORCE: Stable and efficient
 //! reinforcement learning for LLMs*, arXiv 2503.14286.
 
+use crate::aggregate::Normalizer;
+use crate::diagnostics::{ToprDiagnostics, topr_diagnostics};
 use crate::error::{LossError, kind_name};
+use crate::output::LossOutput;
 use crate::taper::taper_from_clamped;
 use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
 
 /// Truncation limits and baseline of the off-policy REINFORCE family.
 ///
-/// A sample whose shifted reward `R − baseline` is `≥ 0` is weighted by `[π/μ]` truncated to
-/// `[a_pos, b_pos]`; the others by `[π/μ]` truncated to `[a_neg, b_neg]`. Limits satisfy
-/// `0 ≤ a ≤ b ≤ ∞` with `a` finite; `baseline` is finite.
+/// A sample whose shifted reward `R − baseline` is `≥ 0` (`> 0` under [`TieRule::Tapered`]) is
+/// weighted by `[π/μ]` truncated to `[a_pos, b_pos]`; the others by `[π/μ]` truncated to
+/// `[a_neg, b_neg]`. Limits satisfy `0 ≤ a ≤ b ≤ ∞` with `a` finite; `baseline` is finite.
 ///
-/// `Default` is canonical TOPR, `(1, 1, 0, 1)` with `c = 0`.
+/// `Default` is canonical TOPR, `(1, 1, 0, 1)` with `c = 0` and ties positive. Build other
+/// settings from a preset with the `with_…` methods (the struct is `#[non_exhaustive]`, so new
+/// fields are not breaking changes).
 ///
 /// Reference: Le Roux, Bellemare et al., arXiv 2503.14286, §3 and Table 1.
 ///
@@ -39,12 +44,13 @@ use tch::{Kind, Tensor};
 /// ```
 /// use topr_loss::ToprConfig;
 ///
-/// let cfg = ToprConfig { baseline: -0.5, ..ToprConfig::canonical() };
+/// let cfg = ToprConfig::canonical().with_baseline(-0.5);
 /// assert_eq!((cfg.a_pos, cfg.b_pos, cfg.a_neg, cfg.b_neg), (1.0, 1.0, 0.0, 1.0));
 /// assert!(cfg.validate().is_ok());
-/// assert!(ToprConfig { a_neg: 2.0, ..cfg }.validate().is_err()); // a− > b−
+/// assert!(cfg.with_negative_limits(2.0, 1.0).validate().is_err()); // a− > b−
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct ToprConfig {
     /// Lower limit `a+` of the weight of samples with `R − c ≥ 0`.
     pub a_pos: f64,
@@ -56,6 +62,8 @@ pub struct ToprConfig {
     pub b_neg: f64,
     /// The baseline `c` subtracted from every reward.
     pub baseline: f64,
+    /// Which branch a sample with `R − c = 0` belongs to.
+    pub tie: TieRule,
 }
 
 impl Default for ToprConfig {
@@ -66,7 +74,7 @@ impl Default for ToprConfig {
 
 impl ToprConfig {
     const fn limits(a_pos: f64, b_pos: f64, a_neg: f64, b_neg: f64) -> Self {
-        Self { a_pos, b_pos, a_neg, b_neg, baseline: 0.0 }
+        Self { a_pos, b_pos, a_neg, b_neg, baseline: 0.0, tie: TieRule::Positive }
     }
 
     /// Canonical TOPR `(a+, b+, a−, b−) = (1, 1, 0, 1)`: an SFT update on positives (weight 1,
@@ -136,6 +144,38 @@ impl ToprConfig {
         Self { baseline, ..self }
     }
 
+    /// The same config with the positive branch's limits `(a+, b+)`.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// let c = ToprConfig::canonical().with_positive_limits(0.5, 2.0);
+    /// assert_eq!((c.a_pos, c.b_pos), (0.5, 2.0));
+    /// ```
+    pub const fn with_positive_limits(self, a_pos: f64, b_pos: f64) -> Self {
+        Self { a_pos, b_pos, ..self }
+    }
+
+    /// The same config with the negative branch's limits `(a−, b−)`.
+    ///
+    /// ```
+    /// use topr_loss::ToprConfig;
+    /// let c = ToprConfig::canonical().with_negative_limits(0.0, 2.0);
+    /// assert_eq!((c.a_neg, c.b_neg), (0.0, 2.0));
+    /// ```
+    pub const fn with_negative_limits(self, a_neg: f64, b_neg: f64) -> Self {
+        Self { a_neg, b_neg, ..self }
+    }
+
+    /// The same config with another tie rule.
+    ///
+    /// ```
+    /// use topr_loss::{TieRule, ToprConfig};
+    /// assert_eq!(ToprConfig::canonical().with_tie(TieRule::Tapered).tie, TieRule::Tapered);
+    /// ```
+    pub const fn with_tie(self, tie: TieRule) -> Self {
+        Self { tie, ..self }
+    }
+
     /// Checks the config: every limit non-negative and not NaN, `a ≤ b`, `a` finite, baseline finite.
     ///
     /// # Errors
@@ -159,10 +199,11 @@ impl ToprConfig {
 ///
 /// ```
 /// use topr_loss::{TieRule, ToprTokenConfig};
-/// assert_eq!(ToprTokenConfig::paper().tie, TieRule::Positive);
-/// assert_eq!(ToprTokenConfig::trinity().tie, TieRule::Tapered);
+/// assert_eq!(ToprTokenConfig::paper().topr.tie, TieRule::Positive);
+/// assert_eq!(ToprTokenConfig::trinity().topr.tie, TieRule::Tapered);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum TieRule {
     /// `R − c ≥ 0` is positive: the paper's rule.
     #[default]
@@ -294,11 +335,11 @@ pub(crate) fn check_sequence_inputs(
 /// ∇loss  = −(1/B) Σ_i R'_i · [e^{δ_i}]_a^b · ∇logp_i
 /// ```
 ///
-/// The value is the objective itself (a lower bound on the expected reward where the paper
-/// proves it, Proposition 3.1), not only a surrogate with the right gradient. Everything is
-/// computed in log space: for finite inputs and finite limits, value and gradient are finite for
-/// any `δ` (`±1e4` included). bf16 and f16 inputs are computed in f32, f64 in f64; the loss has
-/// the compute dtype.
+/// (`R'_i > 0` picks the positive branch under [`TieRule::Tapered`].) The value is the objective
+/// itself (a lower bound on the expected reward where the paper proves it, Proposition 3.1), not
+/// only a surrogate with the right gradient. Everything is computed in log space: for finite
+/// inputs and finite limits, value and gradient are finite for any `δ` (`±1e4` included). bf16
+/// and f16 inputs are computed in f32, f64 in f64; the loss has the compute dtype.
 ///
 /// With an infinite upper limit ([`ToprConfig::importance_sampling`]) the weight `e^δ` is
 /// unbounded: when it overflows the compute dtype the function returns [`LossError::Overflow`]
@@ -306,14 +347,17 @@ pub(crate) fn check_sequence_inputs(
 /// [`LossError::NonFiniteLoss`]. These checks read the loss back (one device sync), as the
 /// input checks do.
 ///
+/// For a global batch size under gradient accumulation, and for the per-sample terms and the
+/// diagnostics, use [`topr_loss_output`].
+///
 /// Reference: Le Roux, Bellemare et al., *Tapered Off-Policy REINFORCE*, arXiv 2503.14286, eq. (7)
 /// and §3.
 ///
 /// # Arguments
 /// * `logp` — `[B]`, `log π(τ_i)` under the policy being trained, differentiable.
 /// * `logp_mu` — `[B]`, `log μ(τ_i)` under the policy that generated the data; detached.
-/// * `rewards` — `[B]`, `R(τ_i)`.
-/// * `cfg` — limits and baseline.
+/// * `rewards` — `[B]`, `R(τ_i)`; the loss subtracts `cfg.baseline`.
+/// * `cfg` — limits, baseline and tie rule.
 ///
 /// # Errors
 /// [`LossError::InvalidConfig`] for a bad config; [`LossError::UnsupportedTensor`],
@@ -338,12 +382,67 @@ pub(crate) fn check_sequence_inputs(
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn topr_loss(logp: &Tensor, logp_mu: &Tensor, rewards: &Tensor, cfg: &ToprConfig) -> Result<Tensor, LossError> {
+    Ok(topr_loss_output(logp, logp_mu, rewards, cfg, &Normalizer::local())?.loss)
+}
+
+/// [`topr_loss`] with the batch size `S` from `norm` (`norm.sequences`, else `B`), its
+/// per-sample terms and its diagnostics from the same pass.
+///
+/// ```text
+/// terms_i = −R'_i · T(e^{δ_i}; a, b)        loss = Σ_i terms_i / S
+/// ```
+///
+/// With `norm = Normalizer::sequences(S)` for the `S` samples of a whole optimiser batch, the
+/// losses of its micro-batches sum to the loss of the batch (value and gradient).
+///
+/// Reference: as [`topr_loss`]; the diagnostics are those of [`ToprDiagnostics`].
+///
+/// # Errors
+/// As [`topr_loss`], and [`LossError::InvalidConfig`] for a non-positive count in `norm`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{topr_loss, topr_loss_output, Normalizer, ToprConfig};
+///
+/// let logp = Tensor::from_slice(&[-1.0f64, -3.0, -2.0, -2.0]);
+/// let logp_mu = Tensor::from_slice(&[-2.0f64, -2.0, -2.0, -1.0]);
+/// let rewards = Tensor::from_slice(&[1.0f64, 1.0, -1.0, -1.0]);
+/// let cfg = ToprConfig::canonical();
+/// // Two micro-batches of a batch of 4 add up to the loss of the batch.
+/// let half = |t: &Tensor, i| t.narrow(0, 2 * i, 2);
+/// let parts: f64 = (0..2)
+///     .map(|i| topr_loss_output(&half(&logp, i), &half(&logp_mu, i), &half(&rewards, i), &cfg, &Normalizer::sequences(4.0)))
+///     .map(|o| o.map(|o| o.loss.double_value(&[])))
+///     .sum::<Result<f64, _>>()?;
+/// let whole = topr_loss(&logp, &logp_mu, &rewards, &cfg)?.double_value(&[]);
+/// assert!((parts - whole).abs() < 1e-12);
+///
+/// let d = topr_loss_output(&logp, &logp_mu, &rewards, &cfg, &Normalizer::local())?.diagnostics.read()?;
+/// assert_eq!(d.negative_fraction, 0.5);
+/// assert_eq!(d.truncated_fraction_pos, 1.0); // ratios e and 1/e are both cut to 1
+/// assert_eq!(d.truncated_fraction_neg, 0.0); // ratios 1 and 1/e lie in [0, 1]
+/// assert_eq!(d.effective_positive_proportion, Some(0.5));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn topr_loss_output(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+    cfg: &ToprConfig,
+    norm: &Normalizer,
+) -> Result<LossOutput<ToprDiagnostics>, LossError> {
     cfg.validate()?;
     let x = check_sequence_inputs(logp, logp_mu, rewards)?;
+    let samples = norm.sequences_or(x.logp.size()[0] as f64)?;
     let r_prime = x.rewards.f_sub_scalar(cfg.baseline)?;
-    let positive = positive_branch(&r_prime, TieRule::Positive)?;
+    let positive = positive_branch(&r_prime, cfg.tie)?;
     let delta = x.logp.f_sub(&x.logp_mu)?;
-    let loss = tapered_terms(&delta, &r_prime, &positive, cfg)?.f_mean(None::<Kind>)?;
-    guard_finite(&loss, &delta.f_detach()?, &positive, cfg)?;
-    Ok(loss)
+    let terms = tapered_terms(&delta, &r_prime, &positive, cfg)?;
+    let loss = terms.f_sum(None::<Kind>)?.f_div_scalar(samples)?;
+    let delta = delta.f_detach()?;
+    guard_finite(&loss, &delta, &positive, cfg)?;
+    let valid = delta.f_ones_like()?.f_to_kind(Kind::Bool)?;
+    let diagnostics = topr_diagnostics(&delta, &r_prime, &positive, &valid, cfg)?;
+    Ok(LossOutput { loss, terms, diagnostics })
 }

@@ -27,7 +27,9 @@
 //! arithmetic, so it gets exactly zero gradient.
 
 use crate::aggregate::{AggregationMode, Normalizer};
+use crate::diagnostics::{ToprDiagnostics, topr_diagnostics};
 use crate::error::LossError;
+use crate::output::LossOutput;
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
 use crate::topr::{TieRule, ToprConfig, guard_finite, positive_branch, tapered_terms};
 use tch::{Kind, Tensor};
@@ -42,6 +44,7 @@ use tch::{Kind, Tensor};
 /// assert_eq!(ToprTokenConfig::verl().ratio, RatioLevel::SequenceMean);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum RatioLevel {
     /// The sequence ratio `exp(Σ_t δ_t)` = `π(τ)/μ(τ)`: the paper's.
     #[default]
@@ -52,33 +55,33 @@ pub enum RatioLevel {
     Token,
 }
 
-/// Configuration of [`topr_token_loss`]: the family's limits and baseline, the ratio level, the
-/// aggregation and the tie rule.
+/// Configuration of [`topr_token_loss`]: the family's limits, baseline and tie rule, the ratio
+/// level and the aggregation.
 ///
 /// `Default` is the paper: canonical limits, sequence ratio, each sequence's loss divided by its
-/// length (`SeqMeanTokenMean`), ties positive.
+/// length (`SeqMeanTokenMean`), ties positive. The counts the aggregation divides by are not
+/// part of the config: they belong to one optimiser step and are given to
+/// [`topr_token_loss_output`] as a [`Normalizer`].
 ///
 /// # Example
 /// ```
-/// use topr_loss::{AggregationMode, RatioLevel, ToprTokenConfig};
+/// use topr_loss::{AggregationMode, RatioLevel, ToprConfig, ToprTokenConfig};
 ///
 /// let cfg = ToprTokenConfig::trinity();
 /// assert_eq!(cfg.ratio, RatioLevel::Token);
 /// assert_eq!(cfg.aggregation, AggregationMode::TokenMean);
+/// let tis = ToprTokenConfig::paper().with_topr(ToprConfig::tis()).with_aggregation(AggregationMode::TokenMean);
+/// assert_eq!(tis.topr, ToprConfig::tis());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct ToprTokenConfig {
-    /// Truncation limits and baseline.
+    /// Truncation limits, baseline and tie rule.
     pub topr: ToprConfig,
     /// The ratio level.
     pub ratio: RatioLevel,
     /// How per-token losses are reduced.
     pub aggregation: AggregationMode,
-    /// Which branch `R − c = 0` goes to.
-    pub tie: TieRule,
-    /// The counts the aggregation divides by: [`Normalizer::local`] (default) or the global counts
-    /// of the whole optimiser batch, for exact gradient accumulation.
-    pub normalizer: Normalizer,
 }
 
 impl Default for ToprTokenConfig {
@@ -96,14 +99,8 @@ impl ToprTokenConfig {
     /// let c = ToprTokenConfig::paper();
     /// assert_eq!((c.topr, c.ratio, c.aggregation), (ToprConfig::canonical(), RatioLevel::Sequence, AggregationMode::SeqMeanTokenMean));
     /// ```
-    pub fn paper() -> Self {
-        Self {
-            topr: ToprConfig::canonical(),
-            ratio: RatioLevel::Sequence,
-            aggregation: AggregationMode::SeqMeanTokenMean,
-            tie: TieRule::Positive,
-            normalizer: Normalizer::local(),
-        }
+    pub const fn paper() -> Self {
+        Self { topr: ToprConfig::canonical(), ratio: RatioLevel::Sequence, aggregation: AggregationMode::SeqMeanTokenMean }
     }
 
     /// verl's `loss_mode=topr` (as proposed in its open pull request): canonical limits on the
@@ -115,8 +112,8 @@ impl ToprTokenConfig {
     /// let c = ToprTokenConfig::verl();
     /// assert_eq!((c.ratio, c.aggregation), (RatioLevel::SequenceMean, AggregationMode::SeqMeanTokenMean));
     /// ```
-    pub fn verl() -> Self {
-        Self { ratio: RatioLevel::SequenceMean, ..Self::paper() }
+    pub const fn verl() -> Self {
+        Self::paper().with_ratio(RatioLevel::SequenceMean)
     }
 
     /// Trinity-RFT's `topr` policy loss: per-token ratios, weight `clamp(exp(δ_t), 0, 1)` where
@@ -124,16 +121,46 @@ impl ToprTokenConfig {
     ///
     /// ```
     /// use topr_loss::{TieRule, ToprTokenConfig};
-    /// assert_eq!(ToprTokenConfig::trinity().tie, TieRule::Tapered);
+    /// assert_eq!(ToprTokenConfig::trinity().topr.tie, TieRule::Tapered);
     /// ```
-    pub fn trinity() -> Self {
+    pub const fn trinity() -> Self {
         Self {
-            topr: ToprConfig::canonical(),
+            topr: ToprConfig::canonical().with_tie(TieRule::Tapered),
             ratio: RatioLevel::Token,
             aggregation: AggregationMode::TokenMean,
-            tie: TieRule::Tapered,
-            normalizer: Normalizer::local(),
         }
+    }
+
+    /// The same config with other limits, baseline or tie rule.
+    ///
+    /// ```
+    /// use topr_loss::{ToprConfig, ToprTokenConfig};
+    /// let c = ToprTokenConfig::paper().with_topr(ToprConfig::sft());
+    /// assert_eq!(c.topr, ToprConfig::sft());
+    /// ```
+    pub const fn with_topr(self, topr: ToprConfig) -> Self {
+        Self { topr, ..self }
+    }
+
+    /// The same config with another ratio level.
+    ///
+    /// ```
+    /// use topr_loss::{RatioLevel, ToprTokenConfig};
+    /// assert_eq!(ToprTokenConfig::paper().with_ratio(RatioLevel::Token).ratio, RatioLevel::Token);
+    /// ```
+    pub const fn with_ratio(self, ratio: RatioLevel) -> Self {
+        Self { ratio, ..self }
+    }
+
+    /// The same config with another aggregation.
+    ///
+    /// ```
+    /// use topr_loss::{AggregationMode, ToprTokenConfig};
+    /// let c = ToprTokenConfig::paper().with_aggregation(AggregationMode::TokenSum);
+    /// assert_eq!(c.aggregation, AggregationMode::TokenSum);
+    /// ```
+    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
+        Self { aggregation, ..self }
     }
 }
 
@@ -151,9 +178,9 @@ impl ToprTokenConfig {
 /// The gradient per unmasked token is `−α_i R' [ρ]_a^b ∇log π_{i,t}` (times `L_i` at the
 /// `SequenceMean` level, see the module docs), with the truncated weight held constant.
 ///
-/// Set `cfg.normalizer` to the [`Normalizer::global`] counts of the whole optimiser batch to make the loss
-/// split-invariant under gradient accumulation. A sequence with no unmasked token contributes
-/// nothing.
+/// The counts `α` divides by are this call's; pass the [`Normalizer::global`] counts of the whole
+/// optimiser batch to [`topr_token_loss_output`] to make the loss split-invariant under gradient
+/// accumulation. A sequence with no unmasked token contributes nothing.
 ///
 /// Reference: Le Roux, Bellemare et al., arXiv 2503.14286; verl and Trinity-RFT `topr` losses.
 ///
@@ -193,21 +220,91 @@ pub fn topr_token_loss(
     mask: &Tensor,
     cfg: &ToprTokenConfig,
 ) -> Result<Tensor, LossError> {
+    Ok(forward(logp, logp_mu, rewards, mask, cfg, &Normalizer::local())?.0)
+}
+
+/// [`topr_token_loss`] with the counts of `norm`, its per-token terms and its diagnostics from
+/// the same pass.
+///
+/// ```text
+/// terms_{i,t} = m_{i,t} V_i / L_i    (Sequence)   |   m_{i,t} V_i / L_i = m −R'_i T(e^{s_i})  (SequenceMean)
+///             | m_{i,t} −R'_{i,t} T(e^{s_{i,t}})   (Token)
+/// loss = aggregate(terms, mask, cfg.aggregation, norm)
+/// ```
+///
+/// Each token carries its share of its sequence's value, so that any aggregation of the terms
+/// weighs the sequence as the loss does. The diagnostics ([`ToprDiagnostics`]) count sequences at
+/// the sequence levels and unmasked tokens at the token level.
+///
+/// Reference: as [`topr_token_loss`].
+///
+/// # Errors
+/// As [`topr_token_loss`], and [`LossError::InvalidConfig`] for a non-positive count in `norm`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{aggregate, topr_token_loss_output, BatchCounts, Normalizer, ToprTokenConfig};
+///
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0], [-1.0, f64::NAN]]);
+/// let logp_mu = Tensor::from_slice2(&[[-1.0f64, -1.5], [-0.5, 0.0]]);
+/// let mask = Tensor::from_slice2(&[[1i64, 1], [1, 0]]);
+/// let rewards = Tensor::from_slice(&[-1.0f64, -1.0]);
+/// let cfg = ToprTokenConfig::trinity();
+/// let norm = Normalizer::global(BatchCounts { tokens: 6.0, sequences: 4.0 }); // a batch of which this is half
+/// let out = topr_token_loss_output(&logp, &logp_mu, &rewards, &mask, &cfg, &norm)?;
+/// let again = aggregate(&out.terms, &mask, cfg.aggregation, &norm)?;
+/// assert!((out.loss.double_value(&[]) - again.double_value(&[])).abs() < 1e-12);
+/// let d = out.diagnostics.read()?;
+/// assert_eq!(d.samples, 3); // three unmasked tokens
+/// assert!((d.truncated_fraction_neg - 1.0 / 3.0).abs() < 1e-12); // ratio e^{0.5} > 1 is cut
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn topr_token_loss_output(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+    mask: &Tensor,
+    cfg: &ToprTokenConfig,
+    norm: &Normalizer,
+) -> Result<LossOutput<ToprDiagnostics>, LossError> {
+    let (loss, x, r) = forward(logp, logp_mu, rewards, mask, cfg, norm)?;
+    let (terms, valid) = match cfg.ratio {
+        RatioLevel::Sequence => {
+            let share = r.terms.f_div(&x.lengths.f_clamp_min(1.0)?)?.f_unsqueeze(1)?; // V_i / L_i
+            (x.zero_padding(&share)?, x.has_tokens.f_gt(0.0)?)
+        }
+        RatioLevel::SequenceMean => (x.zero_padding(&r.terms.f_unsqueeze(1)?)?, x.has_tokens.f_gt(0.0)?),
+        RatioLevel::Token => (x.zero_padding(&r.terms)?, x.mask.shallow_clone()),
+    };
+    let diagnostics = topr_diagnostics(&r.s, &r.r_prime, &r.positive, &valid, &cfg.topr)?;
+    Ok(LossOutput { loss, terms, diagnostics })
+}
+
+/// The loss of [`topr_token_loss`] with its checked inputs and level terms.
+fn forward(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+    mask: &Tensor,
+    cfg: &ToprTokenConfig,
+    norm: &Normalizer,
+) -> Result<(Tensor, TokenInputs, LevelTerms), LossError> {
     cfg.topr.validate()?;
     let x = check_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
     let r = level_terms(&x, cfg)?;
-    let (mode, norm) = (cfg.aggregation, &cfg.normalizer);
+    let mode = cfg.aggregation;
     let loss = match cfg.ratio {
         RatioLevel::Sequence => x.reduce_sequences(&r.terms.f_mul(&x.has_tokens)?, mode, norm)?,
         RatioLevel::SequenceMean => x.reduce_sequences(&r.terms.f_mul(&x.lengths)?, mode, norm)?,
         RatioLevel::Token => x.reduce_tokens(&r.terms, mode, norm)?,
     };
     guard_finite(&loss, &r.s.f_detach()?, &r.positive, &cfg.topr)?;
-    Ok(loss)
+    Ok((loss, x, r))
 }
 
 /// The checked inputs of [`topr_token_loss`] and its diagnostics.
-pub(crate) fn check_inputs(
+fn check_inputs(
     logp: &Tensor,
     logp_mu: &Tensor,
     rewards: &Tensor,
@@ -224,7 +321,7 @@ pub(crate) fn check_inputs(
 }
 
 /// The log-ratio at the configured level, the branch and `−R' T(e^s)` per entry.
-pub(crate) struct LevelTerms {
+struct LevelTerms {
     /// `[B]` (sequence levels) or `[B, T]` (token level).
     pub s: Tensor,
     /// `R − c`, broadcastable to `s`.
@@ -235,17 +332,17 @@ pub(crate) struct LevelTerms {
     pub terms: Tensor,
 }
 
-pub(crate) fn level_terms(x: &TokenInputs, cfg: &ToprTokenConfig) -> Result<LevelTerms, LossError> {
+fn level_terms(x: &TokenInputs, cfg: &ToprTokenConfig) -> Result<LevelTerms, LossError> {
     let s = match cfg.ratio {
         RatioLevel::Sequence => x.delta.f_sum_dim_intlist(1, false, None::<Kind>)?,
         RatioLevel::SequenceMean => x.mean_delta()?,
         RatioLevel::Token => x.delta.shallow_clone(),
     };
-    let mut r_prime = x.weights()?.f_sub_scalar(cfg.topr.baseline)?;
+    let mut r_prime = x.weights().f_sub_scalar(cfg.topr.baseline)?;
     if cfg.ratio == RatioLevel::Token && r_prime.dim() == 1 {
         r_prime = r_prime.f_unsqueeze(1)?; // [B, 1], broadcast over tokens
     }
-    let positive = positive_branch(&r_prime, cfg.tie)?;
+    let positive = positive_branch(&r_prime, cfg.topr.tie)?;
     let terms = tapered_terms(&s, &r_prime, &positive, &cfg.topr)?;
     Ok(LevelTerms { s, r_prime, positive, terms })
 }

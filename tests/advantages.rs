@@ -25,6 +25,7 @@ fn ref_group(rows: &[Vec<f64>], method: GroupAdvantage) -> Vec<f64> {
                     x - others / (k - 1.0)
                 }
                 GroupAdvantage::AsymRe { shift } => x - (mean + shift),
+                other => unreachable!("a method without a reference: {other:?}"),
             });
         }
     }

@@ -5,9 +5,9 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use tch::Tensor;
-use topr_loss::{AggregationMode, LossError, Normalizer, aggregate, sequence_weights};
+use topr_loss::{AggregationMode, BatchCounts, LossError, Normalizer, aggregate, sequence_weights};
 
-const MODES: [AggregationMode; 5] = ALL_MODES;
+const MODES: [AggregationMode; 6] = ALL_MODES;
 
 /// The table of the reference sheet, written out.
 fn ref_aggregate(l: &[Vec<f64>], m: &[Vec<bool>], mode: AggregationMode) -> f64 {
@@ -25,7 +25,9 @@ fn ref_aggregate(l: &[Vec<f64>], m: &[Vec<bool>], mode: AggregationMode) -> f64 
         AggregationMode::TokenSum => rows.iter().map(|r| r.0).sum(),
         AggregationMode::SeqMeanTokenSum => rows.iter().map(|r| r.0).sum::<f64>() / s,
         AggregationMode::SeqMeanTokenMean => rows.iter().filter(|r| r.1 > 0.0).map(|r| r.0 / r.1).sum::<f64>() / s,
-        AggregationMode::SeqMeanTokenSumNorm { length } => rows.iter().map(|r| r.0).sum::<f64>() / (s * length),
+        AggregationMode::DrGrpo { length } => rows.iter().map(|r| r.0).sum::<f64>() / (s * length),
+        AggregationMode::TokenSumNorm { length } => rows.iter().map(|r| r.0).sum::<f64>() / length,
+        _ => unreachable!("a mode without a reference: {mode:?}"),
     }
 }
 
@@ -124,21 +126,16 @@ fn sequence_weights_and_errors() {
         aggregate(&l, &none, AggregationMode::TokenMean, &Normalizer::local()),
         Err(LossError::EmptyBatch { .. })
     ));
-    assert!(matches!(
-        aggregate(
-            &l,
-            &Tensor::from_slice2(&[[true, true]]),
-            AggregationMode::SeqMeanTokenSumNorm { length: 0.0 },
-            &Normalizer::local()
-        ),
-        Err(LossError::InvalidConfig { .. })
-    ));
+    for mode in [AggregationMode::DrGrpo { length: 0.0 }, AggregationMode::TokenSumNorm { length: f64::NAN }] {
+        let e = aggregate(&l, &Tensor::from_slice2(&[[true, true]]), mode, &Normalizer::local()).unwrap_err();
+        assert!(matches!(e, LossError::InvalidConfig { .. }), "{mode:?}: {e}");
+    }
     assert!(matches!(
         aggregate(
             &l,
             &Tensor::from_slice2(&[[true, true]]),
             AggregationMode::TokenMean,
-            &Normalizer::global(f64::NAN, 1.0)
+            &Normalizer::global(BatchCounts { tokens: f64::NAN, sequences: 1.0 })
         ),
         Err(LossError::InvalidConfig { .. })
     ));

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
-use topr_loss::{DpoConfig, DpoVariant, LossError, dpo_loss, dpo_rewards};
+use topr_loss::{DpoConfig, DpoVariant, LossError, Normalizer, dpo_loss, dpo_loss_output, dpo_rewards};
 
 /// log σ(x) by cases, stable for large |x|.
 fn log_sigmoid(x: f64) -> f64 {
@@ -34,6 +34,7 @@ fn ref_dpo(pc: &[f64], pr: &[f64], rc: &[f64], rr: &[f64], cfg: &DpoConfig) -> (
             ),
             DpoVariant::Ipo => ((d - 1.0 / (2.0 * b)).powi(2), 2.0 * (d - 1.0 / (2.0 * b))),
             DpoVariant::Hinge => ((1.0 - h).max(0.0), if 1.0 - h > 0.0 { -b } else { 0.0 }),
+            other => unreachable!("a variant without a reference: {other:?}"),
         };
         value += v / n;
         gc[i] = dd / n;
@@ -45,11 +46,11 @@ fn ref_dpo(pc: &[f64], pr: &[f64], rc: &[f64], rr: &[f64], cfg: &DpoConfig) -> (
 fn configs() -> Vec<DpoConfig> {
     vec![
         DpoConfig::default(),
-        DpoConfig { beta: 0.5, label_smoothing: 0.2, ..DpoConfig::default() },
-        DpoConfig { beta: 0.3, variant: DpoVariant::Ipo, ..DpoConfig::default() },
-        DpoConfig { beta: 0.25, variant: DpoVariant::Hinge, ..DpoConfig::default() },
-        DpoConfig { beta: 0.2, reference_free: true, ..DpoConfig::default() },
-        DpoConfig { beta: 1.0, variant: DpoVariant::Ipo, reference_free: true, ..DpoConfig::default() },
+        DpoConfig::cdpo(0.2).with_beta(0.5),
+        DpoConfig::ipo().with_beta(0.3),
+        DpoConfig::hinge().with_beta(0.25),
+        DpoConfig::dpo().with_beta(0.2).with_reference_free(true),
+        DpoConfig::ipo().with_beta(1.0).with_reference_free(true),
     ]
 }
 
@@ -81,7 +82,7 @@ proptest! {
 
     #[test]
     fn rewards_match_their_definition((pc, pr, rc, rr) in pairs(), beta in 0.01f64..2.0) {
-        let cfg = DpoConfig { beta, ..DpoConfig::default() };
+        let cfg = DpoConfig::default().with_beta(beta);
         let r = dpo_rewards(&t1(&pc), &t1(&pr), &t1(&rc), &t1(&rr), &cfg).unwrap();
         let wc: Vec<f64> = pc.iter().zip(&rc).map(|(p, r)| beta * (p - r)).collect();
         let wr: Vec<f64> = pr.iter().zip(&rr).map(|(p, r)| beta * (p - r)).collect();
@@ -90,8 +91,38 @@ proptest! {
         let n = pc.len() as f64;
         let acc = wc.iter().zip(&wr).filter(|(c, r)| c > r).count() as f64 / n;
         let margin = wc.iter().zip(&wr).map(|(c, r)| c - r).sum::<f64>() / n;
-        prop_assert!((r.accuracy - acc).abs() < 1e-12);
-        prop_assert!((r.margin - margin).abs() < 1e-10);
+        let out = dpo_loss_output(&t1(&pc), &t1(&pr), &t1(&rc), &t1(&rr), &cfg, &Normalizer::local()).unwrap();
+        let d = out.diagnostics.read().unwrap();
+        prop_assert_eq!(d.pairs, pc.len() as i64);
+        prop_assert!((d.accuracy - acc).abs() < 1e-12);
+        prop_assert!((d.margin - margin).abs() < 1e-10);
+        prop_assert!((d.chosen_reward_mean - wc.iter().sum::<f64>() / n).abs() < 1e-10);
+        prop_assert!((d.rejected_reward_mean - wr.iter().sum::<f64>() / n).abs() < 1e-10);
+        // With the pairs' own count the output's loss is the plain one; the terms are per pair.
+        let plain = dpo_loss(&t1(&pc), &t1(&pr), &t1(&rc), &t1(&rr), &cfg).unwrap();
+        assert_close(&[scalar(&out.loss)], &[scalar(&plain)], 1e-12, "output vs plain");
+        assert_close(&[vec1(&out.terms).iter().sum::<f64>() / n], &[scalar(&plain)], 1e-12, "terms");
+    }
+
+    #[test]
+    fn micro_batches_with_the_global_pair_count_add_up((pc, pr, rc, rr) in pairs(), split in 1usize..5) {
+        prop_assume!(pc.len() > 1);
+        let s = split.min(pc.len() - 1) as i64;
+        let n = pc.len() as i64;
+        let norm = Normalizer::sequences(n as f64);
+        for cfg in configs() {
+            let (full_c, parts_c) = (leaf(&t1(&pc)), leaf(&t1(&pc)));
+            let full = dpo_loss(&full_c, &t1(&pr), &t1(&rc), &t1(&rr), &cfg).unwrap();
+            full.backward();
+            let part = |o: i64, k: i64| {
+                let cut = |v: &[f64]| t1(v).narrow(0, o, k);
+                dpo_loss_output(&parts_c.narrow(0, o, k), &cut(&pr), &cut(&rc), &cut(&rr), &cfg, &norm).unwrap().loss
+            };
+            let total = part(0, s) + part(s, n - s);
+            total.backward();
+            assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{cfg:?} split value"));
+            assert_close(&vec1(&parts_c.grad()), &vec1(&full_c.grad()), 1e-12, &format!("{cfg:?} split grad"));
+        }
     }
 }
 
@@ -126,7 +157,7 @@ fn extreme_margins_stay_finite() {
 
 #[test]
 fn reference_free_ignores_the_reference_arguments() {
-    let cfg = DpoConfig { reference_free: true, ..DpoConfig::default() };
+    let cfg = DpoConfig::default().with_reference_free(true);
     let (c, r) = (t1(&[-3.0]), t1(&[-4.0]));
     let a = dpo_loss(&c, &r, &Tensor::new(), &Tensor::new(), &cfg).unwrap();
     let b = dpo_loss(&c, &r, &t1(&[0.0]), &t1(&[0.0]), &DpoConfig::default()).unwrap();
@@ -138,18 +169,18 @@ fn bad_inputs_are_errors() {
     let x = t1(&[-1.0, -2.0]);
     let cfg = DpoConfig::default();
     let e = dpo_loss(&x, &t1(&[-1.0]), &x, &x, &cfg).unwrap_err();
-    assert!(matches!(e, LossError::ShapeMismatch { argument: "policy_rejected", .. }), "{e}");
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "logp_rejected", .. }), "{e}");
     let e = dpo_loss(&x, &x, &t1(&[-1.0, f64::INFINITY]), &x, &cfg).unwrap_err();
-    assert!(matches!(e, LossError::NonFinite { argument: "ref_chosen", .. }), "{e}");
+    assert!(matches!(e, LossError::NonFinite { argument: "logp_ref_chosen", .. }), "{e}");
     let e = dpo_loss(&x, &x, &Tensor::new(), &x, &cfg).unwrap_err();
-    assert!(matches!(e, LossError::UnsupportedTensor { argument: "ref_chosen", .. }), "{e}");
+    assert!(matches!(e, LossError::UnsupportedTensor { argument: "logp_ref_chosen", .. }), "{e}");
     let e = dpo_loss(&t1(&[]), &t1(&[]), &t1(&[]), &t1(&[]), &cfg).unwrap_err();
     assert!(matches!(e, LossError::EmptyBatch { .. }), "{e}");
     for bad in [
-        DpoConfig { beta: f64::NAN, ..cfg },
-        DpoConfig { beta: -1.0, ..cfg },
-        DpoConfig { label_smoothing: 0.7, ..cfg },
-        DpoConfig { label_smoothing: 0.1, variant: DpoVariant::Hinge, ..cfg },
+        cfg.with_beta(f64::NAN),
+        cfg.with_beta(-1.0),
+        cfg.with_label_smoothing(0.7),
+        cfg.with_label_smoothing(0.1).with_variant(DpoVariant::Hinge),
     ] {
         assert!(matches!(dpo_loss(&x, &x, &x, &x, &bad), Err(LossError::InvalidConfig { .. })), "{bad:?}");
     }

@@ -56,7 +56,7 @@ fn arbitrary_config() -> impl Strategy<Value = ToprConfig> {
         arbitrary_limit(),
         prop_oneof![Just(0.0), Just(f64::NAN), Just(f64::INFINITY), -1.0f64..1.0],
     )
-        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| ToprConfig { a_pos, b_pos, a_neg, b_neg, baseline })
+        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| ToprConfig::canonical().with_positive_limits(a_pos, b_pos).with_negative_limits(a_neg, b_neg).with_baseline(baseline))
 }
 
 fn no_panic<T>(what: &str, f: impl FnOnce() -> T) -> T {
@@ -72,18 +72,25 @@ proptest! {
     #[test]
     fn no_public_function_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), cfg in arbitrary_config(), p in arbitrary_limit(), q in arbitrary_limit()) {
         let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
-        let tcfg = ToprTokenConfig { topr: cfg, ..ToprTokenConfig::default() };
+        let tcfg = ToprTokenConfig::default().with_topr(cfg);
         let r = no_panic("topr_loss", || topr_loss(&a, &b, &c, &cfg));
         if cfg.validate().is_err() { prop_assert!(r.is_err()); }
         if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
-        let _ = no_panic("topr_diagnostics", || topr_diagnostics(&a, &b, &c, &cfg));
+        let norm = Normalizer::global(BatchCounts { tokens: p, sequences: q });
+        for n in [Normalizer::local(), norm] {
+            let r = no_panic("topr_loss_output", || topr_loss_output(&a, &b, &c, &cfg, &n).map(|o| o.diagnostics.read()));
+            if let Ok(d) = r { prop_assert!(d.is_ok()); }
+        }
         for ratio in [RatioLevel::Sequence, RatioLevel::SequenceMean, RatioLevel::Token] {
-            let tcfg = ToprTokenConfig { ratio, ..tcfg };
+            let tcfg = tcfg.with_ratio(ratio);
             let r = no_panic("topr_token_loss", || topr_token_loss(&a, &b, &c, &m, &tcfg));
             if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
-            let _ = no_panic("topr_token_diagnostics", || topr_token_diagnostics(&a, &b, &c, &m, &tcfg));
+            for n in [Normalizer::local(), norm] {
+                let r = no_panic("topr_token_loss_output", || topr_token_loss_output(&a, &b, &c, &m, &tcfg, &n).map(|o| o.diagnostics.read()));
+                if let Ok(d) = r { prop_assert!(d.is_ok()); }
+            }
         }
-        let _ = no_panic("aggregate", || aggregate(&a, &m, AggregationMode::SeqMeanTokenSumNorm { length: p }, &Normalizer { tokens: Some(q), sequences: None }));
+        let _ = no_panic("aggregate", || aggregate(&a, &m, AggregationMode::DrGrpo { length: p }, &Normalizer::tokens(q)));
         let _ = no_panic("sequence_weights", || sequence_weights(&m, AggregationMode::TokenMean, &Normalizer::local()));
         let _ = no_panic("Normalizer::from_masks", || Normalizer::from_masks(&[&m, &a]));
         let _ = no_panic("taper", || taper(&a, p, q));
@@ -93,7 +100,7 @@ proptest! {
         let _ = no_panic("effective_positive_proportion_of_rewards", || effective_positive_proportion_of_rewards(&a, p));
         let _ = no_panic("baseline_for_rewards", || baseline_for_rewards(&a, p));
 
-        let ppo = PpoConfig { clip_low: p, clip_high: q, dual_clip: Some(q), ..PpoConfig::default() };
+        let ppo = PpoConfig::default().with_clip(p, q).with_dual_clip(Some(q));
         for cfg in [ppo, PpoConfig::default()] {
             let r = no_panic("ppo_clip_loss", || ppo_clip_loss(&a, &b, &c, &m, &cfg));
             if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
@@ -101,25 +108,32 @@ proptest! {
             if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
             let r = no_panic("cispo_loss", || cispo_loss(&a, &b, &c, &m, &cfg));
             if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("ppo_clip_loss_output", || ppo_clip_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+                let _ = no_panic("gspo_loss_output", || gspo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+                let _ = no_panic("cispo_loss_output", || cispo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
         }
-        let kl = KlConfig { coef: p, max_log_ratio: q, ..KlConfig::default() };
+        let kl = KlConfig::default().with_coef(p).with_max_log_ratio(q);
         let _ = no_panic("kl_penalty", || kl_penalty(&a, &b, &m, &kl));
-        let dpo = DpoConfig { beta: p, label_smoothing: q, ..DpoConfig::default() };
-        for cfg in [dpo, DpoConfig::default(), DpoConfig { reference_free: true, ..DpoConfig::default() }] {
+        let _ = no_panic("kl_penalty_output", || kl_penalty_output(&a, &b, &m, &kl, &norm).map(|o| o.diagnostics.read()));
+        let dpo = DpoConfig::default().with_beta(p).with_label_smoothing(q);
+        for cfg in [dpo, DpoConfig::default(), DpoConfig::default().with_reference_free(true)] {
             let r = no_panic("dpo_loss", || dpo_loss(&a, &b, &c, &m, &cfg));
             if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
             let _ = no_panic("dpo_rewards", || dpo_rewards(&a, &b, &c, &m, &cfg));
+            let _ = no_panic("dpo_loss_output", || dpo_loss_output(&a, &b, &c, &m, &cfg, &norm).map(|o| o.diagnostics.read()));
         }
         let _ = no_panic("group_advantages", || group_advantages(&a, GroupAdvantage::Grpo { eps: p }));
         let _ = no_panic("group_advantages", || group_advantages(&a, GroupAdvantage::Rloo));
         let _ = no_panic("whiten", || whiten(&a, Some(&m), p));
-        let lcfg = LogProbConfig { chunk_tokens: 2, temperature: p.max(q), ignore_index: Some(0), with_entropy: true };
+        let lcfg = LogProbConfig::new().with_chunk_tokens(2).with_temperature(p.max(q)).with_ignore_index(Some(0)).with_entropy(true);
         let labels = make(&(Some(Kind::Int64), m.size(), 0)).abs();
         for lab in [&labels, &m, &b] {
             let _ = no_panic("token_logprobs", || token_logprobs(&a, lab, Some(&m), &lcfg));
             let _ = no_panic("fused_token_logprobs", || fused_token_logprobs(&a, &b, lab, None, &lcfg));
-            let _ = no_panic("backward_through_logprobs", || backward_through_logprobs(&a, lab, None, &lcfg, |x| Ok(x.logp.sum(Kind::Float))));
-            let _ = no_panic("backward_through_fused_logprobs", || backward_through_fused_logprobs(&a, &b, lab, Some(&m), &lcfg, |x| Ok(x.logp.sum(Kind::Float))));
+            let _ = no_panic("backward_through_logprobs", || backward_through_logprobs(&a, lab, None, &lcfg, |x| Ok::<_, LossError>(x.logp.sum(Kind::Float))));
+            let _ = no_panic("backward_through_fused_logprobs", || backward_through_fused_logprobs(&a, &b, lab, Some(&m), &lcfg, |x| Ok::<_, LossError>(x.logp.sum(Kind::Float))));
         }
         let _ = no_panic("sequence_logprobs", || sequence_logprobs(&a, &m, SequenceReduce::Mean));
     }
@@ -150,11 +164,11 @@ fn each_bad_argument_is_named() {
         e.to_string(),
         "`logp_mu` holds 1 non-finite value(s) (NaN or inf) in unmasked positions; the first is at index [1]"
     );
-    let e = topr_loss(&lp, &mu, &r, &ToprConfig { a_neg: f64::NAN, ..cfg }).unwrap_err();
+    let e = topr_loss(&lp, &mu, &r, &cfg.with_negative_limits(f64::NAN, cfg.b_neg)).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "a_neg", .. }), "{e}");
-    let e = topr_loss(&lp, &mu, &r, &ToprConfig { b_pos: -1.0, a_pos: 0.0, ..cfg }).unwrap_err();
+    let e = topr_loss(&lp, &mu, &r, &cfg.with_positive_limits(0.0, -1.0)).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "b_pos", .. }), "{e}");
-    let e = topr_loss(&lp, &mu, &r, &ToprConfig { a_pos: 2.0, ..cfg }).unwrap_err();
+    let e = topr_loss(&lp, &mu, &r, &cfg.with_positive_limits(2.0, cfg.b_pos)).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "a_pos", .. }), "{e}");
     assert!(e.to_string().contains("must not exceed"), "{e}");
     let e = topr_loss(&lp, &mu, &r, &cfg.with_baseline(f64::INFINITY)).unwrap_err();
@@ -181,9 +195,51 @@ fn token_level_errors() {
     let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice(&[true, false]), &cfg).unwrap_err();
     assert!(matches!(e, LossError::ShapeMismatch { argument: "mask", .. }), "{e}");
     // Bad global counts.
-    let bad = ToprTokenConfig { normalizer: Normalizer::global(0.0, 1.0), ..cfg };
-    let e = topr_token_loss(&lp, &mu, &r, &Tensor::from_slice2(&[[true, false]]), &bad).unwrap_err();
+    let bad = Normalizer::global(BatchCounts { tokens: 0.0, sequences: 1.0 });
+    let e = topr_token_loss_output(&lp, &mu, &r, &Tensor::from_slice2(&[[true, false]]), &cfg, &bad).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "Normalizer::tokens", .. }), "{e}");
+}
+
+#[test]
+fn libtorch_errors_keep_their_source() {
+    use std::error::Error;
+    let e: LossError = Tensor::from_slice(&[1.0f32, 2.0]).f_view([3]).unwrap_err().into();
+    assert!(matches!(e, LossError::Torch(_)), "{e}");
+    let source = e.source().expect("a source");
+    assert!(e.to_string().contains(&source.to_string()), "{e} / {source}");
+    let LossError::Torch(inner) = &e else { unreachable!() };
+    assert!(matches!(inner.tch(), tch::TchError::Torch(_)));
+    assert_eq!(e.clone(), e);
+}
+
+#[test]
+fn closures_given_to_the_backward_helpers_return_the_callers_error_type() {
+    #[derive(Debug, PartialEq)]
+    enum MyError {
+        Loss(String),
+        Mine(&'static str),
+    }
+    impl From<LossError> for MyError {
+        fn from(e: LossError) -> Self {
+            MyError::Loss(e.to_string())
+        }
+    }
+    let logits = Tensor::zeros([1, 2, 3], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    let labels = Tensor::from_slice2(&[[0i64, 2]]);
+    let cfg = LogProbConfig::new();
+    // The closure's own error comes back as it is.
+    let e = backward_through_logprobs(&logits, &labels, None, &cfg, |_| Err(MyError::Mine("no reward model"))).unwrap_err();
+    assert_eq!(e, MyError::Mine("no reward model"));
+    let hidden = Tensor::zeros([1, 2, 4], (Kind::Float, tch::Device::Cpu));
+    let weight = Tensor::zeros([3, 4], (Kind::Float, tch::Device::Cpu));
+    let e = backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |_| Err(MyError::Mine("x"))).unwrap_err();
+    assert_eq!(e, MyError::Mine("x"));
+    // The crate's errors convert through From.
+    let e = backward_through_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 9]]), None, &cfg, |x| Ok::<_, MyError>(x.logp.sum(Kind::Float))).unwrap_err();
+    assert!(matches!(e, MyError::Loss(_)), "{e:?}");
+    // anyhow works as well.
+    let loss = backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, anyhow::Error>(x.logp.sum(Kind::Float))).unwrap();
+    assert!(scalar(&loss).is_finite());
 }
 
 #[test]

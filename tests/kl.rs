@@ -5,13 +5,14 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
-use topr_loss::{AggregationMode, KlConfig, KlEstimator, LossError, Normalizer, kl_penalty};
+use topr_loss::{AggregationMode, KlConfig, KlEstimator, LossError, Normalizer, kl_penalty, kl_penalty_output};
 
 fn k(d: f64, e: KlEstimator) -> (f64, f64) {
     match e {
         KlEstimator::K1 => (d, 1.0),
         KlEstimator::K2 => (d * d / 2.0, d),
         KlEstimator::K3 => ((-d).exp() + d - 1.0, 1.0 - (-d).exp()),
+        _ => unreachable!("an estimator without a reference: {e:?}"),
     }
 }
 
@@ -28,7 +29,7 @@ proptest! {
         let mask = Tensor::stack(&m, 0);
         let n = rows.iter().flatten().filter(|x| x.2).count() as f64;
         for e in ESTIMATORS {
-            let cfg = KlConfig { estimator: e, coef, ..KlConfig::default() };
+            let cfg = KlConfig::default().with_estimator(e).with_coef(coef);
             let p = leaf(&t2(&lp));
             let loss = kl_penalty(&p, &t2(&lr), &mask, &cfg).unwrap();
             loss.backward();
@@ -41,6 +42,15 @@ proptest! {
             }
             assert_close(&[scalar(&loss)], &[v], 1e-10, &format!("{e:?} value"));
             assert_close(&vec1(&p.grad()), &g, 1e-10, &format!("{e:?} grad"));
+            // The output: the same loss, per-token terms coef·k (0 on padding), the mean estimate.
+            let out = kl_penalty_output(&t2(&lp), &t2(&lr), &mask, &cfg, &Normalizer::local()).unwrap();
+            assert_close(&[scalar(&out.loss)], &[v], 1e-10, &format!("{e:?} output value"));
+            let terms: Vec<f64> = rows.iter().flatten().map(|x| if x.2 { coef * k(x.1, e).0 } else { 0.0 }).collect();
+            assert_close(&vec1(&out.terms), &terms, 1e-10, &format!("{e:?} terms"));
+            let d = out.diagnostics.read().unwrap();
+            prop_assert_eq!(d.tokens, n as i64);
+            let mean = rows.iter().flatten().filter(|x| x.2).map(|x| k(x.1, e).0).sum::<f64>() / n;
+            assert_close(&[d.kl_mean], &[mean], 1e-10, &format!("{e:?} kl_mean"));
         }
     }
 }
@@ -52,7 +62,7 @@ fn k3_is_non_negative_and_finite_at_extremes() {
             let p = Tensor::from_slice2(&[[-1.0e4f64, 0.0, -3.0]]).to_kind(kind).set_requires_grad(true);
             let r = Tensor::from_slice2(&[[0.0f64, -1.0e4, -3.0]]).to_kind(kind);
             let m = Tensor::from_slice2(&[[1i64, 1, 1]]);
-            let loss = kl_penalty(&p, &r, &m, &KlConfig { estimator: e, coef: 1.0, ..KlConfig::default() }).unwrap();
+            let loss = kl_penalty(&p, &r, &m, &KlConfig::default().with_estimator(e).with_coef(1.0)).unwrap();
             assert!(scalar(&loss).is_finite(), "{e:?} {kind:?}");
             if e == KlEstimator::K3 {
                 assert!(scalar(&loss) >= 0.0);
@@ -70,13 +80,7 @@ fn gradient_matches_finite_differences() {
     let m = Tensor::from_slice2(&[[true, true], [true, false]]);
     for e in ESTIMATORS {
         for aggregation in [AggregationMode::TokenMean, AggregationMode::SeqMeanTokenMean] {
-            let cfg = KlConfig {
-                estimator: e,
-                coef: 0.7,
-                aggregation,
-                normalizer: Normalizer::local(),
-                ..KlConfig::default()
-            };
+            let cfg = KlConfig::default().with_estimator(e).with_coef(0.7).with_aggregation(aggregation);
             let f =
                 |x: &[f64]| scalar(&kl_penalty(&t1(x).reshape([2, 2]), &t1(&lr).reshape([2, 2]), &m, &cfg).unwrap());
             let p = leaf(&t1(&lp).reshape([2, 2]));
@@ -92,6 +96,6 @@ fn bad_inputs_are_errors() {
     let m = Tensor::from_slice2(&[[true]]);
     let e = kl_penalty(&p, &Tensor::from_slice2(&[[f64::NAN]]), &m, &KlConfig::default()).unwrap_err();
     assert!(matches!(e, LossError::NonFinite { argument: "logp_ref", .. }), "{e}");
-    let e = kl_penalty(&p, &p, &m, &KlConfig { coef: f64::NAN, ..KlConfig::default() }).unwrap_err();
+    let e = kl_penalty(&p, &p, &m, &KlConfig::default().with_coef(f64::NAN)).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "coef", .. }), "{e}");
 }

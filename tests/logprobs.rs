@@ -34,7 +34,7 @@ proptest! {
         let logits = Tensor::randn([b, t, v], (Kind::Float, CPU)) * scale;
         let labels = Tensor::randint(v, [b, t], (Kind::Int64, CPU));
         let mask = Tensor::rand([b, t], (Kind::Float, CPU)).lt(0.8);
-        let cfg = LogProbConfig { chunk_tokens: chunk, with_entropy: true, temperature: temp, ..LogProbConfig::default() };
+        let cfg = LogProbConfig::new().with_chunk_tokens(chunk).with_entropy(true).with_temperature(temp);
         let out = token_logprobs(&logits, &labels, Some(&mask), &cfg).unwrap();
         let (lp, ent) = naive(&logits, &labels, temp, Kind::Float);
         let m = mask.to_kind(Kind::Float);
@@ -55,9 +55,9 @@ proptest! {
         let (lp, ent) = naive(&naive_leaf, &labels, temp, Kind::Double);
         ((lp * &w * &mf).sum(Kind::Double) + (ent * &mf).sum(Kind::Double) * ent_coef).backward();
         let ours_leaf = leaf(&logits);
-        let cfg = LogProbConfig { chunk_tokens: chunk, with_entropy: true, temperature: temp, ..LogProbConfig::default() };
+        let cfg = LogProbConfig::new().with_chunk_tokens(chunk).with_entropy(true).with_temperature(temp);
         let _ = backward_through_logprobs(&ours_leaf, &labels, Some(&mask), &cfg, |x| {
-            Ok((&x.logp * &w).sum(Kind::Double) + x.entropy.as_ref().unwrap().sum(Kind::Double) * ent_coef)
+            Ok::<_, LossError>((&x.logp * &w).sum(Kind::Double) + x.entropy.as_ref().unwrap().sum(Kind::Double) * ent_coef)
         }).unwrap();
         prop_assert!(max_abs_diff(&ours_leaf.grad(), &naive_leaf.grad()) < 1e-10);
     }
@@ -75,10 +75,10 @@ proptest! {
         let (lp, ent) = naive(&hn.matmul(&wn.tr()), &labels, 1.0, Kind::Double);
         ((lp * &w * &mf).sum(Kind::Double) - (ent * &mf).sum(Kind::Double) * 0.1).backward();
         let (ho, wo) = (leaf(&hidden), leaf(&weight));
-        let cfg = LogProbConfig { chunk_tokens: chunk, with_entropy: true, ..LogProbConfig::default() };
+        let cfg = LogProbConfig::new().with_chunk_tokens(chunk).with_entropy(true);
         let fwd = fused_token_logprobs(&hidden, &weight, &labels, Some(&mask), &cfg).unwrap();
         let loss = backward_through_fused_logprobs(&ho, &wo, &labels, Some(&mask), &cfg, |x| {
-            Ok((&x.logp * &w).sum(Kind::Double) - x.entropy.as_ref().unwrap().sum(Kind::Double) * 0.1)
+            Ok::<_, LossError>((&x.logp * &w).sum(Kind::Double) - x.entropy.as_ref().unwrap().sum(Kind::Double) * 0.1)
         }).unwrap();
         let (lp2, _) = naive(&hidden.matmul(&weight.tr()), &labels, 1.0, Kind::Double);
         prop_assert!(max_abs_diff(&fwd.logp, &(lp2 * &mf)) < 1e-10);
@@ -94,13 +94,13 @@ fn bf16_logits_are_upcast_per_chunk() {
     let logits = (Tensor::randn([3, 5, 40], (Kind::Float, CPU)) * 8.0).to_kind(Kind::BFloat16);
     let labels = Tensor::randint(40, [3, 5], (Kind::Int64, CPU));
     let out =
-        token_logprobs(&logits, &labels, None, &LogProbConfig { chunk_tokens: 4, ..LogProbConfig::default() }).unwrap();
+        token_logprobs(&logits, &labels, None, &LogProbConfig::new().with_chunk_tokens(4)).unwrap();
     assert_eq!(out.logp.kind(), Kind::Float);
     let (lp, _) = naive(&logits, &labels, 1.0, Kind::Float); // the same bf16 values, in f32
     assert!(max_abs_diff(&out.logp, &lp) < 1e-5);
     // The gradient reaches bf16 logits, equal to the f32 naive one rounded to bf16.
     let l = logits.detach().set_requires_grad(true);
-    let _ = backward_through_logprobs(&l, &labels, None, &LogProbConfig::default(), |x| Ok(x.logp.sum(Kind::Float)))
+    let _ = backward_through_logprobs(&l, &labels, None, &LogProbConfig::default(), |x| Ok::<_, LossError>(x.logp.sum(Kind::Float)))
         .unwrap();
     let lf = logits.to_kind(Kind::Float).set_requires_grad(true);
     naive(&lf, &labels, 1.0, Kind::Float).0.sum(Kind::Float).backward();
@@ -113,9 +113,9 @@ fn masked_positions_are_not_computed_and_get_zero_gradient() {
     let logits = Tensor::randn([1, 3, 6], (Kind::Double, CPU));
     let _ = logits.narrow(1, 2, 1).fill_(f64::NAN); // padding position holds NaN logits
     let labels = Tensor::from_slice2(&[[1i64, 2, -100]]);
-    let cfg = LogProbConfig { ignore_index: Some(-100), with_entropy: true, ..LogProbConfig::default() };
+    let cfg = LogProbConfig::pytorch().with_entropy(true);
     let l = leaf(&logits);
-    let loss = backward_through_logprobs(&l, &labels, None, &cfg, |x| Ok(x.logp.sum(Kind::Double))).unwrap();
+    let loss = backward_through_logprobs(&l, &labels, None, &cfg, |x| Ok::<_, LossError>(x.logp.sum(Kind::Double))).unwrap();
     assert!(scalar(&loss).is_finite());
     let g = l.grad();
     assert_eq!(g.narrow(1, 2, 1).abs().sum(Kind::Double).double_value(&[]), 0.0);
@@ -126,11 +126,11 @@ fn masked_positions_are_not_computed_and_get_zero_gradient() {
 fn minus_inf_logits_of_banned_tokens_stay_finite() {
     let logits = Tensor::from_slice(&[0.0f32, f32::NEG_INFINITY, 1.0, 2.0]).reshape([1, 1, 4]).set_requires_grad(true);
     let labels = Tensor::from_slice2(&[[2i64]]);
-    let cfg = LogProbConfig { with_entropy: true, ..LogProbConfig::default() };
+    let cfg = LogProbConfig::new().with_entropy(true);
     let out = token_logprobs(&logits, &labels, None, &cfg).unwrap();
     assert!(out.entropy.unwrap().isfinite().all().int64_value(&[]) == 1);
     let _ = backward_through_logprobs(&logits, &labels, None, &cfg, |x| {
-        Ok(x.logp.sum(Kind::Float) + x.entropy.as_ref().unwrap().sum(Kind::Float))
+        Ok::<_, LossError>(x.logp.sum(Kind::Float) + x.entropy.as_ref().unwrap().sum(Kind::Float))
     })
     .unwrap();
     let g = vec1(&logits.grad());
@@ -180,7 +180,7 @@ fn bad_inputs_are_errors() {
     .unwrap_err();
     assert!(matches!(e, LossError::ShapeMismatch { argument: "weight", .. }), "{e}");
     let e =
-        token_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 1]]), None, &LogProbConfig { temperature: 0.0, ..cfg })
+        token_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 1]]), None, &cfg.with_temperature(0.0))
             .unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "temperature", .. }), "{e}");
     // A loss_fn that returns a vector is refused.

@@ -6,7 +6,10 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use tch::Tensor;
-use topr_loss::{AggregationMode, LossError, Normalizer, PpoConfig, cispo_loss, gspo_loss, ppo_clip_loss};
+use topr_loss::{
+    AggregationMode, LossError, LossOutput, Normalizer, PpoConfig, PpoDiagnostics, cispo_loss, cispo_loss_output,
+    gspo_loss, gspo_loss_output, ppo_clip_loss, ppo_clip_loss_output,
+};
 
 type Batch = TokenBatch;
 
@@ -14,21 +17,9 @@ fn batch() -> impl Strategy<Value = Batch> {
     token_batch(0.6, (-2.0f64..2.0).boxed())
 }
 
-/// Token-mean / seq-mean-token-mean weights by the definitions.
+/// The aggregation weights by the definitions, with this batch's counts.
 fn alpha(mask: &[Vec<bool>], mode: AggregationMode) -> Vec<f64> {
-    let lens: Vec<f64> = mask.iter().map(|r| r.iter().filter(|m| **m).count() as f64).collect();
-    let n: f64 = lens.iter().sum();
-    let s = lens.iter().filter(|l| **l > 0.0).count() as f64;
-    lens.iter()
-        .map(|&l| match mode {
-            _ if l == 0.0 => 0.0,
-            AggregationMode::TokenMean => 1.0 / n,
-            AggregationMode::SeqMeanTokenMean => 1.0 / (s * l),
-            AggregationMode::SeqMeanTokenSum => 1.0 / s,
-            AggregationMode::TokenSum => 1.0,
-            AggregationMode::SeqMeanTokenSumNorm { length } => 1.0 / (s * length),
-        })
-        .collect()
+    ref_alpha(mask, mode, None)
 }
 
 fn clip(r: f64, cfg: &PpoConfig) -> f64 {
@@ -99,21 +90,19 @@ fn ref_loss(b: &Batch, cfg: &PpoConfig, which: &str) -> (f64, Vec<Vec<f64>>) {
 
 type LossFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &PpoConfig) -> Result<Tensor, LossError>;
 const LOSSES: [(&str, LossFn); 3] = [("ppo", ppo_clip_loss), ("gspo", gspo_loss), ("cispo", cispo_loss)];
+type OutputFn =
+    fn(&Tensor, &Tensor, &Tensor, &Tensor, &PpoConfig, &Normalizer) -> Result<LossOutput<PpoDiagnostics>, LossError>;
+const OUTPUTS: [(&str, OutputFn); 3] =
+    [("ppo", ppo_clip_loss_output), ("gspo", gspo_loss_output), ("cispo", cispo_loss_output)];
 
 fn configs() -> Vec<PpoConfig> {
     vec![
         PpoConfig::ppo(),
         PpoConfig::dapo(),
-        PpoConfig { dual_clip: Some(3.0), ..PpoConfig::ppo() },
-        PpoConfig {
-            clip_low: 0.1,
-            clip_high: 0.3,
-            dual_clip: Some(1.5),
-            aggregation: AggregationMode::SeqMeanTokenMean,
-            ..PpoConfig::ppo()
-        },
-        PpoConfig { clip_high: 0.05, aggregation: AggregationMode::SeqMeanTokenSum, ..PpoConfig::gspo() },
-        PpoConfig { clip_low: 0.5, clip_high: 0.5, aggregation: AggregationMode::TokenSum, ..PpoConfig::cispo() },
+        PpoConfig::ppo().with_dual_clip(Some(3.0)),
+        PpoConfig::ppo().with_clip(0.1, 0.3).with_dual_clip(Some(1.5)).with_aggregation(AggregationMode::SeqMeanTokenMean),
+        PpoConfig::gspo().with_clip(PpoConfig::gspo().clip_low, 0.05).with_aggregation(AggregationMode::SeqMeanTokenSum),
+        PpoConfig::cispo().with_clip(0.5, 0.5).with_aggregation(AggregationMode::TokenSum),
     ]
 }
 
@@ -159,15 +148,18 @@ proptest! {
         let s = split.min(b.mask.len() - 1) as i64;
         let n = b.mask.len() as i64;
         let (lp, old, adv, m) = b.tensors(f64::NAN);
-        let normalizer = Normalizer::from_masks(&[&m]).unwrap();
-        for mode in [AggregationMode::TokenMean, AggregationMode::SeqMeanTokenMean, AggregationMode::SeqMeanTokenSum, AggregationMode::TokenSum, AggregationMode::SeqMeanTokenSumNorm { length: 9.0 }] {
-            let cfg = PpoConfig { aggregation: mode, normalizer, dual_clip: Some(2.0), ..PpoConfig::dapo() };
-            for (name, f) in LOSSES {
+        let norm = Normalizer::from_masks(&[&m]).unwrap();
+        for mode in ALL_MODES {
+            let cfg = PpoConfig::dapo().with_aggregation(mode).with_dual_clip(Some(2.0));
+            for ((name, f), (_, plain)) in OUTPUTS.into_iter().zip(LOSSES) {
                 let full_lp = leaf(&lp);
-                let full = f(&full_lp, &old, &adv, &m, &cfg).unwrap();
+                let full = f(&full_lp, &old, &adv, &m, &cfg, &norm).unwrap().loss;
+                // With the batch's own counts, the output's loss is the plain function's.
+                let local = plain(&full_lp, &old, &adv, &m, &cfg).unwrap();
+                assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{name} {mode:?} output vs plain"));
                 full.backward();
                 let parts_lp = leaf(&lp);
-                let part = |o: i64, k: i64| f(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg);
+                let part = |o: i64, k: i64| f(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss);
                 let total = match (part(0, s), part(s, n - s)) {
                     (Ok(a), Ok(b)) => a + b,
                     (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
@@ -210,7 +202,7 @@ fn extreme_log_ratios_stay_finite() {
     for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
         for cfg in [
             PpoConfig::ppo(),
-            PpoConfig { dual_clip: Some(3.0), ..PpoConfig::ppo() },
+            PpoConfig::ppo().with_dual_clip(Some(3.0)),
             PpoConfig::gspo(),
             PpoConfig::cispo(),
         ] {
@@ -236,14 +228,14 @@ fn bad_inputs_are_errors() {
     let adv = t1(&[1.0]);
     for (name, f) in LOSSES {
         let e = f(&lp, &Tensor::from_slice(&[-1.0f64, -1.0]), &adv, &m, &PpoConfig::default()).unwrap_err();
-        assert!(matches!(e, LossError::ShapeMismatch { argument: "logp_old", .. }), "{name}: {e}");
+        assert!(matches!(e, LossError::ShapeMismatch { argument: "logp_mu", .. }), "{name}: {e}");
         let e = f(&lp, &lp, &t1(&[1.0, 2.0]), &m, &PpoConfig::default()).unwrap_err();
         assert!(matches!(e, LossError::ShapeMismatch { argument: "advantages", .. }), "{name}: {e}");
         let e = f(&lp, &lp, &t1(&[f64::NAN]), &m, &PpoConfig::default()).unwrap_err();
         assert!(matches!(e, LossError::NonFinite { argument: "advantages", .. }), "{name}: {e}");
-        let e = f(&lp, &lp, &adv, &m, &PpoConfig { clip_low: -0.1, ..PpoConfig::default() }).unwrap_err();
+        let e = f(&lp, &lp, &adv, &m, &PpoConfig::default().with_clip(-0.1, 0.2)).unwrap_err();
         assert!(matches!(e, LossError::InvalidConfig { field: "clip_low", .. }), "{name}: {e}");
-        let e = f(&lp, &lp, &adv, &m, &PpoConfig { max_log_ratio: f64::NAN, ..PpoConfig::default() }).unwrap_err();
+        let e = f(&lp, &lp, &adv, &m, &PpoConfig::default().with_max_log_ratio(f64::NAN)).unwrap_err();
         assert!(matches!(e, LossError::InvalidConfig { field: "max_log_ratio", .. }), "{name}: {e}");
     }
     // Advantages too large for f32 give NonFiniteLoss, not inf.
@@ -253,7 +245,7 @@ fn bad_inputs_are_errors() {
         &lp32,
         &Tensor::from_slice(&[3.0e38f32]),
         &m,
-        &PpoConfig { aggregation: AggregationMode::TokenSum, ..PpoConfig::default() },
+        &PpoConfig::default().with_aggregation(AggregationMode::TokenSum),
     )
     .unwrap_err();
     assert_eq!(e, LossError::NonFiniteLoss { compute_dtype: "f32" });
@@ -274,15 +266,13 @@ fn on_policy_reinforce_through_topr_equals_ppo() {
     };
     for aggregation in [AggregationMode::TokenMean, AggregationMode::SeqMeanTokenMean, AggregationMode::SeqMeanTokenSum]
     {
-        let (_, g_ppo) = run(&b, &PpoConfig { aggregation, ..PpoConfig::ppo() }, ppo_clip_loss, 0.0);
+        let (_, g_ppo) = run(&b, &PpoConfig::ppo().with_aggregation(aggregation), ppo_clip_loss, 0.0);
         let (lp, old, adv, m) = b.tensors(0.0);
         let lp = leaf(&lp);
-        let cfg = ToprTokenConfig {
-            topr: ToprConfig::naive_reinforce(),
-            ratio: RatioLevel::Token,
-            aggregation,
-            ..ToprTokenConfig::default()
-        };
+        let cfg = ToprTokenConfig::default()
+            .with_topr(ToprConfig::naive_reinforce())
+            .with_ratio(RatioLevel::Token)
+            .with_aggregation(aggregation);
         topr_token_loss(&lp, &old, &adv, &m, &cfg).unwrap().backward();
         assert_close(&vec1(&lp.grad()), &g_ppo, 1e-12, &format!("{aggregation:?}"));
     }

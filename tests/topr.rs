@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
-use topr_loss::{LossError, ToprConfig, topr_loss};
+use topr_loss::{LossError, Normalizer, TieRule, ToprConfig, topr_loss, topr_loss_output};
 
 fn limits(cfg: &ToprConfig) -> [f64; 4] {
     [cfg.a_pos, cfg.b_pos, cfg.a_neg, cfg.b_neg]
@@ -20,9 +20,9 @@ fn configs() -> Vec<(&'static str, ToprConfig)> {
         ("sft", ToprConfig::sft().with_baseline(0.2)),
         ("tis", ToprConfig::tis().with_baseline(-0.25)),
         ("importance_sampling", ToprConfig::importance_sampling().with_baseline(0.1)),
-        ("custom_wide", ToprConfig { a_pos: 0.5, b_pos: 2.0, a_neg: 0.2, b_neg: 1.5, baseline: 0.35 }),
-        ("custom_narrow", ToprConfig { a_pos: 0.9, b_pos: 1.1, a_neg: 0.0, b_neg: 0.5, baseline: -0.6 }),
-        ("custom_equal", ToprConfig { a_pos: 0.7, b_pos: 0.7, a_neg: 1.3, b_neg: 1.3, baseline: 0.05 }),
+        ("custom_wide", ToprConfig::canonical().with_positive_limits(0.5, 2.0).with_negative_limits(0.2, 1.5).with_baseline(0.35)),
+        ("custom_narrow", ToprConfig::canonical().with_positive_limits(0.9, 1.1).with_negative_limits(0.0, 0.5).with_baseline(-0.6)),
+        ("custom_equal", ToprConfig::canonical().with_positive_limits(0.7, 0.7).with_negative_limits(1.3, 1.3).with_baseline(0.05)),
     ]
 }
 
@@ -95,7 +95,7 @@ proptest! {
         let is = loss_and_grad(&logp, &mu, &r, &ToprConfig::importance_sampling()).0;
         for (name, cfg) in configs() {
             if cfg.baseline > 0.0 { continue; }
-            let v = loss_and_grad(&logp, &mu, &r, &ToprConfig { baseline: 0.0, ..cfg }).0;
+            let v = loss_and_grad(&logp, &mu, &r, &cfg.with_baseline(0.0)).0;
             prop_assert!(-v <= -is + 1e-12, "{}: J_topr {} > J_is {}", name, -v, -is);
         }
     }
@@ -185,14 +185,41 @@ fn a_batch_of_only_zero_weight_rows_still_backpropagates() {
 #[test]
 fn ties_at_the_baseline_go_to_the_positive_branch() {
     // R' = 0 contributes nothing either way; the diagnostics show the branch.
-    let d = topr_loss::topr_diagnostics(
-        &t1(&[-1.0]),
-        &t1(&[-1.0]),
-        &t1(&[0.5]),
-        &ToprConfig::canonical().with_baseline(0.5),
-    )
-    .unwrap();
-    assert_eq!(d.negative_fraction, 0.0);
+    let diagnose = |cfg: ToprConfig| {
+        let out = topr_loss_output(&t1(&[-1.0, -2.0]), &t1(&[-1.0, -2.0]), &t1(&[0.5, 1.0]), &cfg, &Normalizer::local());
+        out.unwrap().diagnostics.read().unwrap()
+    };
+    assert_eq!(diagnose(ToprConfig::canonical().with_baseline(0.5)).negative_fraction, 0.0);
+    // Trinity-RFT's and ROLL's rule puts the tie in the tapered branch.
+    assert_eq!(diagnose(ToprConfig::canonical().with_baseline(0.5).with_tie(TieRule::Tapered)).negative_fraction, 0.5);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn micro_batches_with_the_global_sample_count_add_up((logp, mu, r) in batch(), split in 1usize..6) {
+        prop_assume!(logp.len() > 1);
+        let s = split.min(logp.len() - 1) as i64;
+        let n = logp.len() as i64;
+        let norm = Normalizer::sequences(n as f64);
+        for (name, cfg) in configs().into_iter().filter(|(n, _)| *n != "importance_sampling") {
+            let (full_lp, parts_lp) = (leaf(&t1(&logp)), leaf(&t1(&logp)));
+            let full = topr_loss(&full_lp, &t1(&mu), &t1(&r), &cfg).unwrap();
+            full.backward();
+            let part = |o: i64, k: i64| {
+                topr_loss_output(&parts_lp.narrow(0, o, k), &t1(&mu).narrow(0, o, k), &t1(&r).narrow(0, o, k), &cfg, &norm).unwrap()
+            };
+            let (a, b) = (part(0, s), part(s, n - s));
+            let total = &a.loss + &b.loss;
+            total.backward();
+            assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{name} split value"));
+            assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{name} split grad"));
+            // The terms are the per-sample values: their sum over S is the loss.
+            let terms: f64 = vec1(&a.terms).iter().chain(&vec1(&b.terms)).sum();
+            assert_close(&[terms / n as f64], &[scalar(&full)], 1e-12, &format!("{name} terms"));
+        }
+    }
 }
 
 #[test]

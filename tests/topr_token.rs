@@ -7,11 +7,11 @@ use common::*;
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, LossError, Normalizer, RatioLevel, TieRule, ToprConfig, ToprTokenConfig, topr_token_diagnostics,
-    topr_token_loss,
+    AggregationMode, LossError, Normalizer, RatioLevel, TieRule, ToprConfig, ToprTokenConfig, aggregate,
+    topr_token_loss, topr_token_loss_output,
 };
 
-const MODES: [AggregationMode; 5] = ALL_MODES;
+const MODES: [AggregationMode; 6] = ALL_MODES;
 const LEVELS: [RatioLevel; 3] = [RatioLevel::Sequence, RatioLevel::SequenceMean, RatioLevel::Token];
 
 type Batch = TokenBatch;
@@ -20,32 +20,10 @@ fn batch() -> impl Strategy<Value = Batch> {
     token_batch(0.8, prop_oneof![Just(1.0f64), Just(-1.0), Just(0.0), -2.0f64..2.0].boxed())
 }
 
-/// `α_i` of each mode, from the definitions (sequences with no token get 0).
-fn ref_alpha(mask: &[Vec<bool>], mode: AggregationMode, global: Option<(f64, f64)>) -> Vec<f64> {
-    let lens: Vec<f64> = mask.iter().map(|r| r.iter().filter(|m| **m).count() as f64).collect();
-    let n_tok: f64 = lens.iter().sum();
-    let n_seq = lens.iter().filter(|l| **l > 0.0).count() as f64;
-    let (n_tok, n_seq) = global.unwrap_or((n_tok, n_seq));
-    lens.iter()
-        .map(|&l| {
-            if l == 0.0 {
-                return 0.0;
-            }
-            match mode {
-                AggregationMode::TokenMean => 1.0 / n_tok,
-                AggregationMode::TokenSum => 1.0,
-                AggregationMode::SeqMeanTokenSum => 1.0 / n_seq,
-                AggregationMode::SeqMeanTokenMean => 1.0 / (n_seq * l),
-                AggregationMode::SeqMeanTokenSumNorm { length } => 1.0 / (n_seq * length),
-            }
-        })
-        .collect()
-}
-
 /// Value and per-token gradient of the token-level loss, by plain loops.
 fn ref_token(b: &Batch, cfg: &ToprTokenConfig, global: Option<(f64, f64)>) -> (f64, Vec<Vec<f64>>) {
     let lim = [cfg.topr.a_pos, cfg.topr.b_pos, cfg.topr.a_neg, cfg.topr.b_neg];
-    let ties_positive = cfg.tie == TieRule::Positive;
+    let ties_positive = cfg.topr.tie == TieRule::Positive;
     let alpha = ref_alpha(&b.mask, cfg.aggregation, global);
     let mut value = 0.0;
     let mut grad = vec![vec![0.0; b.mask[0].len()]; b.mask.len()];
@@ -75,6 +53,7 @@ fn ref_token(b: &Batch, cfg: &ToprTokenConfig, global: Option<(f64, f64)>) -> (f
                     grad[i][t] = alpha[i] * -rp * ref_weight(x, a, bb);
                 }
             }
+            other => unreachable!("a ratio level without a reference: {other:?}"),
         }
     }
     (value, grad)
@@ -94,12 +73,14 @@ fn configs() -> Vec<ToprTokenConfig> {
         ToprConfig::canonical().with_baseline(0.2),
         ToprConfig::tis().with_baseline(-0.3),
         ToprConfig::sft(),
-        ToprConfig { a_pos: 0.5, b_pos: 1.5, a_neg: 0.1, b_neg: 0.9, baseline: 0.1 },
+        ToprConfig::canonical().with_positive_limits(0.5, 1.5).with_negative_limits(0.1, 0.9).with_baseline(0.1),
     ] {
         for ratio in LEVELS {
             for aggregation in MODES {
                 for tie in [TieRule::Positive, TieRule::Tapered] {
-                    out.push(ToprTokenConfig { topr, ratio, aggregation, tie, normalizer: Normalizer::local() });
+                    out.push(
+                        ToprTokenConfig::paper().with_topr(topr.with_tie(tie)).with_ratio(ratio).with_aggregation(aggregation),
+                    );
                 }
             }
         }
@@ -142,15 +123,20 @@ proptest! {
         let norm = Normalizer::from_masks(&[&m]).unwrap();
         for ratio in LEVELS {
             for aggregation in MODES {
-                let cfg = ToprTokenConfig { topr: ToprConfig::canonical().with_baseline(0.1), ratio, aggregation, tie: TieRule::Positive, normalizer: norm };
+                let cfg = ToprTokenConfig::paper().with_topr(ToprConfig::canonical().with_baseline(0.1)).with_ratio(ratio).with_aggregation(aggregation);
                 let full_lp = leaf(&lp);
-                let full = topr_token_loss(&full_lp, &mu, &r, &m, &cfg).unwrap();
+                let full = topr_token_loss_output(&full_lp, &mu, &r, &m, &cfg, &norm).unwrap().loss;
+                // With the batch's own counts, the output's loss is the plain function's.
+                let local = topr_token_loss(&full_lp, &mu, &r, &m, &cfg).unwrap();
+                assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{ratio:?} {aggregation:?} output vs plain"));
                 full.backward();
                 let parts_lp = leaf(&lp);
                 let n = b.mask.len() as i64;
                 let s = split as i64;
-                let l1 = topr_token_loss(&parts_lp.narrow(0, 0, s), &mu.narrow(0, 0, s), &r.narrow(0, 0, s), &m.narrow(0, 0, s), &cfg);
-                let l2 = topr_token_loss(&parts_lp.narrow(0, s, n - s), &mu.narrow(0, s, n - s), &r.narrow(0, s, n - s), &m.narrow(0, s, n - s), &cfg);
+                let part = |o: i64, k: i64| {
+                    topr_token_loss_output(&parts_lp.narrow(0, o, k), &mu.narrow(0, o, k), &r.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss)
+                };
+                let (l1, l2) = (part(0, s), part(s, n - s));
                 // A micro-batch made only of padding has nothing to contribute.
                 let total = match (l1, l2) {
                     (Ok(a), Ok(b)) => a + b,
@@ -165,9 +151,27 @@ proptest! {
     }
 
     #[test]
+    fn terms_aggregate_to_the_loss_value_and_gradient(b in batch()) {
+        let (lp, mu, r, m) = b.tensors(f64::NAN);
+        let norm = Normalizer::from_masks(&[&m]).unwrap();
+        for cfg in configs() {
+            let (lp_a, lp_b) = (leaf(&lp), leaf(&lp));
+            let out = topr_token_loss_output(&lp_a, &mu, &r, &m, &cfg, &norm).unwrap();
+            out.loss.backward();
+            let again = aggregate(&topr_token_loss_output(&lp_b, &mu, &r, &m, &cfg, &norm).unwrap().terms, &m, cfg.aggregation, &norm).unwrap();
+            again.backward();
+            assert_close(&[scalar(&again)], &[scalar(&out.loss)], 1e-12, &format!("{cfg:?} terms value"));
+            assert_close(&vec1(&lp_b.grad()), &vec1(&lp_a.grad()), 1e-12, &format!("{cfg:?} terms grad"));
+            for (k, mk) in b.mask.concat().iter().enumerate() {
+                if !mk { prop_assert_eq!(vec1(&out.terms)[k], 0.0); }
+            }
+        }
+    }
+
+    #[test]
     fn sequence_level_matches_topr_loss_on_summed_log_probs(b in batch()) {
         // With the paper's sequence ratio and SeqMeanTokenSum, the token form is `topr_loss` on Σ_t logp.
-        let cfg = ToprTokenConfig { aggregation: AggregationMode::SeqMeanTokenSum, ..ToprTokenConfig::paper() };
+        let cfg = ToprTokenConfig::paper().with_aggregation(AggregationMode::SeqMeanTokenSum);
         prop_assume!(b.mask.iter().all(|r| r.iter().any(|m| *m)));
         let (lp, mu, r, m) = b.tensors(0.0);
         let mf = m.to_kind(Kind::Double);
@@ -243,7 +247,10 @@ fn diagnostics_count_tokens_and_branches() {
     };
     let (lp, mu, r, m) = b.tensors(f64::NAN);
     // Token level: ratios e^{0.5}, e^{-0.5} (positive, both cut to 1), e^0 (negative, kept).
-    let d = topr_token_diagnostics(&lp, &mu, &r, &m, &ToprTokenConfig::trinity()).unwrap();
+    let diagnose = |cfg: &ToprTokenConfig| {
+        topr_token_loss_output(&lp, &mu, &r, &m, cfg, &Normalizer::local()).unwrap().diagnostics.read().unwrap()
+    };
+    let d = diagnose(&ToprTokenConfig::trinity());
     assert_eq!(d.samples, 3);
     assert!((d.negative_fraction - 1.0 / 3.0).abs() < 1e-12);
     assert_eq!(d.truncated_fraction_pos, 1.0);
@@ -251,7 +258,7 @@ fn diagnostics_count_tokens_and_branches() {
     assert_eq!((d.weight_min, d.weight_max, d.weight_mean), (1.0, 1.0, 1.0));
     assert_eq!(d.effective_positive_proportion, Some(2.0 / 3.0));
     // Sequence level: sequence 0 has ratio e^0 = 1 (not truncated), sequence 1 ratio 1.
-    let d = topr_token_diagnostics(&lp, &mu, &r, &m, &ToprTokenConfig::paper()).unwrap();
+    let d = diagnose(&ToprTokenConfig::paper());
     assert_eq!(d.samples, 2);
     assert_eq!(d.truncated_fraction_pos, 0.0);
     assert_eq!(d.effective_positive_proportion, Some(0.5));

@@ -94,13 +94,38 @@ pub fn finite_difference(x: &[f64], h: f64, f: impl Fn(&[f64]) -> f64) -> Vec<f6
 }
 
 /// Every aggregation mode (the fixed length of the last is arbitrary).
-pub const ALL_MODES: [AggregationMode; 5] = [
+pub const ALL_MODES: [AggregationMode; 6] = [
     AggregationMode::TokenMean,
     AggregationMode::TokenSum,
     AggregationMode::SeqMeanTokenSum,
     AggregationMode::SeqMeanTokenMean,
-    AggregationMode::SeqMeanTokenSumNorm { length: 7.0 },
+    AggregationMode::DrGrpo { length: 7.0 },
+    AggregationMode::TokenSumNorm { length: 5.0 },
 ];
+
+/// `α_i` of each mode, from the definitions (sequences with no token get 0).
+pub fn ref_alpha(mask: &[Vec<bool>], mode: AggregationMode, global: Option<(f64, f64)>) -> Vec<f64> {
+    let lens: Vec<f64> = mask.iter().map(|r| r.iter().filter(|m| **m).count() as f64).collect();
+    let n_tok: f64 = lens.iter().sum();
+    let n_seq = lens.iter().filter(|l| **l > 0.0).count() as f64;
+    let (n_tok, n_seq) = global.unwrap_or((n_tok, n_seq));
+    lens.iter()
+        .map(|&l| {
+            if l == 0.0 {
+                return 0.0;
+            }
+            match mode {
+                AggregationMode::TokenMean => 1.0 / n_tok,
+                AggregationMode::TokenSum => 1.0,
+                AggregationMode::SeqMeanTokenSum => 1.0 / n_seq,
+                AggregationMode::SeqMeanTokenMean => 1.0 / (n_seq * l),
+                AggregationMode::DrGrpo { length } => 1.0 / (n_seq * length),
+                AggregationMode::TokenSumNorm { length } => 1.0 / length,
+                _ => unreachable!("a mode without a reference: {mode:?}"),
+            }
+        })
+        .collect()
+}
 
 /// A token-level batch: log-probs of π and of a second policy (μ, old, reference), a mask and
 /// one weight (reward or advantage) per sequence.
