@@ -33,7 +33,7 @@ fn one(variant: &str, v: i64) {
     let hidden = (Tensor::randn([B, T, H], opts) * 0.5).set_requires_grad(true);
     let weight = (Tensor::randn([v, H], opts) * 0.05).set_requires_grad(true);
     let labels = Tensor::randint(v, [B, T], (Kind::Int64, Device::Cpu));
-    let cfg = LogProbConfig { chunk_tokens: 64, ..LogProbConfig::default() };
+    let cfg = LogProbConfig::new().with_chunk_tokens(64);
     // Warm up libtorch's kernels on a tiny problem so their one-off allocations do not count.
     let _ = Tensor::randn([4, 4], opts).matmul(&Tensor::randn([4, 4], opts)).log_softmax(-1, Kind::Float);
     let before = status_kib("VmRSS:");
@@ -46,7 +46,7 @@ fn one(variant: &str, v: i64) {
         }
         "chunked" => {
             let logits = hidden.matmul(&weight.tr());
-            let _ = backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok(-x.logp.sum(Kind::Float))).unwrap();
+            let _ = backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))).unwrap();
         }
         "fused" => {
             let _ = backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |x| {

@@ -25,7 +25,7 @@ fn logprobs(c: &mut Criterion) {
     g.sample_size(10);
     for v in [32_768i64, 131_072] {
         let (hidden, weight, labels) = inputs(v);
-        let cfg = LogProbConfig { chunk_tokens: 64, ..LogProbConfig::default() };
+        let cfg = LogProbConfig::new().with_chunk_tokens(64);
         g.bench_function(format!("naive/V={v}"), |b| {
             b.iter(|| {
                 let logits = hidden.matmul(&weight.tr()); // [B, T, V]
@@ -39,7 +39,7 @@ fn logprobs(c: &mut Criterion) {
             b.iter(|| {
                 let logits = hidden.matmul(&weight.tr());
                 black_box(
-                    backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok(-x.logp.sum(Kind::Float))).unwrap(),
+                    backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))).unwrap(),
                 )
             })
         });

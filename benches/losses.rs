@@ -81,7 +81,7 @@ fn other_objectives(c: &mut Criterion) {
             let adv = Tensor::randn([b], opts);
             let lengths = Tensor::randint_low(1, t + 1, [b, 1], (Kind::Int64, Device::Cpu));
             let mask = Tensor::arange(t, (Kind::Int64, Device::Cpu)).unsqueeze(0).lt_tensor(&lengths);
-            let ppo = PpoConfig { dual_clip: Some(3.0), ..PpoConfig::ppo() };
+            let ppo = PpoConfig::ppo().with_dual_clip(Some(3.0));
             let cases: [(&str, &dyn Fn() -> Tensor); 4] = [
                 ("ppo_clip_dual", &|| ppo_clip_loss(&logp, &old, &adv, &mask, &ppo).unwrap()),
                 ("gspo", &|| gspo_loss(&logp, &old, &adv, &mask, &PpoConfig::gspo()).unwrap()),

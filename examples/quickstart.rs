@@ -12,7 +12,7 @@
 use std::time::Instant;
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, IndexOp, Kind, Tensor};
-use topr_loss::{ToprConfig, topr_diagnostics, topr_loss};
+use topr_loss::{Normalizer, ToprConfig, topr_loss_output};
 
 const L: i64 = 6; // sequence length
 const V: i64 = 4; // vocabulary
@@ -118,23 +118,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut stopped = None;
         for step in 0..=STEPS {
             let logp = log_prob(&theta, &data);
+            // The loss and its diagnostics come from one pass; reading the diagnostics is the
+            // only host read, done only at the reported steps.
+            let out = topr_loss_output(&logp, &logp_mu, &rewards, &cfg, &Normalizer::local());
             if REPORT.contains(&step) {
                 let (expected_reward, p_correct, mass_data_pos, mass_data_neg) = tch::no_grad(|| measure(&theta));
-                let d = topr_diagnostics(&logp.detach(), &logp_mu, &rewards, &cfg)?;
-                rows.push(Row {
-                    step,
-                    expected_reward,
-                    p_correct,
-                    mass_data_pos,
-                    mass_data_neg,
-                    weight_mean: d.weight_mean,
-                });
+                let weight_mean = match &out {
+                    Ok(out) => out.diagnostics.read()?.weight_mean,
+                    Err(_) => f64::NAN,
+                };
+                rows.push(Row { step, expected_reward, p_correct, mass_data_pos, mass_data_neg, weight_mean });
             }
             if step == STEPS {
                 break;
             }
-            match topr_loss(&logp, &logp_mu, &rewards, &cfg) {
-                Ok(loss) => opt.backward_step(&loss),
+            match out {
+                Ok(out) => opt.backward_step(&out.loss),
                 Err(e) => {
                     stopped = Some(format!("stopped at step {step}: {e}"));
                     break;

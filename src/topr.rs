@@ -183,7 +183,7 @@ impl ToprConfig {
     ///
     /// ```
     /// use topr_loss::{LossError, ToprConfig};
-    /// let bad = ToprConfig { b_neg: f64::NAN, ..ToprConfig::default() };
+    /// let bad = ToprConfig::default().with_negative_limits(0.0, f64::NAN);
     /// assert!(matches!(bad.validate(), Err(LossError::InvalidConfig { field: "b_neg", .. })));
     /// ```
     pub fn validate(&self) -> Result<(), LossError> {
@@ -410,7 +410,7 @@ pub fn topr_loss(logp: &Tensor, logp_mu: &Tensor, rewards: &Tensor, cfg: &ToprCo
 /// let rewards = Tensor::from_slice(&[1.0f64, 1.0, -1.0, -1.0]);
 /// let cfg = ToprConfig::canonical();
 /// // Two micro-batches of a batch of 4 add up to the loss of the batch.
-/// let half = |t: &Tensor, i| t.narrow(0, 2 * i, 2);
+/// let half = |t: &Tensor, i: i64| t.narrow(0, 2 * i, 2);
 /// let parts: f64 = (0..2)
 ///     .map(|i| topr_loss_output(&half(&logp, i), &half(&logp_mu, i), &half(&rewards, i), &cfg, &Normalizer::sequences(4.0)))
 ///     .map(|o| o.map(|o| o.loss.double_value(&[])))
