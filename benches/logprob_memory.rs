@@ -50,7 +50,7 @@ fn one(variant: &str, v: i64) {
         }
         "fused" => {
             let _ = backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |x| {
-                Ok(-x.logp.sum(Kind::Float))
+                Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))
             })
             .unwrap();
         }

@@ -47,7 +47,7 @@ fn logprobs(c: &mut Criterion) {
             b.iter(|| {
                 black_box(
                     backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |x| {
-                        Ok(-x.logp.sum(Kind::Float))
+                        Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))
                     })
                     .unwrap(),
                 )
