@@ -46,7 +46,10 @@ fn one(variant: &str, v: i64) {
         }
         "chunked" => {
             let logits = hidden.matmul(&weight.tr());
-            let _ = backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))).unwrap();
+            let _ = backward_through_logprobs(&logits, &labels, None, &cfg, |x| {
+                Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))
+            })
+            .unwrap();
         }
         "fused" => {
             let _ = backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |x| {

@@ -39,7 +39,10 @@ fn logprobs(c: &mut Criterion) {
             b.iter(|| {
                 let logits = hidden.matmul(&weight.tr());
                 black_box(
-                    backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))).unwrap(),
+                    backward_through_logprobs(&logits, &labels, None, &cfg, |x| {
+                        Ok::<_, topr_loss::LossError>(-x.logp.sum(Kind::Float))
+                    })
+                    .unwrap(),
                 )
             })
         });

@@ -171,7 +171,7 @@ pub fn whiten(values: &Tensor, mask: Option<&Tensor>, eps: f64) -> Result<Tensor
         None => values.f_ones_like()?.f_to_kind(Kind::Bool)?,
     };
     validate::finite(values, "values", Some(&m))?;
-    let count = m.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    let count = crate::checks::read_i64(&m.f_sum(Kind::Int64)?, &[])?;
     if count < 2 {
         return Err(LossError::EmptyBatch {
             argument: "values",

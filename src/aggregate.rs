@@ -20,6 +20,7 @@
 //! Every mode weighs all tokens of one sequence equally, so each reduces to `Σ_i α_i Σ_t m ℓ`
 //! with a per-sequence weight `α_i`; [`sequence_weights`] returns it.
 
+use crate::checks::{Checks, read_f64, read_i64};
 use crate::error::LossError;
 use crate::validate;
 use tch::{Kind, Tensor};
@@ -173,8 +174,8 @@ impl Normalizer {
             let m = validate::bool_mask(mask, "masks")?;
             validate::rank(&m, "masks", 2, "[B, T] tokens")?;
             let lengths = m.f_sum_dim_intlist(1, false, Kind::Int64)?;
-            tokens += lengths.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
-            sequences += lengths.f_gt(0)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
+            tokens += read_i64(&lengths.f_sum(Kind::Int64)?, &[])? as f64;
+            sequences += read_i64(&lengths.f_gt(0)?.f_sum(Kind::Int64)?, &[])? as f64;
         }
         Ok(Self::global(BatchCounts { tokens, sequences }))
     }
@@ -209,39 +210,74 @@ impl Normalizer {
 /// ```
 ///
 /// A sequence with no unmasked token gets `α = 0`. `mask` is a bool tensor `[B, T]`; the weights
-/// are in `kind`.
+/// are in `kind`. A count not given by `norm` is this call's: read back (one host read) and
+/// checked non-zero under [`Checks::Full`], kept on the device (an empty batch weighs 0) under
+/// [`Checks::Shapes`].
 pub(crate) fn sequence_weights_checked(
     mask: &Tensor,
     mode: AggregationMode,
     norm: &Normalizer,
     kind: Kind,
+    checks: Checks,
 ) -> Result<Tensor, LossError> {
     norm.check()?;
     let lengths = mask.f_sum_dim_intlist(1, false, kind)?; // [B]
     let has_tokens = lengths.f_gt(0.0)?;
-    let local_tokens = lengths.f_sum(Kind::Double)?.f_double_value(&[])?;
-    let local_seqs = has_tokens.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64;
-    let seqs = norm.sequences.unwrap_or(local_seqs);
-    let tokens = norm.tokens.unwrap_or(local_tokens);
-    let empty = if matches!(mode, AggregationMode::TokenMean) { tokens == 0.0 } else { seqs == 0.0 };
-    if empty {
+    let ones = has_tokens.f_to_kind(kind)?;
+    // The one count the mode divides by (TokenSum and TokenSumNorm divide by none, but an empty
+    // batch is still an error under full checks, as for the sequence modes).
+    let count = if matches!(mode, AggregationMode::TokenMean) {
+        Count::of(norm.tokens, || Ok(lengths.f_sum(kind)?), checks)?
+    } else {
+        Count::of(norm.sequences, || Ok(ones.f_sum(kind)?), checks)?
+    };
+    if let Count::Host(0.0) = count {
         return Err(LossError::EmptyBatch { argument: "mask", found: mask.size(), unit: "unmasked token" });
     }
-    let ones = has_tokens.f_to_kind(kind)?;
     Ok(match mode {
-        AggregationMode::TokenMean => ones.f_div_scalar(tokens)?,
+        AggregationMode::TokenMean | AggregationMode::SeqMeanTokenSum => count.divide(&ones, 1.0)?,
         AggregationMode::TokenSum => ones,
-        AggregationMode::SeqMeanTokenSum => ones.f_div_scalar(seqs)?,
         AggregationMode::SeqMeanTokenMean => {
             // 1 / (S L_i) where L_i > 0, else 0 (never divides by zero).
             let safe = lengths.f_clamp_min(1.0)?;
-            ones.f_div(&safe)?.f_div_scalar(seqs)?
+            count.divide(&ones.f_div(&safe)?, 1.0)?
         }
-        AggregationMode::DrGrpo { length } => ones.f_div_scalar(seqs * fixed_length(length, "AggregationMode::DrGrpo::length")?)?,
+        AggregationMode::DrGrpo { length } => {
+            count.divide(&ones, fixed_length(length, "AggregationMode::DrGrpo::length")?)?
+        }
         AggregationMode::TokenSumNorm { length } => {
             ones.f_div_scalar(fixed_length(length, "AggregationMode::TokenSumNorm::length")?)?
         }
     })
+}
+
+/// A count the aggregation divides by: on the host (given, or read back), or on the device.
+enum Count {
+    Host(f64),
+    Device(Tensor),
+}
+
+impl Count {
+    /// The given count, else this call's, read back only when values are checked.
+    fn of(
+        given: Option<f64>,
+        local: impl FnOnce() -> Result<Tensor, LossError>,
+        checks: Checks,
+    ) -> Result<Self, LossError> {
+        Ok(match given {
+            Some(v) => Count::Host(v),
+            None if checks.values() => Count::Host(read_f64(&local()?)?),
+            None => Count::Device(local()?),
+        })
+    }
+
+    /// `t / (count · factor)`; a zero count on the device gives 0 weights (`t` is 0 there too).
+    fn divide(&self, t: &Tensor, factor: f64) -> Result<Tensor, LossError> {
+        Ok(match self {
+            Count::Host(v) => t.f_div_scalar(*v * factor)?,
+            Count::Device(c) => t.f_div(&c.f_clamp_min(1.0)?.f_mul_scalar(factor)?)?,
+        })
+    }
 }
 
 fn fixed_length(length: f64, field: &'static str) -> Result<f64, LossError> {
@@ -279,7 +315,7 @@ fn fixed_length(length: f64, field: &'static str) -> Result<f64, LossError> {
 pub fn sequence_weights(mask: &Tensor, mode: AggregationMode, norm: &Normalizer) -> Result<Tensor, LossError> {
     let m = validate::bool_mask(mask, "mask")?;
     validate::rank(&m, "mask", 2, "[B, T] tokens")?;
-    sequence_weights_checked(&m, mode, norm, Kind::Float)
+    sequence_weights_checked(&m, mode, norm, Kind::Float, Checks::Full)
 }
 
 /// Reduces a per-token loss `ℓ [B, T]` to a scalar under a mask, split-invariantly when `norm`
@@ -326,7 +362,7 @@ pub fn aggregate(loss: &Tensor, mask: &Tensor, mode: AggregationMode, norm: &Nor
     validate::same_shape(&m, "mask", &shape, "the shape of `loss`")?;
     validate::same_device(&m, "mask", loss.device(), "loss")?;
     validate::finite(loss, "loss", Some(&m))?;
-    let alpha = sequence_weights_checked(&m, mode, norm, kind)?;
+    let alpha = sequence_weights_checked(&m, mode, norm, kind, Checks::Full)?;
     let clean = masked_fill_zero(&loss.f_to_kind(kind)?, &m)?;
     weighted_sum(&clean, &alpha)
 }

@@ -16,7 +16,7 @@
 
 use crate::error::LossError;
 use crate::validate;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 fn proportion(v: f64, argument: &'static str) -> Result<(), LossError> {
     if !(0.0..=1.0).contains(&v) {
@@ -118,8 +118,7 @@ fn host_rewards(rewards: &Tensor) -> Result<Vec<f64>, LossError> {
     let shape = rewards.size();
     validate::non_empty(&shape, "rewards", "reward")?;
     validate::finite(rewards, "rewards", None)?;
-    let flat = rewards.f_detach()?.f_to_kind(Kind::Double)?.f_flatten(0, -1)?.f_to_device(tch::Device::Cpu)?;
-    Ok(Vec::<f64>::try_from(&flat)?)
+    crate::checks::read_vec(&rewards.f_detach()?)
 }
 
 fn share_of(rewards: &[f64], c: f64) -> Option<f64> {

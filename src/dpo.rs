@@ -19,9 +19,10 @@
 //! implemented here.
 
 use crate::aggregate::Normalizer;
+use crate::checks::Checks;
 use crate::error::LossError;
 use crate::output::{LossOutput, OnDevice, diagnostics_struct};
-use crate::validate;
+use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
 
 /// The DPO loss family.
@@ -72,6 +73,8 @@ pub struct DpoConfig {
     /// Ignore the reference log-probs (`log π_ref ≡ 0`); the `logp_ref_*` arguments may then be
     /// undefined tensors (`Tensor::new()`).
     pub reference_free: bool,
+    /// Value checks (and their host reads) or shape checks only; see [`Checks`].
+    pub checks: Checks,
 }
 
 impl Default for DpoConfig {
@@ -87,7 +90,13 @@ impl DpoConfig {
     /// assert_eq!(topr_loss::DpoConfig::dpo(), topr_loss::DpoConfig::default());
     /// ```
     pub const fn dpo() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, variant: DpoVariant::Sigmoid, reference_free: false }
+        Self {
+            beta: 0.1,
+            label_smoothing: 0.0,
+            variant: DpoVariant::Sigmoid,
+            reference_free: false,
+            checks: Checks::Full,
+        }
     }
 
     /// Conservative DPO: the sigmoid loss with label smoothing `ε` (the assumed share of flipped
@@ -153,6 +162,16 @@ impl DpoConfig {
     /// ```
     pub const fn with_reference_free(self, reference_free: bool) -> Self {
         Self { reference_free, ..self }
+    }
+
+    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
+    ///
+    /// ```
+    /// use topr_loss::{Checks, DpoConfig};
+    /// assert_eq!(DpoConfig::dpo().with_checks(Checks::Shapes).checks, Checks::Shapes);
+    /// ```
+    pub const fn with_checks(self, checks: Checks) -> Self {
+        Self { checks, ..self }
     }
 
     /// Checks every field.
@@ -223,15 +242,20 @@ fn check_pairs(
         validate::same_shape(t, name, &shape, "the shape of `logp_chosen`")?;
         validate::same_device(t, name, device, "logp_chosen")?;
     }
-    for (t, name) in &args {
-        validate::finite(t, name, None)?;
+    if cfg.checks.values() {
+        let checks: Vec<FiniteCheck> =
+            args.iter().map(|&(t, argument)| FiniteCheck { clean: t, original: t, argument, valid: None }).collect();
+        validate::all_finite(&checks)?;
     }
     let kind = validate::compute_kind(&kinds);
     let log_ratio = |policy: &Tensor, reference: &Tensor| -> Result<Tensor, LossError> {
         let p = policy.f_to_kind(kind)?;
         Ok(if cfg.reference_free { p } else { p.f_sub(&reference.f_detach()?.f_to_kind(kind)?)? })
     };
-    Ok(Pairs { chosen: log_ratio(logp_chosen, logp_ref_chosen)?, rejected: log_ratio(logp_rejected, logp_ref_rejected)? })
+    Ok(Pairs {
+        chosen: log_ratio(logp_chosen, logp_ref_chosen)?,
+        rejected: log_ratio(logp_rejected, logp_ref_rejected)?,
+    })
 }
 
 /// The DPO loss (sigmoid, cDPO, IPO, hinge; with or without a reference), averaged over pairs.
@@ -279,7 +303,7 @@ pub fn dpo_loss(
     cfg: &DpoConfig,
 ) -> Result<Tensor, LossError> {
     let p = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
-    validate::finite_loss(per_pair_loss(&p, cfg)?.f_mean(None::<Kind>)?)
+    validate::finite_loss(per_pair_loss(&p, cfg)?.f_mean(None::<Kind>)?, cfg.checks)
 }
 
 /// `ℓ_i` of each pair.
@@ -340,7 +364,7 @@ pub fn dpo_loss_output(
     let p = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
     let pairs = norm.sequences_or(p.chosen.size()[0] as f64)?;
     let terms = per_pair_loss(&p, cfg)?;
-    let loss = validate::finite_loss(terms.f_sum(None::<Kind>)?.f_div_scalar(pairs)?)?;
+    let loss = validate::finite_loss(terms.f_sum(None::<Kind>)?.f_div_scalar(pairs)?, cfg.checks)?;
     let chosen = p.chosen.f_detach()?.f_mul_scalar(cfg.beta)?;
     let rejected = p.rejected.f_detach()?.f_mul_scalar(cfg.beta)?;
     let mean = |t: &Tensor| t.f_mean(Kind::Double);

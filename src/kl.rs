@@ -11,6 +11,7 @@
 //! Reference: Schulman, *Approximating KL divergence* (2020); GRPO (arXiv 2402.03300) uses K3.
 
 use crate::aggregate::{AggregationMode, Normalizer};
+use crate::checks::Checks;
 use crate::error::LossError;
 use crate::output::{LossOutput, OnDevice, diagnostics_struct, stats};
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
@@ -61,6 +62,8 @@ pub struct KlConfig {
     pub max_log_ratio: f64,
     /// How per-token penalties are reduced.
     pub aggregation: AggregationMode,
+    /// Value checks (and their host reads) or shape checks only; see [`Checks`].
+    pub checks: Checks,
 }
 
 impl Default for KlConfig {
@@ -76,7 +79,13 @@ impl KlConfig {
     /// assert_eq!(topr_loss::KlConfig::k3(), topr_loss::KlConfig::default());
     /// ```
     pub const fn k3() -> Self {
-        Self { estimator: KlEstimator::K3, coef: 0.001, max_log_ratio: 20.0, aggregation: AggregationMode::TokenMean }
+        Self {
+            estimator: KlEstimator::K3,
+            coef: 0.001,
+            max_log_ratio: 20.0,
+            aggregation: AggregationMode::TokenMean,
+            checks: Checks::Full,
+        }
     }
 
     /// K1 (`d`, verl's `kl`), otherwise as [`KlConfig::k3`].
@@ -133,6 +142,16 @@ impl KlConfig {
     /// ```
     pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
         Self { aggregation, ..self }
+    }
+
+    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
+    ///
+    /// ```
+    /// use topr_loss::{Checks, KlConfig};
+    /// assert_eq!(KlConfig::k3().with_checks(Checks::Shapes).checks, Checks::Shapes);
+    /// ```
+    pub const fn with_checks(self, checks: Checks) -> Self {
+        Self { checks, ..self }
     }
 
     /// Checks every field.
@@ -192,7 +211,10 @@ impl KlConfig {
 /// ```
 pub fn kl_penalty(logp: &Tensor, logp_ref: &Tensor, mask: &Tensor, cfg: &KlConfig) -> Result<Tensor, LossError> {
     let (x, k) = estimate(logp, logp_ref, mask, cfg)?;
-    validate::finite_loss(x.reduce_tokens(&k, cfg.aggregation, &Normalizer::local())?.f_mul_scalar(cfg.coef)?)
+    validate::finite_loss(
+        x.reduce_tokens(&k, cfg.aggregation, &Normalizer::local())?.f_mul_scalar(cfg.coef)?,
+        cfg.checks,
+    )
 }
 
 /// [`kl_penalty`] with the counts of `norm`, its per-token terms `coef · k_t` (`[B, T]`, zero on
@@ -225,14 +247,19 @@ pub fn kl_penalty_output(
     norm: &Normalizer,
 ) -> Result<LossOutput<KlDiagnostics>, LossError> {
     let (x, k) = estimate(logp, logp_ref, mask, cfg)?;
-    let loss = validate::finite_loss(x.reduce_tokens(&k, cfg.aggregation, norm)?.f_mul_scalar(cfg.coef)?)?;
+    let loss = validate::finite_loss(x.reduce_tokens(&k, cfg.aggregation, norm)?.f_mul_scalar(cfg.coef)?, cfg.checks)?;
     let tokens = stats::count(&x.mask)?;
     let diagnostics = OnDevice::new(&[tokens.shallow_clone(), stats::mean_where(&k, &x.mask)?])?;
     Ok(LossOutput { loss, terms: x.zero_padding(&k.f_mul_scalar(cfg.coef)?)?, diagnostics })
 }
 
 /// The checked inputs and the estimator's value per token.
-fn estimate(logp: &Tensor, logp_ref: &Tensor, mask: &Tensor, cfg: &KlConfig) -> Result<(TokenInputs, Tensor), LossError> {
+fn estimate(
+    logp: &Tensor,
+    logp_ref: &Tensor,
+    mask: &Tensor,
+    cfg: &KlConfig,
+) -> Result<(TokenInputs, Tensor), LossError> {
     cfg.validate()?;
     let x = token_inputs::check(TokenArgs {
         logp,
@@ -240,6 +267,7 @@ fn estimate(logp: &Tensor, logp_ref: &Tensor, mask: &Tensor, cfg: &KlConfig) -> 
         weights: None,
         mask,
         per_token_weights: false,
+        checks: cfg.checks,
     })?;
     let d = x.delta.f_clamp(-cfg.max_log_ratio, cfg.max_log_ratio)?;
     let k = match cfg.estimator {

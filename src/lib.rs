@@ -77,6 +77,8 @@
 //!   [`backward_through_fused_logprobs`], [`sequence_logprobs`] — log-probabilities from logits or
 //!   from hidden states, in chunks, with bounded memory (`src/logprobs.rs`).
 //! - [`LossError`] — the one error type (`src/error.rs`); no public function panics.
+//! - [`Checks`], [`host_reads`] — value checks or shape checks only, and the host reads they
+//!   cost (`src/checks.rs`).
 //!
 //! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
 //! DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL): `docs/methods.md`.
@@ -118,6 +120,10 @@
 //! - Every loss is a scalar to **minimise**, the negative of the objective.
 //! - `logp_mu` and `logp_ref` are always detached.
 //! - f16 and bf16 inputs are computed in f32; f64 inputs in f64.
+//! - **Checks**: by default every loss checks values too (NaN in real entries, 0/1 masks, empty
+//!   batches, a finite result), which reads a few values back to the host per call. Set
+//!   `with_checks(Checks::Shapes)` on the config for shape, dtype and device checks only and no
+//!   host read at all (a GPU training loop that never stalls); [`host_reads`] counts the reads.
 //! - Inputs are validated first; a bad argument gives a [`LossError`] that names it, with the
 //!   libtorch error as its `source()` where there is one. Closures given to
 //!   [`backward_through_logprobs`] return the caller's own error type.
@@ -128,6 +134,7 @@
 mod advantages;
 mod aggregate;
 mod baseline;
+mod checks;
 mod diagnostics;
 mod dpo;
 mod error;
@@ -147,6 +154,7 @@ pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,
     effective_positive_proportion_of_rewards,
 };
+pub use checks::{Checks, host_reads};
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
 pub use error::{LossError, TorchError};

@@ -27,6 +27,7 @@
 //! The gradient equals that of the naive `log_softmax` + `gather` (tested to 1e-5 in f32).
 
 use crate::aggregate::masked_fill_zero;
+use crate::checks::read_i64;
 use crate::error::LossError;
 use crate::validate;
 use tch::{Device, Kind, Tensor};
@@ -241,8 +242,8 @@ fn prepare(
         valid = valid.f_logical_and(&labels.f_ne(ignore)?)?;
     }
     let out_of_range = labels.f_lt(0)?.f_logical_or(&labels.f_ge(vocab)?)?.f_logical_and(&valid)?;
-    if out_of_range.f_any()?.f_int64_value(&[])? != 0 {
-        let bad = labels.f_masked_select(&out_of_range)?.f_int64_value(&[0])?;
+    if read_i64(&out_of_range.f_any()?, &[])? != 0 {
+        let bad = read_i64(&labels.f_masked_select(&out_of_range)?, &[0])?;
         return Err(LossError::InvalidArgument {
             argument: "labels",
             value: bad as f64,

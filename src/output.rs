@@ -81,8 +81,7 @@ impl<D: Diagnostics> OnDevice<D> {
     /// # Errors
     /// [`LossError::Torch`] if libtorch fails to copy the values.
     pub fn read(&self) -> Result<D, LossError> {
-        let v = Vec::<f64>::try_from(&self.values.f_to_device(tch::Device::Cpu)?)?;
-        Ok(D::from_values(&v))
+        Ok(D::from_values(&crate::checks::read_vec(&self.values)?))
     }
 
     /// The `[K]` f64 tensor, on the loss's device, in [`Diagnostics::NAMES`] order: for

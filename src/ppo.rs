@@ -19,6 +19,7 @@
 //! family, PPO's unclipped side is unbounded for `A < 0` (`|A| r`), which is what dual-clip caps.
 
 use crate::aggregate::{AggregationMode, Normalizer};
+use crate::checks::Checks;
 use crate::error::LossError;
 use crate::output::{LossOutput, OnDevice, diagnostics_struct, stats};
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
@@ -55,6 +56,8 @@ pub struct PpoConfig {
     pub max_log_ratio: f64,
     /// How per-token losses are reduced.
     pub aggregation: AggregationMode,
+    /// Value checks (and their host reads) or shape checks only; see [`Checks`].
+    pub checks: Checks,
 }
 
 impl Default for PpoConfig {
@@ -70,7 +73,14 @@ impl PpoConfig {
     /// assert_eq!(topr_loss::PpoConfig::ppo(), topr_loss::PpoConfig::default());
     /// ```
     pub const fn ppo() -> Self {
-        Self { clip_low: 0.2, clip_high: 0.2, dual_clip: None, max_log_ratio: 20.0, aggregation: AggregationMode::TokenMean }
+        Self {
+            clip_low: 0.2,
+            clip_high: 0.2,
+            dual_clip: None,
+            max_log_ratio: 20.0,
+            aggregation: AggregationMode::TokenMean,
+            checks: Checks::Full,
+        }
     }
 
     /// DAPO's clip-higher: `ε_low = 0.2`, `ε_high = 0.28`, token-mean. Yu et al., arXiv 2503.14476.
@@ -140,6 +150,16 @@ impl PpoConfig {
     /// ```
     pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
         Self { aggregation, ..self }
+    }
+
+    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
+    ///
+    /// ```
+    /// use topr_loss::{Checks, PpoConfig};
+    /// assert_eq!(PpoConfig::ppo().with_checks(Checks::Shapes).checks, Checks::Shapes);
+    /// ```
+    pub const fn with_checks(self, checks: Checks) -> Self {
+        Self { checks, ..self }
     }
 
     /// Checks every field.
@@ -296,9 +316,8 @@ fn ppo_diagnostics(
     let r = r.f_detach()?.f_to_kind(Kind::Double)?;
     let shape = r.size();
     let valid = valid.f_expand(shape.as_slice(), false)?;
-    let active = |m: &Tensor| -> Result<Tensor, LossError> {
-        Ok(m.f_expand(shape.as_slice(), false)?.f_logical_and(&valid)?)
-    };
+    let active =
+        |m: &Tensor| -> Result<Tensor, LossError> { Ok(m.f_expand(shape.as_slice(), false)?.f_logical_and(&valid)?) };
     let samples = stats::count(&valid)?;
     let (ratio_min, ratio_max) = stats::min_max_where(&r, &valid)?;
     let log_r = r.f_log()?;
@@ -330,12 +349,13 @@ fn check_inputs(
         weights: Some((advantages, "advantages")),
         mask,
         per_token_weights: per_token_advantages,
+        checks: cfg.checks,
     })
 }
 
 /// Reduces per-token losses (broadcastable to `[B, T]`) with the config's aggregation.
 fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig, norm: &Normalizer) -> Result<Tensor, LossError> {
-    validate::finite_loss(x.reduce_tokens(per_token, cfg.aggregation, norm)?)
+    validate::finite_loss(x.reduce_tokens(per_token, cfg.aggregation, norm)?, cfg.checks)
 }
 
 /// The output of a PPO-family loss: the loss, the per-token terms and the diagnostics over

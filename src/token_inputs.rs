@@ -3,6 +3,7 @@
 //! per-sequence or per-token weights (rewards, advantages) and a padding mask.
 
 use crate::aggregate::{AggregationMode, Normalizer, masked_fill_zero, sequence_weights_checked, weighted_sum};
+use crate::checks::Checks;
 use crate::error::LossError;
 use crate::validate::{self, FiniteCheck};
 use tch::{Kind, Tensor};
@@ -17,6 +18,8 @@ pub(crate) struct TokenArgs<'a> {
     pub mask: &'a Tensor,
     /// Whether per-token weights `[B, T]` are accepted besides per-sequence ones `[B]`.
     pub per_token_weights: bool,
+    /// Whether values are checked (host reads) or only shapes.
+    pub checks: Checks,
 }
 
 /// Checked token-level inputs in the compute dtype, with padding replaced by zero.
@@ -35,6 +38,8 @@ pub(crate) struct TokenInputs {
     pub lengths: Tensor,
     /// `[B]`, 1 where `L_i > 0`, in the compute dtype.
     pub has_tokens: Tensor,
+    /// The checks level of the call.
+    pub checks: Checks,
 }
 
 pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
@@ -46,7 +51,7 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     let shape = validate::rank(args.logp, "logp", 2, "[B, T] per-token log-probabilities")?;
     validate::non_empty(&shape, "logp", "sequence")?;
     validate::same_shape(other, other_name, &shape, "the shape of `logp`")?;
-    let m = validate::bool_mask(args.mask, "mask")?;
+    let m = validate::bool_mask_with(args.mask, "mask", args.checks)?;
     validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
     let device = args.logp.device();
     validate::same_device(other, other_name, device, "logp")?;
@@ -82,10 +87,21 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     if let Some((original, argument)) = args.weights {
         checks.push(FiniteCheck { clean: &weights, original, argument, valid: per_token.then_some(&m) });
     }
-    validate::all_finite(&checks)?;
+    if args.checks.values() {
+        validate::all_finite(&checks)?;
+    }
     let lengths = m.f_sum_dim_intlist(1, false, kind)?;
     let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
-    Ok(TokenInputs { kind, delta: lp.f_sub(&lo)?, logp: lp, weights, lengths, has_tokens, mask: m })
+    Ok(TokenInputs {
+        kind,
+        delta: lp.f_sub(&lo)?,
+        logp: lp,
+        weights,
+        lengths,
+        has_tokens,
+        mask: m,
+        checks: args.checks,
+    })
 }
 
 impl TokenInputs {
@@ -118,7 +134,7 @@ impl TokenInputs {
         mode: AggregationMode,
         norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind)?;
+        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind, self.checks)?;
         let full = per_token.f_expand(self.mask.size().as_slice(), false)?;
         weighted_sum(&masked_fill_zero(&full, &self.mask)?, &alpha)
     }
@@ -130,7 +146,7 @@ impl TokenInputs {
         mode: AggregationMode,
         norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind)?;
+        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind, self.checks)?;
         Ok(per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?)
     }
 }

@@ -21,6 +21,7 @@
 //! reinforcement learning for LLMs*, arXiv 2503.14286.
 
 use crate::aggregate::Normalizer;
+use crate::checks::{Checks, read_f64};
 use crate::diagnostics::{ToprDiagnostics, topr_diagnostics};
 use crate::error::{LossError, kind_name};
 use crate::output::LossOutput;
@@ -64,6 +65,8 @@ pub struct ToprConfig {
     pub baseline: f64,
     /// Which branch a sample with `R − c = 0` belongs to.
     pub tie: TieRule,
+    /// Value checks (and their host reads) or shape checks only; see [`Checks`].
+    pub checks: Checks,
 }
 
 impl Default for ToprConfig {
@@ -74,7 +77,7 @@ impl Default for ToprConfig {
 
 impl ToprConfig {
     const fn limits(a_pos: f64, b_pos: f64, a_neg: f64, b_neg: f64) -> Self {
-        Self { a_pos, b_pos, a_neg, b_neg, baseline: 0.0, tie: TieRule::Positive }
+        Self { a_pos, b_pos, a_neg, b_neg, baseline: 0.0, tie: TieRule::Positive, checks: Checks::Full }
     }
 
     /// Canonical TOPR `(a+, b+, a−, b−) = (1, 1, 0, 1)`: an SFT update on positives (weight 1,
@@ -176,6 +179,16 @@ impl ToprConfig {
         Self { tie, ..self }
     }
 
+    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
+    ///
+    /// ```
+    /// use topr_loss::{Checks, ToprConfig};
+    /// assert_eq!(ToprConfig::canonical().with_checks(Checks::Shapes).checks, Checks::Shapes);
+    /// ```
+    pub const fn with_checks(self, checks: Checks) -> Self {
+        Self { checks, ..self }
+    }
+
     /// Checks the config: every limit non-negative and not NaN, `a ≤ b`, `a` finite, baseline finite.
     ///
     /// # Errors
@@ -261,7 +274,7 @@ pub(crate) fn positive_branch(r_prime: &Tensor, tie: TieRule) -> Result<Tensor, 
 /// `s`), else [`LossError::NonFiniteLoss`] (rewards too large for the compute dtype). Reads the
 /// loss back: one device sync.
 pub(crate) fn guard_finite(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &ToprConfig) -> Result<(), LossError> {
-    if loss.f_double_value(&[])?.is_finite() {
+    if !cfg.checks.values() || read_f64(loss)?.is_finite() {
         return Ok(());
     }
     let compute_dtype = kind_name(s.kind());
@@ -271,7 +284,7 @@ pub(crate) fn guard_finite(loss: &Tensor, s: &Tensor, positive: &Tensor, cfg: &T
     let mut worst: Option<(&'static str, f64)> = None;
     for (field, b, rows) in [("b_pos", cfg.b_pos, positive), ("b_neg", cfg.b_neg, &negative)] {
         if b.is_infinite() {
-            let max = s.f_where_self(rows, &floor)?.f_max()?.f_double_value(&[])?;
+            let max = read_f64(&s.f_where_self(rows, &floor)?.f_max()?)?;
             if worst.is_none_or(|(_, w)| max > w) {
                 worst = Some((field, max));
             }
@@ -297,6 +310,7 @@ pub(crate) fn check_sequence_inputs(
     logp: &Tensor,
     logp_mu: &Tensor,
     rewards: &Tensor,
+    checks: Checks,
 ) -> Result<SequenceInputs, LossError> {
     let kinds = [
         validate::float_tensor(logp, "logp")?,
@@ -316,6 +330,9 @@ pub(crate) fn check_sequence_inputs(
         logp_mu: logp_mu.f_detach()?.f_to_kind(kind)?,
         rewards: rewards.f_detach()?.f_to_kind(kind)?,
     };
+    if !checks.values() {
+        return Ok(x);
+    }
     let check = |clean, original, argument| FiniteCheck { clean, original, argument, valid: None };
     validate::all_finite(&[
         check(&x.logp, logp, "logp"),
@@ -433,7 +450,7 @@ pub fn topr_loss_output(
     norm: &Normalizer,
 ) -> Result<LossOutput<ToprDiagnostics>, LossError> {
     cfg.validate()?;
-    let x = check_sequence_inputs(logp, logp_mu, rewards)?;
+    let x = check_sequence_inputs(logp, logp_mu, rewards, cfg.checks)?;
     let samples = norm.sequences_or(x.logp.size()[0] as f64)?;
     let r_prime = x.rewards.f_sub_scalar(cfg.baseline)?;
     let positive = positive_branch(&r_prime, cfg.tie)?;

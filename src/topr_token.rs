@@ -27,6 +27,7 @@
 //! arithmetic, so it gets exactly zero gradient.
 
 use crate::aggregate::{AggregationMode, Normalizer};
+use crate::checks::Checks;
 use crate::diagnostics::{ToprDiagnostics, topr_diagnostics};
 use crate::error::LossError;
 use crate::output::LossOutput;
@@ -100,7 +101,11 @@ impl ToprTokenConfig {
     /// assert_eq!((c.topr, c.ratio, c.aggregation), (ToprConfig::canonical(), RatioLevel::Sequence, AggregationMode::SeqMeanTokenMean));
     /// ```
     pub const fn paper() -> Self {
-        Self { topr: ToprConfig::canonical(), ratio: RatioLevel::Sequence, aggregation: AggregationMode::SeqMeanTokenMean }
+        Self {
+            topr: ToprConfig::canonical(),
+            ratio: RatioLevel::Sequence,
+            aggregation: AggregationMode::SeqMeanTokenMean,
+        }
     }
 
     /// verl's `loss_mode=topr` (as proposed in its open pull request): canonical limits on the
@@ -291,7 +296,7 @@ fn forward(
     norm: &Normalizer,
 ) -> Result<(Tensor, TokenInputs, LevelTerms), LossError> {
     cfg.topr.validate()?;
-    let x = check_inputs(logp, logp_mu, rewards, mask, cfg.ratio)?;
+    let x = check_inputs(logp, logp_mu, rewards, mask, cfg.ratio, cfg.topr.checks)?;
     let r = level_terms(&x, cfg)?;
     let mode = cfg.aggregation;
     let loss = match cfg.ratio {
@@ -310,6 +315,7 @@ fn check_inputs(
     rewards: &Tensor,
     mask: &Tensor,
     ratio: RatioLevel,
+    checks: Checks,
 ) -> Result<TokenInputs, LossError> {
     token_inputs::check(TokenArgs {
         logp,
@@ -317,6 +323,7 @@ fn check_inputs(
         weights: Some((rewards, "rewards")),
         mask,
         per_token_weights: ratio == RatioLevel::Token,
+        checks,
     })
 }
 

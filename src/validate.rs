@@ -1,6 +1,7 @@
 //! Argument checks shared by every public function. Each returns a [`LossError`] naming the
 //! argument; none panics, whatever the tensor (undefined, sparse, complex, empty).
 
+use crate::checks::{Checks, read_f64, read_i64, read_vec};
 use crate::error::LossError;
 use tch::{Device, Kind, Tensor};
 
@@ -91,10 +92,10 @@ pub(crate) fn finite(t: &Tensor, argument: &'static str, valid: Option<&Tensor>)
     if let Some(valid) = valid {
         bad = bad.f_logical_and(valid)?;
     }
-    let count = bad.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    let count = read_i64(&bad.f_sum(Kind::Int64)?, &[])?;
     if count > 0 {
         let idx = bad.f_nonzero()?; // [count, rank]
-        let first_index = (0..idx.size()[1]).map(|j| idx.f_int64_value(&[0, j])).collect::<Result<Vec<_>, _>>()?;
+        let first_index = read_vec(&idx.f_select(0, 0)?)?.into_iter().map(|v| v as i64).collect();
         return Err(LossError::NonFinite { argument, count, first_index });
     }
     Ok(())
@@ -118,7 +119,7 @@ pub(crate) struct FiniteCheck<'a> {
 pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
     let sums =
         items.iter().map(|c| c.clean.f_sum(None::<Kind>)?.f_to_kind(Kind::Double)).collect::<Result<Vec<_>, _>>()?;
-    let sums = Vec::<f64>::try_from(&Tensor::f_stack(&sums, 0)?.f_to_device(Device::Cpu)?)?;
+    let sums = read_vec(&Tensor::f_stack(&sums, 0)?)?;
     for (c, s) in items.iter().zip(sums) {
         if !s.is_finite() {
             finite(c.original, c.argument, c.valid)?;
@@ -130,6 +131,11 @@ pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
 /// Turns a mask (bool, integer or floating with values 0/1) into a bool tensor, checking that a
 /// floating mask holds only 0 and 1.
 pub(crate) fn bool_mask(mask: &Tensor, argument: &'static str) -> Result<Tensor, LossError> {
+    bool_mask_with(mask, argument, Checks::Full)
+}
+
+/// [`bool_mask`]; under [`Checks::Shapes`] a floating mask's nonzero entries are real, unchecked.
+pub(crate) fn bool_mask_with(mask: &Tensor, argument: &'static str, checks: Checks) -> Result<Tensor, LossError> {
     dense_tensor(mask, argument)?;
     let kind = mask.f_kind().map_err(|_| LossError::WrongDtype {
         argument,
@@ -139,11 +145,12 @@ pub(crate) fn bool_mask(mask: &Tensor, argument: &'static str) -> Result<Tensor,
     match kind {
         Kind::Bool => Ok(mask.shallow_clone()),
         Kind::Uint8 | Kind::Int8 | Kind::Int16 | Kind::Int | Kind::Int64 => Ok(mask.f_ne(0)?),
+        Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double if !checks.values() => Ok(mask.f_ne(0.0)?),
         Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double => {
             let is_zero = mask.f_eq(0.0)?;
             let is_one = mask.f_eq(1.0)?;
             let other = is_zero.f_logical_or(&is_one)?.f_logical_not()?;
-            let count = other.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+            let count = read_i64(&other.f_sum(Kind::Int64)?, &[])?;
             if count > 0 {
                 return Err(LossError::WrongDtype {
                     argument,
@@ -210,9 +217,10 @@ pub(crate) fn finite_field(v: f64, field: &'static str) -> Result<(), LossError>
     Ok(())
 }
 
-/// Returns the loss if its value is finite, else [`LossError::NonFiniteLoss`] (one device sync).
-pub(crate) fn finite_loss(loss: Tensor) -> Result<Tensor, LossError> {
-    if loss.f_double_value(&[])?.is_finite() {
+/// Returns the loss if its value is finite, else [`LossError::NonFiniteLoss`] (one device sync);
+/// under [`Checks::Shapes`] returns it unread.
+pub(crate) fn finite_loss(loss: Tensor, checks: Checks) -> Result<Tensor, LossError> {
+    if !checks.values() || read_f64(&loss)?.is_finite() {
         Ok(loss)
     } else {
         Err(LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(loss.f_kind()?) })

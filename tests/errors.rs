@@ -56,7 +56,12 @@ fn arbitrary_config() -> impl Strategy<Value = ToprConfig> {
         arbitrary_limit(),
         prop_oneof![Just(0.0), Just(f64::NAN), Just(f64::INFINITY), -1.0f64..1.0],
     )
-        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| ToprConfig::canonical().with_positive_limits(a_pos, b_pos).with_negative_limits(a_neg, b_neg).with_baseline(baseline))
+        .prop_map(|(a_pos, b_pos, a_neg, b_neg, baseline)| {
+            ToprConfig::canonical()
+                .with_positive_limits(a_pos, b_pos)
+                .with_negative_limits(a_neg, b_neg)
+                .with_baseline(baseline)
+        })
 }
 
 fn no_panic<T>(what: &str, f: impl FnOnce() -> T) -> T {
@@ -228,17 +233,24 @@ fn closures_given_to_the_backward_helpers_return_the_callers_error_type() {
     let labels = Tensor::from_slice2(&[[0i64, 2]]);
     let cfg = LogProbConfig::new();
     // The closure's own error comes back as it is.
-    let e = backward_through_logprobs(&logits, &labels, None, &cfg, |_| Err(MyError::Mine("no reward model"))).unwrap_err();
+    let e =
+        backward_through_logprobs(&logits, &labels, None, &cfg, |_| Err(MyError::Mine("no reward model"))).unwrap_err();
     assert_eq!(e, MyError::Mine("no reward model"));
     let hidden = Tensor::zeros([1, 2, 4], (Kind::Float, tch::Device::Cpu));
     let weight = Tensor::zeros([3, 4], (Kind::Float, tch::Device::Cpu));
-    let e = backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |_| Err(MyError::Mine("x"))).unwrap_err();
+    let e = backward_through_fused_logprobs(&hidden, &weight, &labels, None, &cfg, |_| Err(MyError::Mine("x")))
+        .unwrap_err();
     assert_eq!(e, MyError::Mine("x"));
     // The crate's errors convert through From.
-    let e = backward_through_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 9]]), None, &cfg, |x| Ok::<_, MyError>(x.logp.sum(Kind::Float))).unwrap_err();
+    let e = backward_through_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 9]]), None, &cfg, |x| {
+        Ok::<_, MyError>(x.logp.sum(Kind::Float))
+    })
+    .unwrap_err();
     assert!(matches!(e, MyError::Loss(_)), "{e:?}");
     // anyhow works as well.
-    let loss = backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, anyhow::Error>(x.logp.sum(Kind::Float))).unwrap();
+    let loss =
+        backward_through_logprobs(&logits, &labels, None, &cfg, |x| Ok::<_, anyhow::Error>(x.logp.sum(Kind::Float)))
+            .unwrap();
     assert!(scalar(&loss).is_finite());
 }
 

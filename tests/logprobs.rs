@@ -93,15 +93,16 @@ fn bf16_logits_are_upcast_per_chunk() {
     tch::manual_seed(1);
     let logits = (Tensor::randn([3, 5, 40], (Kind::Float, CPU)) * 8.0).to_kind(Kind::BFloat16);
     let labels = Tensor::randint(40, [3, 5], (Kind::Int64, CPU));
-    let out =
-        token_logprobs(&logits, &labels, None, &LogProbConfig::new().with_chunk_tokens(4)).unwrap();
+    let out = token_logprobs(&logits, &labels, None, &LogProbConfig::new().with_chunk_tokens(4)).unwrap();
     assert_eq!(out.logp.kind(), Kind::Float);
     let (lp, _) = naive(&logits, &labels, 1.0, Kind::Float); // the same bf16 values, in f32
     assert!(max_abs_diff(&out.logp, &lp) < 1e-5);
     // The gradient reaches bf16 logits, equal to the f32 naive one rounded to bf16.
     let l = logits.detach().set_requires_grad(true);
-    let _ = backward_through_logprobs(&l, &labels, None, &LogProbConfig::default(), |x| Ok::<_, LossError>(x.logp.sum(Kind::Float)))
-        .unwrap();
+    let _ = backward_through_logprobs(&l, &labels, None, &LogProbConfig::default(), |x| {
+        Ok::<_, LossError>(x.logp.sum(Kind::Float))
+    })
+    .unwrap();
     let lf = logits.to_kind(Kind::Float).set_requires_grad(true);
     naive(&lf, &labels, 1.0, Kind::Float).0.sum(Kind::Float).backward();
     assert_eq!(l.grad().kind(), Kind::BFloat16);
@@ -115,7 +116,8 @@ fn masked_positions_are_not_computed_and_get_zero_gradient() {
     let labels = Tensor::from_slice2(&[[1i64, 2, -100]]);
     let cfg = LogProbConfig::pytorch().with_entropy(true);
     let l = leaf(&logits);
-    let loss = backward_through_logprobs(&l, &labels, None, &cfg, |x| Ok::<_, LossError>(x.logp.sum(Kind::Double))).unwrap();
+    let loss =
+        backward_through_logprobs(&l, &labels, None, &cfg, |x| Ok::<_, LossError>(x.logp.sum(Kind::Double))).unwrap();
     assert!(scalar(&loss).is_finite());
     let g = l.grad();
     assert_eq!(g.narrow(1, 2, 1).abs().sum(Kind::Double).double_value(&[]), 0.0);
@@ -179,9 +181,7 @@ fn bad_inputs_are_errors() {
     )
     .unwrap_err();
     assert!(matches!(e, LossError::ShapeMismatch { argument: "weight", .. }), "{e}");
-    let e =
-        token_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 1]]), None, &cfg.with_temperature(0.0))
-            .unwrap_err();
+    let e = token_logprobs(&logits, &Tensor::from_slice2(&[[0i64, 1]]), None, &cfg.with_temperature(0.0)).unwrap_err();
     assert!(matches!(e, LossError::InvalidConfig { field: "temperature", .. }), "{e}");
     // A loss_fn that returns a vector is refused.
     let l = logits.set_requires_grad(true);

@@ -100,8 +100,13 @@ fn configs() -> Vec<PpoConfig> {
         PpoConfig::ppo(),
         PpoConfig::dapo(),
         PpoConfig::ppo().with_dual_clip(Some(3.0)),
-        PpoConfig::ppo().with_clip(0.1, 0.3).with_dual_clip(Some(1.5)).with_aggregation(AggregationMode::SeqMeanTokenMean),
-        PpoConfig::gspo().with_clip(PpoConfig::gspo().clip_low, 0.05).with_aggregation(AggregationMode::SeqMeanTokenSum),
+        PpoConfig::ppo()
+            .with_clip(0.1, 0.3)
+            .with_dual_clip(Some(1.5))
+            .with_aggregation(AggregationMode::SeqMeanTokenMean),
+        PpoConfig::gspo()
+            .with_clip(PpoConfig::gspo().clip_low, 0.05)
+            .with_aggregation(AggregationMode::SeqMeanTokenSum),
         PpoConfig::cispo().with_clip(0.5, 0.5).with_aggregation(AggregationMode::TokenSum),
     ]
 }
@@ -200,12 +205,8 @@ fn gradient_matches_finite_differences() {
 fn extreme_log_ratios_stay_finite() {
     use tch::Kind;
     for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
-        for cfg in [
-            PpoConfig::ppo(),
-            PpoConfig::ppo().with_dual_clip(Some(3.0)),
-            PpoConfig::gspo(),
-            PpoConfig::cispo(),
-        ] {
+        for cfg in [PpoConfig::ppo(), PpoConfig::ppo().with_dual_clip(Some(3.0)), PpoConfig::gspo(), PpoConfig::cispo()]
+        {
             for (name, f) in LOSSES {
                 let logp =
                     Tensor::from_slice2(&[[-1.0e4f64, 0.0], [0.0, -1.0e4]]).to_kind(kind).set_requires_grad(true);

@@ -20,9 +20,18 @@ fn configs() -> Vec<(&'static str, ToprConfig)> {
         ("sft", ToprConfig::sft().with_baseline(0.2)),
         ("tis", ToprConfig::tis().with_baseline(-0.25)),
         ("importance_sampling", ToprConfig::importance_sampling().with_baseline(0.1)),
-        ("custom_wide", ToprConfig::canonical().with_positive_limits(0.5, 2.0).with_negative_limits(0.2, 1.5).with_baseline(0.35)),
-        ("custom_narrow", ToprConfig::canonical().with_positive_limits(0.9, 1.1).with_negative_limits(0.0, 0.5).with_baseline(-0.6)),
-        ("custom_equal", ToprConfig::canonical().with_positive_limits(0.7, 0.7).with_negative_limits(1.3, 1.3).with_baseline(0.05)),
+        (
+            "custom_wide",
+            ToprConfig::canonical().with_positive_limits(0.5, 2.0).with_negative_limits(0.2, 1.5).with_baseline(0.35),
+        ),
+        (
+            "custom_narrow",
+            ToprConfig::canonical().with_positive_limits(0.9, 1.1).with_negative_limits(0.0, 0.5).with_baseline(-0.6),
+        ),
+        (
+            "custom_equal",
+            ToprConfig::canonical().with_positive_limits(0.7, 0.7).with_negative_limits(1.3, 1.3).with_baseline(0.05),
+        ),
     ]
 }
 
@@ -186,7 +195,8 @@ fn a_batch_of_only_zero_weight_rows_still_backpropagates() {
 fn ties_at_the_baseline_go_to_the_positive_branch() {
     // R' = 0 contributes nothing either way; the diagnostics show the branch.
     let diagnose = |cfg: ToprConfig| {
-        let out = topr_loss_output(&t1(&[-1.0, -2.0]), &t1(&[-1.0, -2.0]), &t1(&[0.5, 1.0]), &cfg, &Normalizer::local());
+        let out =
+            topr_loss_output(&t1(&[-1.0, -2.0]), &t1(&[-1.0, -2.0]), &t1(&[0.5, 1.0]), &cfg, &Normalizer::local());
         out.unwrap().diagnostics.read().unwrap()
     };
     assert_eq!(diagnose(ToprConfig::canonical().with_baseline(0.5)).negative_fraction, 0.0);

@@ -79,7 +79,10 @@ fn configs() -> Vec<ToprTokenConfig> {
             for aggregation in MODES {
                 for tie in [TieRule::Positive, TieRule::Tapered] {
                     out.push(
-                        ToprTokenConfig::paper().with_topr(topr.with_tie(tie)).with_ratio(ratio).with_aggregation(aggregation),
+                        ToprTokenConfig::paper()
+                            .with_topr(topr.with_tie(tie))
+                            .with_ratio(ratio)
+                            .with_aggregation(aggregation),
                     );
                 }
             }
