@@ -3,7 +3,6 @@
 //! Nothing here calls the library's own math.
 #![allow(dead_code)]
 
-
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 use topr_loss::AggregationMode;
