@@ -138,10 +138,7 @@ pub fn generate(
     let p_len = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
     let limit = model.cfg.max_position_embeddings;
     if p_len + s.max_new_tokens > limit {
-        bail!(
-            "prompt ({p_len} tokens) + max new tokens ({}) exceeds the model's context of {limit}",
-            s.max_new_tokens
-        );
+        bail!("prompt ({p_len} tokens) + max new tokens ({}) exceeds the model's context of {limit}", s.max_new_tokens);
     }
     // Left padding: [B, P] ids and mask.
     let mut ids = vec![pad_id; (b * p_len) as usize];

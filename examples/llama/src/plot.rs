@@ -6,9 +6,9 @@
 //! usual system folders (Debian's `fonts-dejavu-core`). Without one, plotting is skipped with a
 //! message; the metrics are in the JSONL files either way.
 
+use crate::metrics::{IterationRecord, StepRecord, ToprStats, read_jsonl};
 use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
-use crate::metrics::{IterationRecord, StepRecord, ToprStats, read_jsonl};
 use std::path::{Path, PathBuf};
 
 const FONT_PATHS: [&str; 5] = [

@@ -5,9 +5,9 @@
 //! "The answer is N"; one that does not is *invalid* (and counts as wrong). GSM8K's reference
 //! solutions end with "#### N", which the extractor also reads.
 
+use crate::eval::PromptStyle;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
-use crate::eval::PromptStyle;
 use std::path::{Path, PathBuf};
 
 /// One problem: the question, a worked solution ending with the answer, and the answer.

@@ -4,10 +4,10 @@
 
 mod common;
 
-use topr_llama::optim::{Optimizer, OptimizerConfig};
 use serde_json::json;
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
+use topr_llama::optim::{Optimizer, OptimizerConfig};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(seed: u64, n: usize) -> Vec<f32> {

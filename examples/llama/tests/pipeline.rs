@@ -84,7 +84,8 @@ fn evaluation_metrics_are_consistent() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
     let (m, tok, dir) = setup("pipeline_eval");
     let problems = task::synthetic_problems(9, 5, 1);
-    let settings = eval::EvalSettings { max_new_tokens: 8, samples: 3, sampling: SamplingParams::default(), batch_size: 4 };
+    let settings =
+        eval::EvalSettings { max_new_tokens: 8, samples: 3, sampling: SamplingParams::default(), batch_size: 4 };
     let out = dir.join("eval.jsonl");
     let mut f = std::fs::File::create(&out).unwrap();
     let summary = eval::evaluate(&m, &tok, &problems, &eval::PromptStyle::Chat, &settings, Some(&mut f)).unwrap();

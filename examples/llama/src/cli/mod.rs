@@ -240,10 +240,9 @@ fn refusal(r: &Refusal) -> String {
             "{} holds an earlier run: pass --resume to continue it (finished stages are kept), or choose another --work",
             work.display()
         ),
-        Refusal::EarlierDemo(work) => format!(
-            "{} holds an earlier demo: pass --resume to continue it, or choose another --work",
-            work.display()
-        ),
+        Refusal::EarlierDemo(work) => {
+            format!("{} holds an earlier demo: pass --resume to continue it, or choose another --work", work.display())
+        }
         Refusal::RecordTooLong { path, record, id, tokens, context } => format!(
             "{}: record {record} ({id}) has {tokens} tokens, more than the model's context of {context} (--skip-bad-records skips such records)",
             path.display()

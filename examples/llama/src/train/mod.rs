@@ -22,12 +22,12 @@ pub use crate::metrics::{StepStats, ToprStats};
 pub use batch::{MicroBatch, accumulate, clip_grad_norm, learning_rate, micro_batch};
 pub use objective::{Baseline, Loss, Objective, Unit, p_tilde, resolve_baseline, units};
 
+use crate::Refusal;
 use crate::checkpoint::{self, Placement};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::sample::Sample;
-use crate::Refusal;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 use state::{MetricsLog, Progress, StateDir};

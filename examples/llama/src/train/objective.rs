@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
     AggregationMode, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
-    ToprConfig, ToprDiagnostics, ToprTokenConfig, TokenLogProbs, baseline_for_effective_proportion, dpo_loss,
+    TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss,
     dpo_rewards, group_advantages, ppo_clip_loss, sequence_logprobs, topr_token_diagnostics, topr_token_loss,
 };
 
