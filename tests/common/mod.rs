@@ -3,8 +3,6 @@
 //! Nothing here calls the library's own math.
 #![allow(dead_code)]
 
-pub mod llama;
-
 use proptest::prelude::*;
 use tch::{Kind, Tensor};
 use topr_loss::AggregationMode;

@@ -1,6 +1,6 @@
 """transformers' side of scripts/bench_llama.sh: the same measurements as `llama bench`.
 
-usage: python tests/reference/bench_hf.py MODEL_DIR NEW_TOKENS TRAIN_BATCH TRAIN_LEN
+usage: python examples/llama/tests/reference/bench_hf.py MODEL_DIR NEW_TOKENS TRAIN_BATCH TRAIN_LEN
 """
 import json
 import sys

@@ -3,6 +3,7 @@
 
 use crate::config::LlamaConfig;
 use crate::model::Llama;
+use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -43,6 +44,38 @@ pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
     let model = Llama::new(cfg, device, kind)?;
     read_weights(&model, &weight_files(dir)?, dir)?;
     Ok(model)
+}
+
+/// Where and in which dtype a model is loaded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement {
+    pub device: Device,
+    /// The weights' dtype (converted on load): `Kind::Float`, `Kind::BFloat16` or `Kind::Half`.
+    pub kind: Kind,
+}
+
+impl Placement {
+    /// f32 on `device`.
+    pub fn f32(device: Device) -> Self {
+        Self { device, kind: Kind::Float }
+    }
+}
+
+/// Loads the model of `dir` and its tokenizer, logging what was loaded and how long it took to
+/// stderr.
+pub fn open(dir: &Path, at: Placement) -> Result<(Llama, Tokenizer)> {
+    let t0 = std::time::Instant::now();
+    let m = load(dir, at.device, at.kind).with_context(|| format!("loading {}", dir.display()))?;
+    let tok = Tokenizer::load(dir, &m.cfg)?;
+    eprintln!(
+        "loaded {} ({} layers, {:?}, {:?}) in {:.1} s",
+        dir.display(),
+        m.cfg.num_hidden_layers,
+        at.kind,
+        at.device,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok((m, tok))
 }
 
 /// The model's tensors by name (a name-ordered map, so that writing them is deterministic).

@@ -1,28 +1,16 @@
-//! The Llama example against Hugging Face transformers (the reference implementation), on small
+//! The Llama library against Hugging Face transformers (the reference implementation), on small
 //! randomly initialised `LlamaForCausalLM` checkpoints written by `save_pretrained` and on the
 //! real SmolLM2-135M-Instruct. Needs the Python environment of `scripts/env.sh`
 //! (`TOPR_REFERENCE_PYTHON`).
 
-#![allow(dead_code)]
-
-#[path = "../examples/llama/checkpoint.rs"]
-mod checkpoint;
-#[path = "../examples/llama/config.rs"]
-mod config;
-#[path = "../examples/llama/generate.rs"]
-mod generate;
-#[path = "../examples/llama/model.rs"]
-mod model;
-#[path = "../examples/llama/tokenizer.rs"]
-mod tokenizer;
-
 mod common;
 
-use common::llama::{hf, python, random_checkpoint, repo};
+use common::{hf, python, random_checkpoint, repo};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
 use tch::{Device, Kind, Tensor};
+use topr_llama::{checkpoint, generate, model, tokenizer};
 
 fn to_vec3(v: &Value) -> Vec<Vec<Vec<f64>>> {
     serde_json::from_value(v.clone()).unwrap()
@@ -108,7 +96,7 @@ fn random_checkpoints_match_transformers() {
 
         // Greedy generations, ours batched (left-padded, per-row positions), theirs one by one.
         if case.kind == Kind::Float {
-            let s = generate::Sampling { greedy: true, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 24 };
+            let s = generate::Sampling::greedy(24);
             let outs = generate::generate(&m, &prompts, &s, &[-1], 0).unwrap();
             for (i, g) in outs.iter().enumerate() {
                 let want: Vec<i64> = serde_json::from_value(theirs[1 + i].clone()).unwrap();
@@ -229,7 +217,7 @@ fn smollm2_greedy_chat_matches_transformers() {
         requests.push(json!({"op": "greedy", "ids": p, "max_new_tokens": 24}));
     }
     let theirs = hf(&dir, Value::Array(requests));
-    let s = generate::Sampling { greedy: true, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 24 };
+    let s = generate::Sampling::greedy(24);
     let ours = generate::generate(&m, &prompts, &s, &tok.eos_ids, tok.pad_id).unwrap();
     for (i, q) in questions.iter().enumerate() {
         let want_prompt: Vec<i64> = serde_json::from_value(theirs[2 * i]["ids"].clone()).unwrap();

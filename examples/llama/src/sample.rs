@@ -7,7 +7,7 @@
 //! from `seed` and the batch index, so a resumed run produces the same lines as an uninterrupted one.
 
 use crate::eval::{PromptStyle, prompt_ids};
-use crate::generate::{self, Sampling};
+use crate::generate::{self, Decoding, Sampling};
 use crate::model::Llama;
 use crate::task::{self, Problem};
 use crate::tokenizer::Tokenizer;
@@ -98,10 +98,13 @@ pub fn sample_dataset(
     out: &Path,
 ) -> Result<usize> {
     s.check()?;
+    let Decoding::Sample(params) = s.decoding else {
+        bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
+    };
     let record = SamplingRecord {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
+        temperature: params.temperature,
+        top_p: params.top_p,
+        top_k: params.top_k,
         max_new_tokens: s.max_new_tokens,
         seed,
     };
@@ -211,7 +214,7 @@ pub fn write_solutions(
     seed: u64,
 ) -> Result<usize> {
     if !(0.0..=1.0).contains(&slip_rate) {
-        bail!("--slip-rate must be in [0, 1], got {slip_rate}");
+        bail!("the slip rate must lie in [0, 1], got {slip_rate}");
     }
     let mut rng = task::Rng::new(seed.wrapping_add(0x5EED));
     let eos = *tok.eos_ids.first().context("the tokenizer has no EOS id")?;

@@ -1,16 +1,13 @@
-//! The task module of the Llama example: answer extraction on the real GSM8K files, grading,
+//! The task module of the Llama library: answer extraction on the real GSM8K files, grading,
 //! and the synthetic task. GSM8K is read from `examples/llama/data/gsm8k` (or `TOPR_GSM8K_DIR`).
 
-#[path = "../examples/llama/task.rs"]
-mod task;
-
 use std::path::PathBuf;
-use task::*;
+use topr_llama::task::*;
 
 fn gsm8k_dir() -> PathBuf {
     std::env::var("TOPR_GSM8K_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/llama/data/gsm8k"))
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/gsm8k"))
 }
 
 #[test]

@@ -1,34 +1,13 @@
-//! The data pipeline of the Llama example: sampling a graded data set (resumable, deterministic)
+//! The data pipeline of the Llama library: sampling a graded data set (resumable, deterministic)
 //! and evaluation metrics, on a small random checkpoint.
-
-#![allow(dead_code)]
-
-#[path = "../examples/llama/checkpoint.rs"]
-mod checkpoint;
-#[path = "../examples/llama/config.rs"]
-mod config;
-#[path = "../examples/llama/eval.rs"]
-mod eval;
-#[path = "../examples/llama/generate.rs"]
-mod generate;
-#[path = "../examples/llama/model.rs"]
-mod model;
-#[path = "../examples/llama/optim.rs"]
-mod optim;
-#[path = "../examples/llama/sample.rs"]
-mod sample;
-#[path = "../examples/llama/task.rs"]
-mod task;
-#[path = "../examples/llama/tokenizer.rs"]
-mod tokenizer;
-#[path = "../examples/llama/train.rs"]
-mod train;
 
 mod common;
 
-use common::llama::random_checkpoint;
+use common::random_checkpoint;
 use std::path::PathBuf;
 use tch::{Device, Kind};
+use topr_llama::generate::SamplingParams;
+use topr_llama::{checkpoint, eval, generate, model, sample, task, tokenizer, train};
 
 /// libtorch's random generator is global to the process: tests that sample run one at a time,
 /// or their draws interleave.
@@ -46,7 +25,8 @@ fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
     let (m, tok, dir) = setup("pipeline_sample");
     let problems = task::synthetic_problems(5, 7, 2);
-    let s = generate::Sampling { greedy: false, temperature: 1.0, top_p: 0.95, top_k: 50, max_new_tokens: 10 };
+    let params = SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 50 };
+    let s = generate::Sampling::sample(params, 10);
     let style = eval::PromptStyle::Chat;
     let full = dir.join("full.jsonl");
     let n = sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &full).unwrap();
@@ -64,7 +44,7 @@ fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
     // A complete file is never regenerated.
     assert_eq!(sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &full).unwrap(), 0);
     // Other settings on an existing file are refused.
-    let other = generate::Sampling { temperature: 0.7, ..s };
+    let other = generate::Sampling::sample(SamplingParams { temperature: 0.7, ..params }, 10);
     assert!(sample::sample_dataset(&m, &tok, &problems, &style, 3, &other, 42, 2, &full).is_err());
 
     // Every record is consistent: μ's sequence log-prob is the sum of its token log-probs, the
@@ -104,10 +84,11 @@ fn evaluation_metrics_are_consistent() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
     let (m, tok, dir) = setup("pipeline_eval");
     let problems = task::synthetic_problems(9, 5, 1);
-    let s = generate::Sampling { greedy: false, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8 };
+    let settings =
+        eval::EvalSettings { max_new_tokens: 8, samples: 3, sampling: SamplingParams::default(), batch_size: 4 };
     let out = dir.join("eval.jsonl");
     let mut f = std::fs::File::create(&out).unwrap();
-    let summary = eval::evaluate(&m, &tok, &problems, &eval::PromptStyle::Chat, 8, 3, s, 4, Some(&mut f)).unwrap();
+    let summary = eval::evaluate(&m, &tok, &problems, &eval::PromptStyle::Chat, &settings, Some(&mut f)).unwrap();
     assert_eq!(summary.questions, 5);
     assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 5);
     let (p1, maj, pk) = (summary.pass1_sampled.unwrap(), summary.maj_at_k.unwrap(), summary.pass_at_k.unwrap());
@@ -125,7 +106,7 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
     let (m, tok, dir) = setup("pipeline_accumulate");
     let problems = task::synthetic_problems(13, 3, 1);
-    let s = generate::Sampling { greedy: false, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 9 };
+    let s = generate::Sampling::sample(SamplingParams::default(), 9);
     let path = dir.join("data.jsonl");
     sample::sample_dataset(&m, &tok, &problems, &eval::PromptStyle::Chat, 2, &s, 3, 3, &path).unwrap();
     let (mut data, _) = sample::read_dataset(&path, false).unwrap();

@@ -50,25 +50,31 @@ pub enum OptimizerConfig {
 }
 
 impl OptimizerConfig {
-    /// `adamw` or `adafactor`, with the usual defaults.
-    pub fn parse(name: &str, weight_decay: f64) -> Result<Self> {
-        if !(weight_decay.is_finite() && weight_decay >= 0.0) {
-            bail!("--weight-decay must be finite and >= 0, got {weight_decay}");
-        }
-        Ok(match name {
-            "adamw" => Self::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay },
-            "adafactor" => Self::Adafactor {
-                beta1: None,
-                eps1: 1e-30,
-                eps2: 1e-3,
-                clip_threshold: 1.0,
-                decay_rate: -0.8,
-                weight_decay,
-                scale_parameter: false,
-            },
-            other => bail!("--optimizer must be adamw or adafactor, got {other:?}"),
+    /// AdamW with torch's defaults (β1 0.9, β2 0.999, ε 1e-8) and `weight_decay`.
+    pub fn adamw(weight_decay: f64) -> Result<Self> {
+        Ok(Self::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: check_weight_decay(weight_decay)? })
+    }
+
+    /// Adafactor as the TOPR paper trains with it (transformers' defaults with
+    /// `relative_step=False`, no first moment, no parameter scaling) and `weight_decay`.
+    pub fn adafactor(weight_decay: f64) -> Result<Self> {
+        Ok(Self::Adafactor {
+            beta1: None,
+            eps1: 1e-30,
+            eps2: 1e-3,
+            clip_threshold: 1.0,
+            decay_rate: -0.8,
+            weight_decay: check_weight_decay(weight_decay)?,
+            scale_parameter: false,
         })
     }
+}
+
+fn check_weight_decay(weight_decay: f64) -> Result<f64> {
+    if !(weight_decay.is_finite() && weight_decay >= 0.0) {
+        bail!("the weight decay must be finite and >= 0, got {weight_decay}");
+    }
+    Ok(weight_decay)
 }
 
 /// An optimiser over named parameters, with state that can be saved and restored.

@@ -1,31 +1,13 @@
-//! The llama example's commands end to end, as a user runs them: a CI-sized run of `init`,
+//! The `llama` binary's commands end to end, as a user runs them: a CI-sized run of `init`,
 //! `sft-data`, `train`, `eval`, `sample` and `iterate` (resumed), through the built binary.
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The example binary, built (or found up to date) once per test run with the profile of the
-/// tests themselves, so that running this test alone never uses a stale binary.
+/// The `llama` binary, built by cargo for the integration tests with their profile.
 fn llama() -> PathBuf {
-    static BUILD: std::sync::Once = std::sync::Once::new();
-    let release = !cfg!(debug_assertions);
-    BUILD.call_once(|| {
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args([
-            "build",
-            "--example",
-            "llama",
-            "--manifest-path",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        ]);
-        if release {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().unwrap().success(), "building the llama example failed");
-    });
-    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).parent().unwrap().to_path_buf();
-    target.join(if release { "release" } else { "debug" }).join("examples").join("llama")
+    PathBuf::from(env!("CARGO_BIN_EXE_llama"))
 }
 
 fn run(args: &[&str]) -> String {
@@ -206,6 +188,13 @@ fn a_ci_sized_run_of_every_command() {
     let out = Command::new(llama()).args(args).arg("--skip-bad-records").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("skipped 1 record(s)"), "{err}");
+
+    // An unknown optimiser is refused.
+    let out = Command::new(llama())
+        .args(["train", "--model", s(&m1), "--data", s(&mixed), "--out", s(&dir.join("sgd")), "--optimizer", "sgd"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("sgd"));
 
     // Errors are one clear line, not a panic.
     let out = Command::new(llama())

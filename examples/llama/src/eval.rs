@@ -1,7 +1,7 @@
 //! Evaluation on a task: greedy pass@1, and with `k` samples per question sampled pass@1, maj@k
 //! and pass@k; invalid-answer rate and mean completion length; one JSON line per question.
 
-use crate::generate::{self, Sampling};
+use crate::generate::{self, Sampling, SamplingParams};
 use crate::model::Llama;
 use crate::task::{self, Problem};
 use crate::tokenizer::Tokenizer;
@@ -76,21 +76,32 @@ fn bar(n: u64, what: &str) -> ProgressBar {
     pb
 }
 
+/// How an evaluation generates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalSettings {
+    /// The token budget of every completion.
+    pub max_new_tokens: i64,
+    /// Sampled completions per question for sampled pass@1, maj@k and pass@k (0: greedy only).
+    pub samples: usize,
+    /// The distribution those are sampled from.
+    pub sampling: SamplingParams,
+    /// Rows per generation batch.
+    pub batch_size: usize,
+}
+
 /// Evaluates `problems`, writing one JSON line per question to `out` when given.
-#[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     model: &Llama,
     tok: &Tokenizer,
     problems: &[Problem],
     style: &PromptStyle,
-    max_new_tokens: i64,
-    samples: usize,
-    sampling: Sampling,
-    batch_size: usize,
+    settings: &EvalSettings,
     mut out: Option<&mut dyn Write>,
 ) -> Result<Summary> {
-    let greedy = Sampling { greedy: true, max_new_tokens, ..sampling };
-    let sampled = Sampling { greedy: false, max_new_tokens, ..sampling };
+    let EvalSettings { max_new_tokens, samples, batch_size, .. } = *settings;
+    let batch_size = batch_size.max(1);
+    let greedy = Sampling::greedy(max_new_tokens);
+    let sampled = Sampling::sample(settings.sampling, max_new_tokens);
     let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
     let pb = bar((problems.len() * (1 + samples)) as u64, "eval");
     let mut results = vec![];

@@ -1,5 +1,7 @@
-//! Helpers of the Llama example's tests: the transformers reference (through
-//! `tests/reference/hf_llama.py`) and random checkpoints.
+//! Helpers of the Llama tests: the transformers and torch references (the Python scripts in
+//! `tests/reference/`, run with `TOPR_REFERENCE_PYTHON`) and random checkpoints. Each test file
+//! uses a part of them.
+#![allow(dead_code)]
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -11,12 +13,18 @@ pub fn python() -> PathBuf {
     ))
 }
 
+/// The repository's root (`scripts/`, `models/`).
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A reference script of `tests/reference/`.
+pub fn reference_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference").join(name)
 }
 
 pub fn reference(args: &[&str]) -> Value {
-    let out = Command::new(python()).arg(repo().join("tests/reference/hf_llama.py")).args(args).output().unwrap();
+    let out = Command::new(python()).arg(reference_script("hf_llama.py")).args(args).output().unwrap();
     assert!(out.status.success(), "reference failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
 }

@@ -6,9 +6,9 @@
 //! usual system folders (Debian's `fonts-dejavu-core`). Without one, plotting is skipped with a
 //! message; the metrics are in the JSONL files either way.
 
+use crate::metrics::{IterationRecord, StepRecord, ToprStats, read_jsonl};
 use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
-use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 const FONT_PATHS: [&str; 5] = [
@@ -149,72 +149,76 @@ pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     Ok(())
 }
 
-fn read_jsonl(path: &Path) -> Result<Vec<Value>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines().filter(|l| !l.trim().is_empty()).map(|l| Ok(serde_json::from_str(l)?)).collect()
-}
+/// A metric of a step record, NaN when the step has none.
+type StepMetric = fn(&StepRecord) -> Option<f64>;
 
-/// `value[a][b]…` as f64 (`NaN` when absent).
-fn get(v: &Value, keys: &[&str]) -> f64 {
-    keys.iter().fold(v, |v, k| &v[*k]).as_f64().unwrap_or(f64::NAN)
+/// The TOPR-family statistics of a step, if any.
+fn topr(r: &StepRecord) -> Option<&ToprStats> {
+    r.stats.topr.as_ref()
 }
 
 /// The per-step panels of training metrics, each line offset by its run's first step.
-fn step_panels(runs: &[(String, Vec<Value>)]) -> Vec<Panel> {
-    let line = |keys: &[&str], label: &dyn Fn(&str) -> String| -> Vec<Series> {
+fn step_panels(runs: &[(String, Vec<StepRecord>)]) -> Vec<Panel> {
+    let line = |metric: StepMetric, label: &dyn Fn(&str) -> String| -> Vec<Series> {
         let mut offset = 0.0;
         runs.iter()
             .map(|(name, rows)| {
-                let points: Vec<(f64, f64)> = rows.iter().map(|r| (offset + get(r, &["step"]), get(r, keys))).collect();
+                let points: Vec<(f64, f64)> =
+                    rows.iter().map(|r| (offset + r.step as f64, metric(r).unwrap_or(f64::NAN))).collect();
                 offset += rows.len() as f64;
                 Series { label: label(name), points }
             })
             .collect()
     };
-    let one = |keys: &[&str], label: &str| -> Series {
+    let one = |metric: StepMetric, label: &str| -> Series {
         let mut s = Series { label: label.into(), points: vec![] };
-        for row in line(keys, &|_| String::new()) {
+        for row in line(metric, &|_| String::new()) {
             s.points.extend(row.points);
         }
         s
     };
     let mut panels = vec![
-        Panel::steps("training loss", "loss", line(&["stats", "loss"], &|n| n.to_string())),
-        Panel::steps("gradient norm (before clipping)", "‖g‖", vec![one(&["grad_norm"], "")]),
+        Panel::steps("training loss", "loss", line(|r| Some(r.stats.loss), &|n| n.to_string())),
+        Panel::steps("gradient norm (before clipping)", "‖g‖", vec![one(|r| Some(r.grad_norm), "")]),
     ];
-    let has_topr = runs.iter().any(|(_, rows)| rows.iter().any(|r| r["stats"]["topr"].is_object()));
+    let has_topr = runs.iter().any(|(_, rows)| rows.iter().any(|r| topr(r).is_some()));
     if has_topr {
-        let topr = |k: &str, label: &str| one(&["stats", "topr", k], label);
         panels.push(Panel::steps(
             "effective positive proportion",
             "share of weight on positives",
-            vec![topr("effective_positive_proportion", "in the batch"), one(&["p_tilde"], "target p~ (data set)")],
+            vec![
+                one(|r| topr(r).and_then(|t| t.effective_positive_proportion), "in the batch"),
+                one(|r| r.p_tilde, "target p~ (data set)"),
+            ],
         ));
         panels.push(Panel::steps(
             "truncated fractions",
             "share of samples",
             vec![
-                topr("truncated_fraction_pos", "positives (ratio outside [a+, b+])"),
-                topr("truncated_fraction_neg", "negatives (ratio > 1)"),
+                one(|r| topr(r).map(|t| t.truncated_fraction_pos), "positives (ratio outside [a+, b+])"),
+                one(|r| topr(r).map(|t| t.truncated_fraction_neg), "negatives (ratio > 1)"),
             ],
         ));
         panels.push(Panel::steps(
             "importance weights",
             "weight",
-            vec![topr("weight_mean", "mean applied weight"), topr("weight_max", "max applied weight")],
+            vec![
+                one(|r| topr(r).map(|t| t.weight_mean), "mean applied weight"),
+                one(|r| topr(r).map(|t| t.weight_max), "max applied weight"),
+            ],
         ));
     }
     panels.push(Panel::steps(
         "log-ratio log pi - log mu (per token)",
         "mean",
-        vec![one(&["stats", "log_ratio_mean"], "")],
+        vec![one(|r| Some(r.stats.log_ratio_mean), "")],
     ));
     panels
 }
 
 /// `dir/training.png` from `dir/metrics.jsonl`.
 pub fn plot_training(dir: &Path) -> Result<PathBuf> {
-    let rows = read_jsonl(&dir.join("metrics.jsonl"))?;
+    let rows: Vec<StepRecord> = read_jsonl(&dir.join("metrics.jsonl"))?;
     if rows.is_empty() {
         bail!("{}: no steps to plot", dir.join("metrics.jsonl").display());
     }
@@ -226,22 +230,23 @@ pub fn plot_training(dir: &Path) -> Result<PathBuf> {
 /// `work/iterations.png`: held-out accuracy and invalid rate per iteration, the data's share of
 /// positives, and the per-step curves of every iteration's training.
 pub fn plot_iterations(work: &Path) -> Result<PathBuf> {
-    let table = read_jsonl(&work.join("iterations.jsonl"))?;
-    let per_iter =
-        |k: &str| -> Vec<(f64, f64)> { table.iter().map(|r| (get(r, &["iteration"]), get(r, &[k]))).collect() };
+    let table: Vec<IterationRecord> = read_jsonl(&work.join("iterations.jsonl"))?;
+    let per_iter = |metric: fn(&IterationRecord) -> Option<f64>| -> Vec<(f64, f64)> {
+        table.iter().map(|r| (r.iteration as f64, metric(r).unwrap_or(f64::NAN))).collect()
+    };
     let mut panels = vec![Panel {
         title: "held-out accuracy (greedy pass@1)".into(),
         x: "iteration".into(),
         y: "share of problems".into(),
         series: vec![
-            Series { label: "accuracy".into(), points: per_iter("accuracy") },
-            Series { label: "invalid answers".into(), points: per_iter("invalid_rate") },
-            Series { label: "positives in the sampled data".into(), points: per_iter("data_positive_fraction") },
+            Series { label: "accuracy".into(), points: per_iter(|r| Some(r.accuracy)) },
+            Series { label: "invalid answers".into(), points: per_iter(|r| Some(r.invalid_rate)) },
+            Series { label: "positives in the sampled data".into(), points: per_iter(|r| r.data_positive_fraction) },
         ],
     }];
     let mut runs = vec![];
     for r in table.iter().skip(1) {
-        let i = get(r, &["iteration"]) as usize;
+        let i = r.iteration;
         let m = work.join(format!("iter-{i}")).join("metrics.jsonl");
         if m.exists() {
             runs.push((format!("iteration {i}"), read_jsonl(&m)?));

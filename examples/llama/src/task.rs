@@ -5,9 +5,10 @@
 //! "The answer is N"; one that does not is *invalid* (and counts as wrong). GSM8K's reference
 //! solutions end with "#### N", which the extractor also reads.
 
+use crate::eval::PromptStyle;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One problem: the question, a worked solution ending with the answer, and the answer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -250,4 +251,83 @@ pub fn slipped_solution(solution: &str) -> Option<String> {
 pub fn synthetic_problems(seed: u64, n: usize, difficulty: usize) -> Vec<Problem> {
     let mut rng = Rng::new(seed);
     (0..n).map(|i| synthetic_problem(&mut rng, difficulty, i)).collect()
+}
+
+/// Where a task's problems come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// A GSM8K JSONL file (the public release's layout).
+    Gsm8k(PathBuf),
+    /// `n` synthetic problems of `difficulty` operations each.
+    Synthetic { n: usize, difficulty: usize },
+}
+
+/// How problems become prompts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompting {
+    /// The model's chat template.
+    Chat,
+    /// `shots` worked examples before the question, read from `examples` (a GSM8K file), or
+    /// generated when the task is synthetic and no file is given.
+    FewShot { shots: usize, examples: Option<PathBuf> },
+}
+
+/// A task: its problems and how they are prompted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskSpec {
+    pub source: Source,
+    /// The seed of the synthetic problems, and of the worked examples and held-out problems
+    /// derived from them.
+    pub seed: u64,
+    /// Use at most this many problems (0: all).
+    pub limit: usize,
+    pub prompting: Prompting,
+    /// Skip malformed data lines (counted) instead of stopping at the first.
+    pub skip_bad_lines: bool,
+}
+
+impl TaskSpec {
+    /// `n` synthetic problems of `difficulty` from `seed`, chat prompts, no limit.
+    pub fn synthetic(seed: u64, n: usize, difficulty: usize) -> Self {
+        Self {
+            source: Source::Synthetic { n, difficulty },
+            seed,
+            limit: 0,
+            prompting: Prompting::Chat,
+            skip_bad_lines: false,
+        }
+    }
+
+    /// The problems and the prompt style.
+    pub fn load(&self) -> Result<(Vec<Problem>, PromptStyle)> {
+        let mut problems = match &self.source {
+            Source::Gsm8k(path) => {
+                let (p, skipped) = load_gsm8k(path, self.skip_bad_lines)?;
+                if skipped > 0 {
+                    eprintln!("skipped {skipped} malformed line(s) of {}", path.display());
+                }
+                p
+            }
+            Source::Synthetic { n, difficulty } => synthetic_problems(self.seed, *n, *difficulty),
+        };
+        if self.limit > 0 {
+            problems.truncate(self.limit);
+        }
+        let style = match &self.prompting {
+            Prompting::Chat => PromptStyle::Chat,
+            Prompting::FewShot { shots, examples } => {
+                let worked = match (examples, &self.source) {
+                    (Some(p), _) => load_gsm8k(p, self.skip_bad_lines)?.0,
+                    (None, Source::Synthetic { difficulty, .. }) => {
+                        synthetic_problems(self.seed.wrapping_add(1_000_003), *shots, *difficulty)
+                    }
+                    (None, Source::Gsm8k(_)) => {
+                        bail!("few-shot prompts for GSM8K need a file of worked examples (e.g. the train file)")
+                    }
+                };
+                PromptStyle::FewShot(worked.into_iter().take(*shots).collect())
+            }
+        };
+        Ok((problems, style))
+    }
 }

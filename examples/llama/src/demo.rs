@@ -11,11 +11,15 @@
 //! 4. `iterate`: per iteration, 4 samples for each of 512 new questions, graded ±1, TOPR with
 //!    `target-positive-proportion`, evaluated greedily on 256 held-out questions.
 
-use crate::iterate::{self, Curation, Plan};
-use crate::train::{Objective, Options};
-use crate::{ModelArgs, TaskArgs, init, optim, sample, tokenizer};
+use crate::checkpoint::Placement;
+use crate::generate::{Sampling, SamplingParams};
+use crate::iterate::{self, Curation, IterateSettings};
+use crate::task::TaskSpec;
+use crate::train::{self, Baseline, Objective, TrainSettings};
+use crate::{Refusal, init, optim, sample, tokenizer};
 use anyhow::{Result, bail};
 use std::path::Path;
+use tch::Device;
 
 /// The demo's sizes: the README run, or a CI-sized one for tests.
 #[derive(Debug, Clone, Copy)]
@@ -58,29 +62,19 @@ impl Scale {
     }
 }
 
-fn task_args(seed: u64, n: usize) -> TaskArgs {
-    TaskArgs {
-        task: "synthetic".into(),
-        data: None,
-        limit: 0,
-        synthetic_n: n,
-        difficulty: 1,
-        task_seed: seed,
-        prompt_style: "chat".into(),
-        shots: 4,
-        shots_data: None,
-        skip_bad_lines: false,
-    }
+/// The demo's tasks: one-step synthetic problems from `seed`, chat prompts.
+fn task(seed: u64, n: usize) -> TaskSpec {
+    TaskSpec::synthetic(seed, n, 1)
 }
 
 /// Runs (or, with `resume`, continues) the demo in `work` on `device`.
-pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> {
+pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()> {
     if work.join("init").exists() && !resume {
-        bail!("{} holds an earlier demo: pass --resume to continue it, or choose another --work", work.display());
+        bail!(Refusal::EarlierDemo(work.to_path_buf()));
     }
     std::fs::create_dir_all(work)?;
     let t0 = std::time::Instant::now();
-    let model = |dir: &Path| ModelArgs { model: dir.to_path_buf(), device: device.into(), dtype: "f32".into() };
+    let at = Placement::f32(device);
 
     // 1. A new model.
     let init_dir = work.join("init");
@@ -92,18 +86,17 @@ pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> 
     if !sft.exists() {
         let cfg = crate::config::LlamaConfig::load(&init_dir)?;
         let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
-        let (problems, style) = task_args(1, scale.sft_problems).load()?;
+        let (problems, style) = task(1, scale.sft_problems).load()?;
         let tmp = work.join("sft.jsonl.tmp");
         sample::write_solutions(&tok, &problems, &style, &tmp, 0.6, 1)?;
         std::fs::rename(&tmp, &sft)?;
     }
     // The TOPR iterations' training settings; the warm-up differs where it says.
-    let topr = Options {
+    let topr = TrainSettings {
         objective: Objective::Topr,
-        baseline: None,
-        target_positive_proportion: Some(DEMO_P_TILDE),
+        baseline: Baseline::TargetPositiveProportion(DEMO_P_TILDE),
         ratio: topr_loss::RatioLevel::Sequence,
-        optimizer: optim::OptimizerConfig::parse("adamw", 0.0)?,
+        optimizer: optim::OptimizerConfig::adamw(0.0)?,
         lr: DEMO_LR,
         batch_size: 64,
         micro_batch_size: 32,
@@ -113,6 +106,7 @@ pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> 
         lr_decay: false,
         seed: 0,
         dpo_beta: 0.1,
+        skip_bad_records: false,
         save_every: 4,
         resume: true,
     };
@@ -120,9 +114,9 @@ pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> 
     let warm = work.join("warm-up");
     if !warm.join("model.safetensors").exists() {
         eprintln!("[demo {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
-        let o = Options {
+        let o = TrainSettings {
             objective: Objective::Sft,
-            target_positive_proportion: None,
+            baseline: Baseline::Zero,
             lr: 2e-3,
             batch_size: 32,
             epochs: scale.sft_epochs,
@@ -131,21 +125,14 @@ pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> 
             save_every: 25,
             ..topr.clone()
         };
-        crate::train_to_dir(&model(&init_dir), &sft, &o, false, &warm)?;
+        train::train_dir(&init_dir, at, &sft, &o, &warm)?;
     }
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
-    let plan = Plan {
-        task: task_args(2, scale.prompts),
-        options: topr,
-        skip_bad_lines: false,
-        sampling: crate::generate::Sampling {
-            greedy: false,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            max_new_tokens: scale.max_new_tokens,
-        },
+    let settings = IterateSettings {
+        task: task(2, scale.prompts),
+        train: topr,
+        sampling: Sampling::sample(SamplingParams::default(), scale.max_new_tokens),
         work: work.join("topr"),
         iterations: scale.iterations,
         samples_per_prompt: scale.samples_per_prompt,
@@ -155,7 +142,7 @@ pub fn run(work: &Path, scale: Scale, device: &str, resume: bool) -> Result<()> 
         eval_n: scale.eval_n,
         eval_batch_size: 64,
     };
-    iterate::run(&model(&warm), &plan)?;
+    iterate::run(&warm, at, &settings)?;
     eprintln!("[demo {:.0} s] done; plots: {}", t0.elapsed().as_secs_f64(), work.join("topr/iterations.png").display());
     Ok(())
 }

@@ -9,32 +9,70 @@ use crate::model::Llama;
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 
-#[derive(Debug, Clone, Copy)]
-pub struct Sampling {
-    /// Take the most likely token (the other fields are ignored).
-    pub greedy: bool,
+/// The sampling distribution: temperature, then top-k, then top-p.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
     pub temperature: f64,
     pub top_p: f64,
     /// 0 disables top-k.
     pub top_k: i64,
+}
+
+impl Default for SamplingParams {
+    /// Temperature 1, no truncation: the model's own distribution.
+    fn default() -> Self {
+        Self { temperature: 1.0, top_p: 1.0, top_k: 0 }
+    }
+}
+
+impl SamplingParams {
+    pub fn check(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature > 0.0) {
+            bail!("the temperature must be > 0 (greedy decoding takes the argmax), got {}", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("top-p must lie in (0, 1], got {}", self.top_p);
+        }
+        if self.top_k < 0 {
+            bail!("top-k must be >= 0 (0 disables it), got {}", self.top_k);
+        }
+        Ok(())
+    }
+}
+
+/// How the next token is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decoding {
+    /// The most likely token.
+    Greedy,
+    /// A draw from the sampling distribution.
+    Sample(SamplingParams),
+}
+
+/// Generation settings: the decoding and the token budget.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    pub decoding: Decoding,
     pub max_new_tokens: i64,
 }
 
 impl Sampling {
+    /// Greedy decoding of at most `max_new_tokens` tokens.
+    pub fn greedy(max_new_tokens: i64) -> Self {
+        Self { decoding: Decoding::Greedy, max_new_tokens }
+    }
+
+    /// Sampling from `params`, at most `max_new_tokens` tokens.
+    pub fn sample(params: SamplingParams, max_new_tokens: i64) -> Self {
+        Self { decoding: Decoding::Sample(params), max_new_tokens }
+    }
+
     pub fn check(&self) -> Result<()> {
-        if !self.greedy {
-            if !(self.temperature.is_finite() && self.temperature > 0.0) {
-                bail!("--temperature must be > 0 (use --greedy for argmax decoding), got {}", self.temperature);
-            }
-            if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-                bail!("--top-p must lie in (0, 1], got {}", self.top_p);
-            }
-            if self.top_k < 0 {
-                bail!("--top-k must be >= 0 (0 disables it), got {}", self.top_k);
-            }
+        if let Decoding::Sample(p) = &self.decoding {
+            p.check()?;
         }
         if self.max_new_tokens < 1 {
-            bail!("--max-new-tokens must be >= 1, got {}", self.max_new_tokens);
+            bail!("the token budget (max new tokens) must be >= 1, got {}", self.max_new_tokens);
         }
         Ok(())
     }
@@ -62,7 +100,7 @@ pub struct Completion {
 
 /// Applies temperature, top-k and top-p (in that order, as transformers' logits processors) to
 /// `logits [B, V]` (f32), masking removed tokens with −inf.
-pub fn sampling_logits(logits: &Tensor, s: &Sampling) -> Tensor {
+pub fn sampling_logits(logits: &Tensor, s: &SamplingParams) -> Tensor {
     let mut z = logits / s.temperature;
     let v = z.size()[1];
     if s.top_k > 0 && s.top_k < v {
@@ -100,10 +138,7 @@ pub fn generate(
     let p_len = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
     let limit = model.cfg.max_position_embeddings;
     if p_len + s.max_new_tokens > limit {
-        bail!(
-            "prompt ({p_len} tokens) + --max-new-tokens ({}) exceeds the model's context of {limit}",
-            s.max_new_tokens
-        );
+        bail!("prompt ({p_len} tokens) + max new tokens ({}) exceeds the model's context of {limit}", s.max_new_tokens);
     }
     // Left padding: [B, P] ids and mask.
     let mut ids = vec![pad_id; (b * p_len) as usize];
@@ -127,14 +162,15 @@ pub fn generate(
         let mut logits = model.step(&ids, &positions, &mask, &mut cache).to_kind(Kind::Float); // [B, V]
         for _ in 0..s.max_new_tokens {
             let logp_model = logits.log_softmax(-1, Kind::Float);
-            let (next, logp_q) = if s.greedy {
-                (logits.argmax(-1, false), Tensor::zeros([b], (Kind::Float, device)))
-            } else {
-                let z = sampling_logits(&logits, s);
-                let logq = z.log_softmax(-1, Kind::Float);
-                let next = logq.exp().multinomial(1, false).squeeze_dim(1);
-                let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-                (next, lq)
+            let (next, logp_q) = match &s.decoding {
+                Decoding::Greedy => (logits.argmax(-1, false), Tensor::zeros([b], (Kind::Float, device))),
+                Decoding::Sample(params) => {
+                    let z = sampling_logits(&logits, params);
+                    let logq = z.log_softmax(-1, Kind::Float);
+                    let next = logq.exp().multinomial(1, false).squeeze_dim(1);
+                    let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+                    (next, lq)
+                }
             };
             let lp = logp_model.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
             let is_eos = next.unsqueeze(1).eq_tensor(&eos_t.unsqueeze(0)).any_dim(1, false);

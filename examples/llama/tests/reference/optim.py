@@ -1,4 +1,4 @@
-"""Reference optimiser steps for tests/llama_optim.rs: torch.optim.AdamW and transformers'
+"""Reference optimiser steps for examples/llama/tests/optim.rs: torch.optim.AdamW and transformers'
 Adafactor run on the parameters and gradients given as JSON; prints the parameters after each
 step as JSON.
 

@@ -1,0 +1,479 @@
+//! The command line's arguments, one flattened group per concern, and their conversion to the
+//! library's typed settings. Strings become enums here, once (clap value enums); below this
+//! layer nothing matches on a string. Errors that name a flag are raised here.
+
+use anyhow::{Result, bail};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+use tch::{Device, Kind};
+use topr_llama::checkpoint::Placement;
+use topr_llama::generate::{Decoding, Sampling, SamplingParams};
+use topr_llama::init;
+use topr_llama::iterate::{Curation, IterateSettings};
+use topr_llama::optim::OptimizerConfig;
+use topr_llama::task::{Prompting, Source, TaskSpec};
+use topr_llama::train::{Baseline, Objective, TrainSettings};
+
+/// Parses `--device` (cpu, cuda or cuda:N), refusing CUDA when this machine has none.
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    let d = match s {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => Device::Cuda(i),
+            _ => return Err("expected cpu, cuda or cuda:N".into()),
+        },
+    };
+    if let Device::Cuda(i) = d {
+        let n = tch::Cuda::device_count() as usize;
+        if n == 0 {
+            return Err("CUDA is not available on this machine (no GPU, or a CPU-only libtorch)".into());
+        }
+        if i >= n {
+            return Err(format!("this machine has {n} CUDA device(s)"));
+        }
+    }
+    Ok(d)
+}
+
+/// Parses a share in `[0, 1]`.
+pub fn parse_unit_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("must lie in [0, 1], got {v}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Dtype {
+    #[value(alias = "float32")]
+    F32,
+    #[value(alias = "bfloat16")]
+    Bf16,
+    #[value(alias = "float16")]
+    F16,
+}
+
+impl From<Dtype> for Kind {
+    fn from(d: Dtype) -> Self {
+        match d {
+            Dtype::F32 => Kind::Float,
+            Dtype::Bf16 => Kind::BFloat16,
+            Dtype::F16 => Kind::Half,
+        }
+    }
+}
+
+/// Where a model comes from and where it runs.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// The weights' dtype (converted on load).
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    pub dtype: Dtype,
+}
+
+impl ModelArgs {
+    pub fn placement(&self) -> Placement {
+        Placement { device: self.device, kind: self.dtype.into() }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ObjectiveArg {
+    /// TOPR (the paper's truncation limits).
+    Topr,
+    /// Truncated importance sampling.
+    Tis,
+    /// Supervised fine-tuning (positives only).
+    Sft,
+    /// Naive REINFORCE (ratio ignored).
+    Reinforce,
+    /// Plain importance sampling.
+    Is,
+    /// PPO-clip with advantages R − c.
+    Ppo,
+    /// PPO-clip with GRPO's group advantages.
+    Grpo,
+    /// DPO on (correct, incorrect) pairs.
+    Dpo,
+}
+
+impl From<ObjectiveArg> for Objective {
+    fn from(o: ObjectiveArg) -> Self {
+        match o {
+            ObjectiveArg::Topr => Objective::Topr,
+            ObjectiveArg::Tis => Objective::Tis,
+            ObjectiveArg::Sft => Objective::Sft,
+            ObjectiveArg::Reinforce => Objective::Reinforce,
+            ObjectiveArg::Is => Objective::Is,
+            ObjectiveArg::Ppo => Objective::Ppo,
+            ObjectiveArg::Grpo => Objective::Grpo,
+            ObjectiveArg::Dpo => Objective::Dpo,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum RatioArg {
+    /// One ratio per sequence (the paper).
+    Sequence,
+    /// The per-token mean log-ratio of a sequence (verl).
+    SequenceMean,
+    /// One ratio per token (Trinity-RFT).
+    Token,
+}
+
+impl From<RatioArg> for topr_loss::RatioLevel {
+    fn from(r: RatioArg) -> Self {
+        match r {
+            RatioArg::Sequence => Self::Sequence,
+            RatioArg::SequenceMean => Self::SequenceMean,
+            RatioArg::Token => Self::Token,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum OptimizerArg {
+    Adamw,
+    /// Factored second moments, no first moment: the paper's optimiser and the one that fits an
+    /// 8B model on one GPU.
+    Adafactor,
+}
+
+/// The objective and what its loss weighs samples by.
+#[derive(Args, Clone)]
+pub struct ObjectiveArgs {
+    #[arg(long, value_enum, default_value_t = ObjectiveArg::Topr)]
+    pub objective: ObjectiveArg,
+    /// The baseline c subtracted from rewards.
+    #[arg(long, allow_hyphen_values = true, conflicts_with = "target_positive_proportion")]
+    pub baseline: Option<f64>,
+    /// Derive the baseline from the data set's share of positives so that positives carry this
+    /// share of the weight (the paper finds 0.1–0.2 best on GSM8K).
+    #[arg(long)]
+    pub target_positive_proportion: Option<f64>,
+    /// The TOPR family's ratio level.
+    #[arg(long, value_enum, default_value_t = RatioArg::Sequence)]
+    pub ratio: RatioArg,
+    /// DPO's β (strength of the implicit KL constraint to μ).
+    #[arg(long, default_value_t = 0.1)]
+    pub dpo_beta: f64,
+}
+
+/// The optimiser and its schedule.
+#[derive(Args, Clone)]
+pub struct OptimizerArgs {
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    pub optimizer: OptimizerArg,
+    #[arg(long, default_value_t = 1e-5)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: usize,
+    /// Decay the learning rate linearly to 0 after the warm-up (else constant).
+    #[arg(long)]
+    pub lr_decay: bool,
+}
+
+/// How the data is cut into steps.
+#[derive(Args, Clone)]
+pub struct BatchArgs {
+    /// Completions per optimiser step.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Completions per forward/backward pass (gradient accumulation; same update for any value).
+    #[arg(long, default_value_t = 4)]
+    pub micro_batch_size: usize,
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    #[arg(long, default_value_t = 0)]
+    pub train_seed: u64,
+}
+
+/// Bad records, saved state and resumption.
+#[derive(Args, Clone)]
+pub struct RunArgs {
+    /// Skip malformed data-set records and completions longer than the context (counted).
+    #[arg(long)]
+    pub skip_bad_records: bool,
+    /// Save the training state (model, optimiser, position) every this many steps, so that a
+    /// killed run loses at most that many (0: never).
+    #[arg(long, default_value_t = 1)]
+    pub save_every: usize,
+    /// Continue an interrupted run from its saved state.
+    #[arg(long)]
+    pub resume: bool,
+}
+
+/// Training settings shared by `train` and `iterate`.
+#[derive(Args, Clone)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub objective: ObjectiveArgs,
+    #[command(flatten)]
+    pub optimizer: OptimizerArgs,
+    #[command(flatten)]
+    pub batches: BatchArgs,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+impl TrainArgs {
+    pub fn settings(&self) -> Result<TrainSettings> {
+        let (obj, opt, batches, run) = (&self.objective, &self.optimizer, &self.batches, &self.run);
+        let baseline = match (obj.baseline, obj.target_positive_proportion) {
+            (Some(c), _) => Baseline::Fixed(c),
+            (None, Some(p)) => Baseline::TargetPositiveProportion(p),
+            (None, None) => Baseline::Zero,
+        };
+        if !(opt.weight_decay.is_finite() && opt.weight_decay >= 0.0) {
+            bail!("--weight-decay must be finite and >= 0, got {}", opt.weight_decay);
+        }
+        let optimizer = match opt.optimizer {
+            OptimizerArg::Adamw => OptimizerConfig::adamw(opt.weight_decay),
+            OptimizerArg::Adafactor => OptimizerConfig::adafactor(opt.weight_decay),
+        };
+        Ok(TrainSettings {
+            objective: obj.objective.into(),
+            baseline,
+            ratio: obj.ratio.into(),
+            optimizer: optimizer?,
+            lr: opt.lr,
+            batch_size: batches.batch_size.max(1),
+            micro_batch_size: batches.micro_batch_size.max(1),
+            epochs: batches.epochs,
+            max_grad_norm: opt.max_grad_norm,
+            warmup_steps: opt.warmup_steps,
+            lr_decay: opt.lr_decay,
+            seed: batches.train_seed,
+            dpo_beta: obj.dpo_beta,
+            skip_bad_records: run.skip_bad_records,
+            save_every: run.save_every,
+            resume: run.resume,
+        })
+    }
+}
+
+/// Sampling settings shared by `eval`, `sample` and `iterate`.
+#[derive(Args, Clone)]
+pub struct SamplingArgs {
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: i64,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: i64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k }
+    }
+
+    pub fn sampling(&self) -> Sampling {
+        Sampling::sample(self.params(), self.max_new_tokens)
+    }
+}
+
+/// `generate`'s decoding: greedy unless a sampling option is given.
+#[derive(Args, Clone)]
+pub struct DecodingArgs {
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: i64,
+    /// Argmax decoding (the default when no sampling option is given).
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    pub greedy: bool,
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long)]
+    pub top_k: Option<i64>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: i64,
+}
+
+impl DecodingArgs {
+    pub fn sampling(&self) -> Sampling {
+        let sampling_given = self.temperature.is_some() || self.top_p.is_some() || self.top_k.is_some();
+        let decoding = if self.greedy || !sampling_given {
+            Decoding::Greedy
+        } else {
+            Decoding::Sample(SamplingParams {
+                temperature: self.temperature.unwrap_or(1.0),
+                top_p: self.top_p.unwrap_or(1.0),
+                top_k: self.top_k.unwrap_or(0),
+            })
+        };
+        Sampling { decoding, max_new_tokens: self.max_new_tokens }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+pub enum TaskArg {
+    /// GSM8K from a JSONL file (needs --data).
+    #[value(name = "gsm8k")]
+    Gsm8k,
+    /// Multi-step arithmetic word problems generated in Rust.
+    Synthetic,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum PromptStyleArg {
+    /// The model's chat template.
+    Chat,
+    /// Worked examples before the question, for base models.
+    FewShot,
+}
+
+#[derive(Args, Clone)]
+pub struct TaskArgs {
+    #[arg(long, value_enum, default_value_t = TaskArg::Synthetic)]
+    pub task: TaskArg,
+    /// A GSM8K JSONL file (the public release's layout).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Use at most this many problems (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    /// Synthetic task: number of problems, difficulty (operations per problem) and seed.
+    #[arg(long, default_value_t = 200)]
+    pub synthetic_n: usize,
+    #[arg(long, default_value_t = 2)]
+    pub difficulty: usize,
+    #[arg(long, default_value_t = 1)]
+    pub task_seed: u64,
+    #[arg(long, value_enum, default_value_t = PromptStyleArg::Chat)]
+    pub prompt_style: PromptStyleArg,
+    /// Worked examples for few-shot prompts (from --shots-data for GSM8K, generated otherwise).
+    #[arg(long, default_value_t = 4)]
+    pub shots: usize,
+    #[arg(long)]
+    pub shots_data: Option<PathBuf>,
+    /// Skip malformed data lines (counted) instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+}
+
+impl TaskArgs {
+    pub fn spec(&self) -> Result<TaskSpec> {
+        let source = match self.task {
+            TaskArg::Gsm8k => match &self.data {
+                Some(p) => Source::Gsm8k(p.clone()),
+                None => bail!("--task gsm8k needs --data PATH (a GSM8K JSONL file)"),
+            },
+            TaskArg::Synthetic => Source::Synthetic { n: self.synthetic_n, difficulty: self.difficulty },
+        };
+        let prompting = match self.prompt_style {
+            PromptStyleArg::Chat => Prompting::Chat,
+            PromptStyleArg::FewShot => {
+                if self.shots_data.is_none() && self.task == TaskArg::Gsm8k {
+                    bail!("--prompt-style few-shot with GSM8K needs --shots-data (e.g. the train file)");
+                }
+                Prompting::FewShot { shots: self.shots, examples: self.shots_data.clone() }
+            }
+        };
+        Ok(TaskSpec { source, seed: self.task_seed, limit: self.limit, prompting, skip_bad_lines: self.skip_bad_lines })
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum CurateArg {
+    /// Train on every sample.
+    #[value(name = "none", alias = "all")]
+    All,
+    /// Keep every negative and one positive per question.
+    OnePositive,
+}
+
+impl From<CurateArg> for Curation {
+    fn from(c: CurateArg) -> Self {
+        match c {
+            CurateArg::All => Curation::All,
+            CurateArg::OnePositive => Curation::OnePositive,
+        }
+    }
+}
+
+/// The loop of `iterate`: its work directory, sizes and held-out evaluation.
+#[derive(Args, Clone)]
+pub struct LoopArgs {
+    /// Working directory: one folder per iteration, and iterations.jsonl.
+    #[arg(long)]
+    pub work: PathBuf,
+    #[arg(long, default_value_t = 3)]
+    pub iterations: usize,
+    #[arg(long, default_value_t = 4)]
+    pub samples_per_prompt: usize,
+    #[arg(long, default_value_t = 8)]
+    pub batch_prompts: usize,
+    /// Which samples are trained on.
+    #[arg(long, value_enum, default_value_t = CurateArg::All)]
+    pub curate: CurateArg,
+    /// Held-out evaluation: a GSM8K file (with --task gsm8k) or this many synthetic problems.
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    pub eval_n: usize,
+    #[arg(long, default_value_t = 64)]
+    pub eval_batch_size: usize,
+}
+
+impl LoopArgs {
+    pub fn settings(&self, task: &TaskArgs, train: &TrainArgs, sampling: &SamplingArgs) -> Result<IterateSettings> {
+        if task.task == TaskArg::Gsm8k && self.eval_data.is_none() {
+            bail!("--task gsm8k needs --eval-data PATH (e.g. the test file) for held-out evaluation");
+        }
+        Ok(IterateSettings {
+            task: task.spec()?,
+            train: train.settings()?,
+            sampling: sampling.sampling(),
+            work: self.work.clone(),
+            iterations: self.iterations,
+            samples_per_prompt: self.samples_per_prompt,
+            batch_prompts: self.batch_prompts,
+            curate: self.curate.into(),
+            eval_data: self.eval_data.clone(),
+            eval_n: self.eval_n,
+            eval_batch_size: self.eval_batch_size,
+        })
+    }
+}
+
+/// The sizes of a new model.
+#[derive(Args, Clone)]
+pub struct SizeArgs {
+    #[arg(long, default_value_t = 4)]
+    pub layers: i64,
+    #[arg(long, default_value_t = 128)]
+    pub hidden: i64,
+    #[arg(long, default_value_t = 4)]
+    pub heads: i64,
+    #[arg(long, default_value_t = 2)]
+    pub kv_heads: i64,
+    #[arg(long, default_value_t = 384)]
+    pub intermediate: i64,
+    #[arg(long, default_value_t = 512)]
+    pub max_positions: i64,
+}
+
+impl SizeArgs {
+    pub fn size(&self) -> init::Size {
+        let SizeArgs { layers, hidden, heads, kv_heads, intermediate, max_positions } = *self;
+        init::Size { layers, hidden, heads, kv_heads, intermediate, max_positions }
+    }
+}

@@ -1,0 +1,138 @@
+//! What each subcommand does, from its parsed arguments: build the library's settings, call the
+//! pipeline, print the result (stdout) and what was written (stderr).
+
+use super::args::{DecodingArgs, ModelArgs, SamplingArgs, SizeArgs, TaskArgs, TrainArgs};
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+use topr_llama::eval::{self, EvalSettings};
+use topr_llama::model::Llama;
+use topr_llama::tokenizer::Tokenizer;
+use topr_llama::{checkpoint, config, generate, init as new_model, plot, sample as sampling, train as training};
+
+/// The model and tokenizer of `--model`, on `--device` in `--dtype`.
+pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {
+    checkpoint::open(&args.model, args.placement())
+}
+
+pub fn generate(model: &ModelArgs, prompt: &str, chat: bool, decoding: &DecodingArgs) -> Result<()> {
+    let (m, tok) = load(model)?;
+    let s = decoding.sampling();
+    tch::manual_seed(decoding.seed);
+    let ids = tok.prompt_ids(prompt, chat)?;
+    let t0 = std::time::Instant::now();
+    let out = generate::generate(&m, &[ids], &s, &tok.eos_ids, tok.pad_id)?;
+    let c = &out[0];
+    eprintln!(
+        "{} tokens in {:.2} s ({:.1} tokens/s), stopped by {:?}",
+        c.tokens.len(),
+        t0.elapsed().as_secs_f64(),
+        c.tokens.len() as f64 / t0.elapsed().as_secs_f64(),
+        c.stop
+    );
+    println!("{}", tok.decode(&c.tokens)?);
+    Ok(())
+}
+
+pub fn eval(
+    model: &ModelArgs,
+    task: &TaskArgs,
+    sampling: &SamplingArgs,
+    samples: usize,
+    batch_size: usize,
+    seed: i64,
+    out: Option<&Path>,
+) -> Result<()> {
+    let spec = task.spec()?;
+    let (m, tok) = load(model)?;
+    let (problems, style) = spec.load()?;
+    tch::manual_seed(seed);
+    sampling.sampling().check()?;
+    let settings =
+        EvalSettings { max_new_tokens: sampling.max_new_tokens, samples, sampling: sampling.params(), batch_size };
+    let mut file = match out {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let sink = file.as_mut().map(|f| f as &mut dyn std::io::Write);
+    let s = eval::evaluate(&m, &tok, &problems, &style, &settings, sink)?;
+    println!("{}", serde_json::to_string(&s)?);
+    Ok(())
+}
+
+pub fn sample(
+    model: &ModelArgs,
+    task: &TaskArgs,
+    out: &Path,
+    samples_per_prompt: usize,
+    sampling: &SamplingArgs,
+    batch_prompts: usize,
+    seed: i64,
+) -> Result<()> {
+    let spec = task.spec()?;
+    let (m, tok) = load(model)?;
+    let (problems, style) = spec.load()?;
+    let s = sampling.sampling();
+    let n = sampling::sample_dataset(&m, &tok, &problems, &style, samples_per_prompt, &s, seed, batch_prompts, out)?;
+    let (all, _) = sampling::read_dataset(out, false)?;
+    let correct = all.iter().filter(|x| x.correct).count();
+    let invalid = all.iter().filter(|x| x.invalid).count();
+    eprintln!("wrote {n} new completion(s) to {}", out.display());
+    println!(
+        "{}",
+        serde_json::json!({"completions": all.len(), "correct_fraction": correct as f64 / all.len().max(1) as f64, "invalid_fraction": invalid as f64 / all.len().max(1) as f64})
+    );
+    Ok(())
+}
+
+pub fn train(model: &ModelArgs, data: &Path, out: &Path, train: &TrainArgs) -> Result<()> {
+    let summary = training::train_dir(&model.model, model.placement(), data, &train.settings()?, out)?;
+    eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(())
+}
+
+pub fn init(out: &Path, size: &SizeArgs, seed: i64) -> Result<()> {
+    new_model::init(out, size.size(), seed)?;
+    eprintln!("wrote a new model to {}", out.display());
+    Ok(())
+}
+
+pub fn sft_data(model: &ModelArgs, task: &TaskArgs, out: &Path, slip_rate: f64) -> Result<()> {
+    let spec = task.spec()?;
+    let cfg = config::LlamaConfig::load(&model.model)?;
+    let tok = Tokenizer::load(&model.model, &cfg)?;
+    let (problems, style) = spec.load()?;
+    let n = sampling::write_solutions(&tok, &problems, &style, out, slip_rate, task.task_seed)?;
+    eprintln!("wrote {n} worked solutions to {}", out.display());
+    Ok(())
+}
+
+pub fn plot(dir: &Path) -> Result<()> {
+    let path = if dir.join("iterations.jsonl").exists() {
+        plot::plot_iterations(dir)?
+    } else if dir.join("metrics.jsonl").exists() {
+        plot::plot_training(dir)?
+    } else {
+        bail!("{} holds neither iterations.jsonl (iterate) nor metrics.jsonl (train)", dir.display());
+    };
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+pub fn convert(model: &ModelArgs, out: &Path) -> Result<()> {
+    let (m, _) = load(model)?;
+    checkpoint::save(&m, &model.model, out)?;
+    eprintln!("saved {}", out.display());
+    Ok(())
+}
+
+pub fn score(model: &ModelArgs, prompt: &str, completion: &str, chat: bool) -> Result<()> {
+    let (m, tok) = load(model)?;
+    let p = tok.prompt_ids(prompt, chat)?;
+    let c = tok.encode(completion, false)?;
+    let logprobs = generate::score(&m, &p, &c)?;
+    println!("{}", serde_json::json!({"tokens": c, "logprobs": logprobs}));
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! The `llama` command line: the subcommands (this file), their argument groups
+//! ([`args`]) and what each runs ([`commands`]). Only the binary compiles this module; the
+//! pipeline it drives is the `topr_llama` library.
+
+pub mod args;
+mod bench;
+mod commands;
+
+use args::{DecodingArgs, LoopArgs, ModelArgs, SamplingArgs, SizeArgs, TaskArgs, TrainArgs, parse_device};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use tch::Device;
+use topr_llama::Refusal;
+
+#[derive(Parser)]
+#[command(
+    name = "llama",
+    about = "Llama checkpoints for topr-loss: generate, evaluate, sample, train off-policy, iterate"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+// Parsed once per run: the size difference between subcommands does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+pub enum Command {
+    /// Print the completion of a prompt.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template as a user message.
+        #[arg(long)]
+        chat: bool,
+        #[command(flatten)]
+        decoding: DecodingArgs,
+    },
+    /// Evaluate on a task: greedy pass@1, and with --samples K sampled pass@1, maj@K and pass@K;
+    /// invalid-answer rate; mean length. Prints a JSON summary; --out writes one line per question.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        /// Samples per question for sampled pass@1, maj@K and pass@K (0: greedy only).
+        #[arg(long, default_value_t = 0)]
+        samples: usize,
+        #[arg(long, default_value_t = 16)]
+        batch_size: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Per-question results (JSONL).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Sample N completions per prompt from the model (μ), grade them and write a JSONL data set
+    /// (prompt and completion ids, μ's per-token and sequence log-probs, reward, correct/invalid
+    /// flags, sampling settings). Rerunning with the same --out resumes; nothing is regenerated.
+    Sample {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 4)]
+        samples_per_prompt: usize,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        /// Prompts per generation batch (each with all its samples).
+        #[arg(long, default_value_t = 4)]
+        batch_prompts: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
+    /// Train the model off-policy on a sampled data set (see `sample`) with an objective of the
+    /// TOPR family; writes the trained model (Hugging Face layout) and metrics.jsonl to --out.
+    Train {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// A data set written by `sample`.
+        #[arg(long)]
+        data: PathBuf,
+        /// Output directory: the trained model and metrics.jsonl.
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        train: TrainArgs,
+    },
+    /// The whole loop for K iterations: sample with the current model as μ, optionally curate,
+    /// train off-policy, evaluate on held-out problems. Rerun the same command to resume: finished
+    /// stages are not redone and sampled data sets are never regenerated.
+    Iterate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        #[command(flatten)]
+        iterate: LoopArgs,
+    },
+    /// Create a small Llama from scratch (random weights, byte-level tokenizer, chat template) in
+    /// the Hugging Face layout: a model that needs nothing downloaded.
+    Init {
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        size: SizeArgs,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
+    /// Write a task's worked solutions as a data set (reward +1), for supervised warm-up with
+    /// `train --objective sft`.
+    SftData {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        #[arg(long)]
+        out: PathBuf,
+        /// Share of solutions written by a sloppy teacher whose answer line copies the starting
+        /// amount instead of the result (0: a perfect teacher). What the README's demo uses to
+        /// show reinforcement learning correcting an imitated mistake.
+        #[arg(long, default_value_t = 0.0, value_parser = args::parse_unit_interval)]
+        slip_rate: f64,
+    },
+    /// The README's demo: a small Llama from scratch, a supervised warm-up on a sloppy teacher's
+    /// worked solutions, then TOPR iterations on its own graded samples; prints the table and
+    /// writes the plots. About 7 minutes on 2 CPU cores.
+    Demo {
+        /// Working directory (one folder per stage).
+        #[arg(long, default_value = "runs/demo")]
+        work: PathBuf,
+        /// A CI-sized run (tiny model, a few steps): checks the pipeline, learns nothing.
+        #[arg(long)]
+        quick: bool,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = parse_device)]
+        device: Device,
+        /// Continue an interrupted demo (finished stages are kept).
+        #[arg(long)]
+        resume: bool,
+    },
+    /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
+    /// `training.png` of a `train` output directory.
+    Plot {
+        /// An `iterate --work` directory or a `train --out` directory.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Load a checkpoint and save it again (e.g. in another dtype), in the Hugging Face layout.
+    Convert {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Measure generation (batch 1 and 16) and training forward+backward throughput; prints JSON.
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value_t = 64)]
+        new_tokens: i64,
+        #[arg(long, default_value_t = 8)]
+        train_batch: i64,
+        #[arg(long, default_value_t = 128)]
+        train_len: i64,
+    },
+    /// Print the teacher-forced log-probabilities of a completion as JSON.
+    Score {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long)]
+        completion: String,
+        #[arg(long)]
+        chat: bool,
+    },
+}
+
+/// Runs one subcommand.
+pub fn run(command: Command) -> anyhow::Result<()> {
+    use commands as c;
+    match command {
+        Command::Generate { model, prompt, chat, decoding } => c::generate(&model, &prompt, chat, &decoding),
+        Command::Eval { model, task, sampling, samples, batch_size, seed, out } => {
+            c::eval(&model, &task, &sampling, samples, batch_size, seed, out.as_deref())
+        }
+        Command::Sample { model, task, out, samples_per_prompt, sampling, batch_prompts, seed } => {
+            c::sample(&model, &task, &out, samples_per_prompt, &sampling, batch_prompts, seed)
+        }
+        Command::Train { model, data, out, train } => c::train(&model, &data, &out, &train),
+        Command::Iterate { model, task, train, sampling, iterate } => {
+            let settings = iterate.settings(&task, &train, &sampling)?;
+            topr_llama::iterate::run(&model.model, model.placement(), &settings)
+        }
+        Command::Init { out, size, seed } => c::init(&out, &size, seed),
+        Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),
+        Command::Demo { work, quick, device, resume } => {
+            let scale = if quick { topr_llama::demo::Scale::quick() } else { topr_llama::demo::Scale::full() };
+            topr_llama::demo::run(&work, scale, device, resume)
+        }
+        Command::Plot { dir } => c::plot(&dir),
+        Command::Convert { model, out } => c::convert(&model, &out),
+        Command::Bench { model, new_tokens, train_batch, train_len } => {
+            let (m, tok) = c::load(&model)?;
+            bench::run(&m, &tok, new_tokens, train_batch, train_len)
+        }
+        Command::Score { model, prompt, completion, chat } => c::score(&model, &prompt, &completion, chat),
+    }
+}
+
+/// An error as one line (`outer: inner: …`), the library's refusals worded with the flag that
+/// lifts them.
+pub fn message(e: &anyhow::Error) -> String {
+    let part = |cause: &(dyn std::error::Error + 'static)| match cause.downcast_ref::<Refusal>() {
+        Some(r) => refusal(r),
+        None => cause.to_string(),
+    };
+    e.chain().map(part).collect::<Vec<_>>().join(": ")
+}
+
+fn refusal(r: &Refusal) -> String {
+    match r {
+        Refusal::InterruptedTraining { dir, state } => format!(
+            "{} holds the state of an interrupted run: pass --resume to continue it, or remove {}",
+            dir.display(),
+            state.display()
+        ),
+        Refusal::EarlierIterations(work) => format!(
+            "{} holds an earlier run: pass --resume to continue it (finished stages are kept), or choose another --work",
+            work.display()
+        ),
+        Refusal::EarlierDemo(work) => {
+            format!("{} holds an earlier demo: pass --resume to continue it, or choose another --work", work.display())
+        }
+        Refusal::RecordTooLong { path, record, id, tokens, context } => format!(
+            "{}: record {record} ({id}) has {tokens} tokens, more than the model's context of {context} (--skip-bad-records skips such records)",
+            path.display()
+        ),
+    }
+}

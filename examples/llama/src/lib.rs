@@ -1,0 +1,76 @@
+//! A Llama for topr-loss: loads Hugging Face checkpoints (Llama 2, 3, 3.1, 3.2, TinyLlama,
+//! SmolLM2), tokenizes with the `tokenizers` crate, generates with a KV cache, and runs the
+//! paper's self-taught loop: sample graded data sets with μ, train off-policy with any of the
+//! crate's objectives, evaluate, repeat.
+//!
+//! The library holds everything but the command line; the `llama` binary of this crate is a thin
+//! CLI over it (`cargo llama --help`). Dependencies point one way: CLI → `topr_llama` →
+//! `topr_loss`. Settings come in as typed values ([`train::TrainSettings`],
+//! [`generate::Sampling`], [`task::TaskSpec`], [`iterate::IterateSettings`],
+//! [`checkpoint::Placement`]); errors describe the problem, not a command-line flag, and the
+//! refusals a caller can lift by a setting are typed ([`Refusal`]).
+//!
+//! | module | what |
+//! |---|---|
+//! | [`config`] | `config.json`: fields, defaults, both rope layouts, refusal of unsupported settings |
+//! | [`model`] | the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, KV cache |
+//! | [`checkpoint`] | loading and saving the Hugging Face layout (single or sharded safetensors) |
+//! | [`tokenizer`] | `tokenizer.json`, the chat template, every EOS id |
+//! | [`generate`] | batched generation (greedy or sampled), teacher-forced scoring |
+//! | [`task`] | GSM8K and the synthetic task: prompts, answer extraction, grading |
+//! | [`eval`] | greedy and sampled pass@1, maj@k, pass@k |
+//! | [`sample`] | sampling a graded off-policy data set, resumable |
+//! | [`train`] | off-policy training with every objective, micro-batching, resume |
+//! | [`optim`] | AdamW and Adafactor with savable state |
+//! | [`iterate`] | the self-taught loop |
+//! | [`metrics`] | the records of the JSONL metric files, shared by writers and readers |
+//! | [`plot`] | the PNG plots |
+//! | [`init`] | a small Llama from scratch with a byte-level tokenizer |
+//! | [`demo`] | the README's demo |
+
+pub mod checkpoint;
+pub mod config;
+pub mod demo;
+pub mod eval;
+pub mod generate;
+pub mod init;
+pub mod iterate;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod plot;
+pub mod sample;
+pub mod task;
+pub mod tokenizer;
+pub mod train;
+
+use std::path::PathBuf;
+
+/// A refusal that a caller lifts by changing a setting (continuing an earlier run, or skipping
+/// bad records). Front ends can recognise it (`anyhow::Error::downcast_ref`) and name their own
+/// option for the remedy; its message names none.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// A training output directory holds the saved state of an interrupted run.
+    #[error(
+        "{} holds the state of an interrupted run: resume it (train with `resume` set), or remove {}",
+        dir.display(),
+        state.display()
+    )]
+    InterruptedTraining { dir: PathBuf, state: PathBuf },
+    /// An `iterate` work directory holds an earlier run.
+    #[error(
+        "{} holds an earlier run: resume it (finished stages are kept), or choose another work directory",
+        .0.display()
+    )]
+    EarlierIterations(PathBuf),
+    /// A demo work directory holds an earlier demo.
+    #[error("{} holds an earlier demo: resume it, or choose another work directory", .0.display())]
+    EarlierDemo(PathBuf),
+    /// A data-set record longer than the model's context.
+    #[error(
+        "{}: record {record} ({id}) has {tokens} tokens, more than the model's context of {context} (skipping bad records skips such records)",
+        path.display()
+    )]
+    RecordTooLong { path: PathBuf, record: usize, id: String, tokens: usize, context: usize },
+}

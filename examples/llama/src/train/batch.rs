@@ -1,0 +1,149 @@
+//! One optimiser step's gradient: the micro-batches of a step (right-padded tensors), the
+//! accumulation of their losses' gradients with the counts of the whole step, gradient clipping
+//! and the learning-rate schedule.
+
+use super::objective::{Loss, Tally, Unit, topr_stats};
+use crate::metrics::StepStats;
+use crate::model::Llama;
+use crate::sample::Sample;
+use anyhow::{Result, bail};
+use tch::{Kind, Tensor};
+use topr_loss::{LogProbConfig, Normalizer, backward_through_logprobs};
+
+/// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
+/// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
+/// log-probs `[b, L−1]` and the per-row values `[b]` (rewards or advantages).
+pub struct MicroBatch {
+    pub ids: Tensor,
+    pub attn: Tensor,
+    pub labels: Tensor,
+    pub mask: Tensor,
+    pub logp_mu: Tensor,
+    pub values: Tensor,
+}
+
+pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
+    let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1);
+    let b = rows.len();
+    let mut ids = vec![0i64; b * len];
+    let mut attn = vec![0i64; b * len];
+    let mut mask = vec![false; b * (len - 1)];
+    let mut mu = vec![0f32; b * (len - 1)];
+    for (r, (s, _)) in rows.iter().enumerate() {
+        let all: Vec<i64> = s.prompt_ids.iter().chain(&s.completion_ids).copied().collect();
+        ids[r * len..r * len + all.len()].copy_from_slice(&all);
+        attn[r * len..r * len + all.len()].iter_mut().for_each(|a| *a = 1);
+        // Completion token k sits at position p + k and is predicted at position p + k − 1.
+        let p = s.prompt_ids.len();
+        for (k, lp) in s.logp_mu.iter().enumerate() {
+            mask[r * (len - 1) + p + k - 1] = true;
+            mu[r * (len - 1) + p + k - 1] = *lp;
+        }
+    }
+    let (b, l) = (b as i64, len as i64);
+    let ids = Tensor::from_slice(&ids).view([b, l]).to_device(device);
+    MicroBatch {
+        labels: ids.narrow(1, 1, l - 1),
+        ids,
+        attn: Tensor::from_slice(&attn).view([b, l]).to_device(device),
+        mask: Tensor::from_slice(&mask).view([b, l - 1]).to_device(device),
+        logp_mu: Tensor::from_slice(&mu).view([b, l - 1]).to_device(device),
+        values: Tensor::from_slice(&rows.iter().map(|r| r.1).collect::<Vec<_>>()).to_device(device),
+    }
+}
+
+/// The micro-batches of one step's units, about `micro` completions each: singles as they come;
+/// pairs as `[chosen…, rejected…]`.
+fn micro_batches(batch: &[Unit], micro: usize, device: tch::Device) -> Result<Vec<MicroBatch>> {
+    let per_micro = match batch.first() {
+        Some(u) => (micro / u.completions()).max(1),
+        None => bail!("an optimiser step needs at least one completion"),
+    };
+    Ok(batch
+        .chunks(per_micro)
+        .map(|c| {
+            let mut rows: Vec<(&Sample, f32)> = vec![];
+            let mut second = vec![];
+            for u in c {
+                match *u {
+                    Unit::Single(s, v) => rows.push((s, v)),
+                    Unit::Pair(w, l) => {
+                        rows.push((w, 0.0));
+                        second.push((l, 0.0));
+                    }
+                }
+            }
+            rows.extend(second);
+            micro_batch(&rows, device)
+        })
+        .collect())
+}
+
+/// Accumulates the gradient of one optimiser step over micro-batches of about `micro`
+/// completions (does not step). The loss uses the counts of the whole step, so the sum over
+/// micro-batches is the full-batch loss and its gradient.
+pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> Result<StepStats> {
+    let parts = micro_batches(batch, micro, model.device())?;
+    let masks: Vec<&Tensor> = parts.iter().map(|p| &p.mask).collect();
+    let normalizer = Normalizer::from_masks(&masks)?;
+    let pairs_in_step = batch.len() as f64;
+    let lp_cfg = LogProbConfig::default();
+    let mut stats = StepStats { sequences: batch.iter().map(Unit::completions).sum(), ..Default::default() };
+    let mut tally = Tally::default();
+    for p in &parts {
+        let logits = model.logits(&p.ids, &p.attn);
+        let l = p.ids.size()[1];
+        let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
+            loss.micro_batch(lp, p, normalizer, pairs_in_step, &mut tally)
+        })?;
+        stats.loss += value.double_value(&[]);
+        stats.tokens += p.mask.sum(Kind::Int64).int64_value(&[]) as usize;
+    }
+    stats.log_ratio_mean = tally.log_ratio / stats.tokens.max(1) as f64;
+    match loss {
+        Loss::Topr(_) => stats.topr = Some(topr_stats(&tally.diags)),
+        Loss::Ppo(_) => stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64),
+        Loss::Dpo(_) => {
+            stats.dpo_accuracy = Some(tally.dpo_accuracy / pairs_in_step);
+            stats.dpo_margin = Some(tally.dpo_margin / pairs_in_step);
+        }
+    }
+    Ok(stats)
+}
+
+/// `sqrt(Σ g²)` over the trainable parameters, then scales the gradients so that it is at most
+/// `max_norm` (when given). Returns the norm before clipping.
+pub fn clip_grad_norm(vars: &[Tensor], max_norm: Option<f64>) -> f64 {
+    let sq: f64 = vars
+        .iter()
+        .filter(|v| v.grad().defined())
+        .map(|v| v.grad().to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
+        .sum();
+    let norm = sq.sqrt();
+    if let Some(max) = max_norm {
+        if norm > max && norm.is_finite() {
+            let scale = max / (norm + 1e-6);
+            tch::no_grad(|| {
+                for v in vars {
+                    let mut g = v.grad();
+                    if g.defined() {
+                        let _ = g.g_mul_scalar_(scale);
+                    }
+                }
+            });
+        }
+    }
+    norm
+}
+
+/// The learning rate at `step` (0-based) of `total`: linear warm-up, then constant or linear decay.
+pub fn learning_rate(base: f64, step: usize, total: usize, warmup: usize, decay: bool) -> f64 {
+    if step < warmup {
+        return base * (step + 1) as f64 / warmup as f64;
+    }
+    if decay && total > warmup {
+        let frac = (step - warmup) as f64 / (total - warmup) as f64;
+        return base * (1.0 - frac).max(0.0);
+    }
+    base
+}

@@ -1,0 +1,251 @@
+//! Off-policy training of the model on a sampled data set: the reference way to use
+//! `topr-loss` in a loop. Objectives: the TOPR family (TOPR, TIS, SFT, naive REINFORCE, IS),
+//! PPO-clip and GRPO on μ's log-probs as the old policy, and DPO on pairs built from the correct
+//! and incorrect completions of each prompt.
+//!
+//! One optimiser step takes `batch_size` completions, split into micro-batches of
+//! `micro_batch_size`. The aggregation counts (`Normalizer`, or the number of DPO pairs) are those
+//! of the whole step, so the accumulated gradient does not depend on the micro-batch size
+//! (tested for every objective). Log-probabilities come from the crate's chunked path
+//! (`backward_through_logprobs`), so no float32 copy of the `[B, T, V]` logits is kept for the
+//! backward pass.
+//!
+//! With a state directory, the model, the optimiser state and the position in the data are saved
+//! every `save_every` steps (atomically: a kill leaves the previous state whole), and a rerun
+//! resumes there, taking the same steps as an uninterrupted run.
+
+mod batch;
+mod objective;
+mod state;
+
+pub use crate::metrics::{StepStats, ToprStats};
+pub use batch::{MicroBatch, accumulate, clip_grad_norm, learning_rate, micro_batch};
+pub use objective::{Baseline, Loss, Objective, Unit, p_tilde, resolve_baseline, units};
+
+use crate::Refusal;
+use crate::checkpoint::{self, Placement};
+use crate::metrics::StepRecord;
+use crate::model::Llama;
+use crate::optim::{Optimizer, OptimizerConfig};
+use crate::sample::Sample;
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+use state::{MetricsLog, Progress, StateDir};
+use std::path::Path;
+use tch::Tensor;
+
+/// Everything [`run`] needs besides the model and the data.
+#[derive(Debug, Clone)]
+pub struct TrainSettings {
+    pub objective: Objective,
+    pub baseline: Baseline,
+    /// The ratio level of the TOPR family (the paper's is `Sequence`).
+    pub ratio: topr_loss::RatioLevel,
+    pub optimizer: OptimizerConfig,
+    pub lr: f64,
+    /// Completions per optimiser step.
+    pub batch_size: usize,
+    /// Completions per forward/backward pass (gradient accumulation; same update for any value).
+    pub micro_batch_size: usize,
+    pub epochs: usize,
+    pub max_grad_norm: f64,
+    pub warmup_steps: usize,
+    /// Decay the learning rate linearly to 0 after the warm-up (else constant).
+    pub lr_decay: bool,
+    /// The seed of the per-epoch shuffles.
+    pub seed: u64,
+    /// DPO's β.
+    pub dpo_beta: f64,
+    /// Skip malformed data-set records and completions longer than the context (counted) instead
+    /// of refusing the data set.
+    pub skip_bad_records: bool,
+    /// Save the training state every this many steps (0: never; a kill then restarts the stage).
+    pub save_every: usize,
+    /// Continue from the saved state of an interrupted run in the same output directory.
+    pub resume: bool,
+}
+
+/// What a training run did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub objective: String,
+    pub completions: usize,
+    pub positive_fraction: f64,
+    pub baseline: f64,
+    /// The effective positive proportion `p̃` (rewards ±1, baseline c; 1 for SFT, which gives
+    /// negatives no weight; `None` for GRPO and DPO, whose weights are not `R − c`).
+    pub p_tilde: Option<f64>,
+    pub steps: usize,
+    pub final_loss: f64,
+    /// Mean over steps of the truncated fraction of the negative branch (TOPR family).
+    pub truncated_fraction_neg: Option<f64>,
+}
+
+/// Reads a data set for training: malformed lines and completions longer than `context` tokens
+/// are errors naming the record, or are skipped and counted with `skip_bad`.
+pub fn load_data(path: &Path, context: usize, skip_bad: bool) -> Result<Vec<Sample>> {
+    let (mut samples, mut skipped) = crate::sample::read_dataset(path, skip_bad)?;
+    let too_long = |s: &Sample| s.prompt_ids.len() + s.completion_ids.len() > context;
+    if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| too_long(s)) {
+        if !skip_bad {
+            bail!(Refusal::RecordTooLong {
+                path: path.to_path_buf(),
+                record: i + 1,
+                id: s.id.clone(),
+                tokens: s.prompt_ids.len() + s.completion_ids.len(),
+                context,
+            });
+        }
+    }
+    let before = samples.len();
+    samples.retain(|s| !too_long(s) && !s.completion_ids.is_empty());
+    skipped += before - samples.len();
+    if skipped > 0 {
+        eprintln!("skipped {skipped} record(s) of {}", path.display());
+    }
+    if samples.is_empty() {
+        bail!("{}: no usable records", path.display());
+    }
+    Ok(samples)
+}
+
+/// What is fixed for a whole run: the baseline, the loss, the training units and the steps.
+struct Plan<'a> {
+    /// The baseline `c` and the data set's share of positives `p`.
+    c: f64,
+    p: f64,
+    p_tilde: Option<f64>,
+    loss: Loss,
+    units: Vec<Unit<'a>>,
+    units_per_step: usize,
+    steps_per_epoch: usize,
+    total: usize,
+}
+
+impl<'a> Plan<'a> {
+    fn new(samples: &'a [Sample], o: &TrainSettings) -> Result<Self> {
+        let (c, p) = resolve_baseline(samples, o.baseline)?;
+        let p_tilde = p_tilde(o.objective, p, c)?;
+        eprintln!(
+            "{} completions, {:.1}% positive; baseline c = {c:.4}{}",
+            samples.len(),
+            100.0 * p,
+            p_tilde.map(|v| format!(", effective positive proportion p~ = {v:.3}")).unwrap_or_default()
+        );
+        let loss = Loss::new(o.objective, c, o.ratio, o.dpo_beta);
+        let units = units(samples, o.objective, c)?;
+        let units_per_step = (o.batch_size / units[0].completions()).max(1);
+        let steps_per_epoch = units.len().div_ceil(units_per_step);
+        Ok(Self { c, p, p_tilde, loss, units, units_per_step, steps_per_epoch, total: steps_per_epoch * o.epochs })
+    }
+
+    /// The steps of `epoch`: (0-based step number, its units), in a deterministic shuffle
+    /// (Fisher–Yates, seeded by the seed and the epoch).
+    fn epoch(&self, epoch: usize, seed: u64) -> Vec<(usize, Vec<Unit<'a>>)> {
+        let mut order: Vec<usize> = (0..self.units.len()).collect();
+        let mut rng = crate::task::Rng::new(seed.wrapping_add(epoch as u64));
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.range(0, i as i64) as usize);
+        }
+        order
+            .chunks(self.units_per_step)
+            .enumerate()
+            .map(|(k, chunk)| (epoch * self.steps_per_epoch + k, chunk.iter().map(|&i| self.units[i]).collect()))
+            .collect()
+    }
+}
+
+/// One optimiser step on `batch` (0-based `step` of `epoch`): gradient, clipping, schedule,
+/// update. Returns its metrics record.
+fn optimizer_step(
+    model: &Llama,
+    opt: &mut Optimizer,
+    vars: &[Tensor],
+    plan: &Plan,
+    o: &TrainSettings,
+    (epoch, step): (usize, usize),
+    batch: &[Unit],
+) -> Result<StepRecord> {
+    opt.zero_grad();
+    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss)?;
+    if !stats.loss.is_finite() {
+        bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
+    }
+    let grad_norm = clip_grad_norm(vars, Some(o.max_grad_norm));
+    let lr = learning_rate(o.lr, step, plan.total, o.warmup_steps, o.lr_decay);
+    opt.step(lr)?;
+    Ok(StepRecord { baseline: plan.c, epoch, grad_norm, lr, p_tilde: plan.p_tilde, stats, step: step + 1 })
+}
+
+fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(total as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("train [{bar:30}] {pos}/{len} steps {msg} ETA {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    pb.set_position(done as u64);
+    pb
+}
+
+/// Trains `model` in place on `samples`: micro-batching, clipping, schedule; one JSON line of
+/// metrics per optimiser step to `dir/metrics.jsonl`; the training state in `dir/state` every
+/// `save_every` steps (removed when the run finishes).
+pub fn run(model: &Llama, samples: &[Sample], o: &TrainSettings, dir: &Path) -> Result<Summary> {
+    let plan = Plan::new(samples, o)?;
+    std::fs::create_dir_all(dir)?;
+    let state = StateDir { dir: dir.to_path_buf() };
+    let named: Vec<(String, Tensor)> = model.vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    let mut opt = Optimizer::new(o.optimizer, named);
+    let mut progress: Progress = state.resume(model, &mut opt, samples, o)?;
+    let mut metrics = MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?;
+    let pb = progress_bar(plan.total, progress.step);
+    let vars: Vec<Tensor> = model.vs.trainable_variables();
+    for epoch in 0..o.epochs {
+        for (step, batch) in plan.epoch(epoch, o.seed) {
+            if step < progress.step {
+                continue; // done before the run was interrupted
+            }
+            let record = optimizer_step(model, &mut opt, &vars, &plan, o, (epoch, step), &batch)?;
+            metrics.write(&record)?;
+            pb.set_message(format!("loss {:.4}", record.stats.loss));
+            pb.inc(1);
+            progress.step = step + 1;
+            progress.last_loss = record.stats.loss;
+            progress.truncated_sum += record.stats.topr.as_ref().map_or(0.0, |t| t.truncated_fraction_neg);
+            if o.save_every > 0 && progress.step % o.save_every == 0 && progress.step < plan.total {
+                state.save(model, &opt, &progress)?;
+            }
+        }
+    }
+    pb.finish_and_clear();
+    opt.zero_grad();
+    Ok(Summary {
+        objective: o.objective.name(),
+        completions: samples.len(),
+        positive_fraction: plan.p,
+        baseline: plan.c,
+        p_tilde: plan.p_tilde,
+        steps: progress.step,
+        final_loss: progress.last_loss,
+        truncated_fraction_neg: matches!(plan.loss, Loss::Topr(_))
+            .then(|| progress.truncated_sum / progress.step.max(1) as f64),
+    })
+}
+
+/// Removes the training state of a finished run in `dir` (call once its model is saved).
+pub fn finish(dir: &Path) {
+    StateDir { dir: dir.to_path_buf() }.remove();
+}
+
+/// `train` from directory to directory: loads the model of `model_dir` and the data set, trains,
+/// saves the model (Hugging Face layout) with `metrics.jsonl` and `training.png` in `out`, and
+/// removes the training state.
+pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings, out: &Path) -> Result<Summary> {
+    let (m, _) = checkpoint::open(model_dir, at)?;
+    let samples = load_data(data, m.cfg.max_position_embeddings as usize, o.skip_bad_records)?;
+    let summary = run(&m, &samples, o, out)?;
+    checkpoint::save(&m, model_dir, out)?;
+    finish(out);
+    crate::plot::report("training", || crate::plot::plot_training(out));
+    Ok(summary)
+}

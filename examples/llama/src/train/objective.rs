@@ -1,0 +1,262 @@
+//! The objectives and every call into `topr_loss` that training makes: baselines and the
+//! effective positive proportion, GRPO's group advantages, and the loss of one micro-batch
+//! (TOPR family, PPO-clip, DPO) with the diagnostics a step logs.
+
+use super::batch::MicroBatch;
+use crate::metrics::ToprStats;
+use crate::sample::Sample;
+use anyhow::{Result, bail};
+use std::collections::BTreeMap;
+use tch::{Kind, Tensor};
+use topr_loss::{
+    AggregationMode, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
+    TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss,
+    dpo_rewards, group_advantages, ppo_clip_loss, sequence_logprobs, topr_token_diagnostics, topr_token_loss,
+};
+
+/// The objectives `train` offers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Objective {
+    Topr,
+    Tis,
+    Sft,
+    Reinforce,
+    Is,
+    /// PPO-clip (ε = 0.2, token-mean) with advantages `R − c`.
+    Ppo,
+    /// PPO-clip with GRPO's group-normalised advantages and sequence-mean-token-mean aggregation.
+    Grpo,
+    /// DPO (sigmoid) on (correct, incorrect) pairs of the same prompt, μ as the reference.
+    Dpo,
+}
+
+impl Objective {
+    /// The truncation limits of the TOPR-family objectives (`None` for the others).
+    pub fn limits(self) -> Option<ToprConfig> {
+        Some(match self {
+            Self::Topr => ToprConfig::canonical(),
+            Self::Tis => ToprConfig::tis(),
+            Self::Sft => ToprConfig::sft(),
+            Self::Reinforce => ToprConfig::naive_reinforce(),
+            Self::Is => ToprConfig::importance_sampling(),
+            Self::Ppo | Self::Grpo | Self::Dpo => return None,
+        })
+    }
+
+    /// The objective's name as summaries write it (`topr`, `ppo`, ...).
+    pub fn name(self) -> String {
+        format!("{self:?}").to_lowercase()
+    }
+}
+
+/// The baseline `c` subtracted from rewards (TOPR family, PPO).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Baseline {
+    /// `c = 0`.
+    #[default]
+    Zero,
+    /// A given `c`.
+    Fixed(f64),
+    /// Derived from the data set's share of positives so that positives carry this share `p̃` of
+    /// the weight (the paper finds 0.1–0.2 best on GSM8K).
+    TargetPositiveProportion(f64),
+}
+
+/// The baseline `c` and the data set's share of positives `p`: `c` given, or derived from `p`
+/// and a target effective proportion `p̃` (rewards ±1; `c = 0`, with a warning, when every
+/// sample has the same sign, as no baseline can then change their share).
+pub fn resolve_baseline(data: &[Sample], baseline: Baseline) -> Result<(f64, f64)> {
+    let p = data.iter().filter(|s| s.reward > 0.0).count() as f64 / data.len().max(1) as f64;
+    let c = match baseline {
+        Baseline::Fixed(c) => c,
+        // All samples of one sign: no baseline changes their share. Train with c = 0 rather than
+        // stop a loop whose model got every sample wrong (or right) this time.
+        Baseline::TargetPositiveProportion(_) if p == 0.0 || p == 1.0 => {
+            eprintln!(
+                "warning: every completion is {}: the target positive proportion cannot be met; using baseline c = 0",
+                if p == 0.0 { "wrong" } else { "right" }
+            );
+            0.0
+        }
+        Baseline::TargetPositiveProportion(pt) => baseline_for_effective_proportion(p, pt)?,
+        Baseline::Zero => 0.0,
+    };
+    Ok((c, p))
+}
+
+/// The effective positive proportion `p̃` of a data set with share of positives `p` under
+/// baseline `c` (rewards ±1; 1 for SFT, which gives negatives no weight; `None` for GRPO and DPO,
+/// whose weights are not `R − c`).
+pub fn p_tilde(objective: Objective, p: f64, c: f64) -> Result<Option<f64>> {
+    Ok(match objective {
+        Objective::Sft => Some(1.0),
+        Objective::Grpo | Objective::Dpo => None,
+        _ => Some(topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?),
+    })
+}
+
+/// The loss one step computes, with everything fixed for the run.
+#[derive(Debug, Clone, Copy)]
+pub enum Loss {
+    /// The TOPR family on rewards (the baseline is in the config).
+    Topr(ToprTokenConfig),
+    /// PPO-clip on per-sequence advantages.
+    Ppo(PpoConfig),
+    /// DPO on pairs.
+    Dpo(DpoConfig),
+}
+
+impl Loss {
+    /// The loss of `objective` with baseline `c`, TOPR's `ratio` level and DPO's `dpo_beta`.
+    pub fn new(objective: Objective, c: f64, ratio: RatioLevel, dpo_beta: f64) -> Self {
+        match objective {
+            Objective::Ppo => Loss::Ppo(PpoConfig::ppo()),
+            Objective::Grpo => {
+                Loss::Ppo(PpoConfig { aggregation: AggregationMode::SeqMeanTokenMean, ..PpoConfig::ppo() })
+            }
+            Objective::Dpo => Loss::Dpo(DpoConfig { beta: dpo_beta, ..DpoConfig::default() }),
+            other => Loss::Topr(ToprTokenConfig {
+                topr: other.limits().unwrap_or_default().with_baseline(c),
+                ratio,
+                ..ToprTokenConfig::paper()
+            }),
+        }
+    }
+
+    /// The loss of one micro-batch `p` given π's log-probs `lp`, with the counts of the whole
+    /// step (`normalizer`, and `pairs_in_step` for DPO), adding its diagnostics to `tally`.
+    pub(super) fn micro_batch(
+        &self,
+        lp: &TokenLogProbs,
+        p: &MicroBatch,
+        normalizer: Normalizer,
+        pairs_in_step: f64,
+        tally: &mut Tally,
+    ) -> Result<Tensor, LossError> {
+        let delta = &lp.logp.detach() - &p.logp_mu;
+        tally.log_ratio += masked_sum(&delta, &lp.mask);
+        match self {
+            Loss::Topr(cfg) => {
+                let cfg = ToprTokenConfig { normalizer, ..*cfg };
+                tally.diags.push(topr_token_diagnostics(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)?);
+                topr_token_loss(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)
+            }
+            Loss::Ppo(cfg) => {
+                let cfg = PpoConfig { normalizer, ..*cfg };
+                let ratio = delta.exp();
+                let outside = ratio.lt(1.0 - cfg.clip_low).logical_or(&ratio.gt(1.0 + cfg.clip_high));
+                tally.clipped += masked_sum(&outside, &lp.mask);
+                ppo_clip_loss(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)
+            }
+            Loss::Dpo(cfg) => {
+                let n = lp.logp.size()[0] / 2;
+                let seq = sequence_logprobs(&lp.logp, &lp.mask, SequenceReduce::Sum)?;
+                let mu = sequence_logprobs(&p.logp_mu, &lp.mask, SequenceReduce::Sum)?;
+                let (pw, pl) = (seq.narrow(0, 0, n), seq.narrow(0, n, n));
+                let (rw, rl) = (mu.narrow(0, 0, n), mu.narrow(0, n, n));
+                let r = dpo_rewards(&pw, &pl, &rw, &rl, cfg)?;
+                tally.dpo_accuracy += r.accuracy * n as f64;
+                tally.dpo_margin += r.margin * n as f64;
+                // dpo_loss averages over this micro-batch's pairs; weigh it by its share of the step.
+                Ok(dpo_loss(&pw, &pl, &rw, &rl, cfg)? * (n as f64 / pairs_in_step))
+            }
+        }
+    }
+}
+
+/// The diagnostics of one step, summed over its micro-batches.
+#[derive(Default)]
+pub(super) struct Tally {
+    pub diags: Vec<ToprDiagnostics>,
+    /// Tokens whose PPO ratio lies outside the clip range.
+    pub clipped: f64,
+    /// Σ `log π − log μ` over the completion tokens.
+    pub log_ratio: f64,
+    /// DPO: pair-weighted sums of accuracy and margin.
+    pub dpo_accuracy: f64,
+    pub dpo_margin: f64,
+}
+
+/// Σ over the masked tokens of `x`, as f64.
+fn masked_sum(x: &Tensor, mask: &Tensor) -> f64 {
+    x.detach().to_kind(Kind::Double).masked_select(mask).sum(Kind::Double).double_value(&[])
+}
+
+/// The TOPR-family statistics, weighted by each micro-batch's sample count.
+pub(super) fn topr_stats(diags: &[ToprDiagnostics]) -> ToprStats {
+    let total: f64 = diags.iter().map(|d| d.samples as f64).sum::<f64>().max(1.0);
+    let avg = |f: &dyn Fn(&ToprDiagnostics) -> f64| diags.iter().map(|d| f(d) * d.samples as f64).sum::<f64>() / total;
+    let pos: Vec<f64> = diags.iter().filter_map(|d| d.effective_positive_proportion).collect();
+    ToprStats {
+        negative_fraction: avg(&|d| d.negative_fraction),
+        truncated_fraction_pos: avg(&|d| d.truncated_fraction_pos),
+        truncated_fraction_neg: avg(&|d| d.truncated_fraction_neg),
+        weight_mean: avg(&|d| d.weight_mean),
+        weight_max: diags.iter().map(|d| d.weight_max).fold(0.0, f64::max),
+        log_ratio_mean: avg(&|d| d.log_ratio_mean),
+        effective_positive_proportion: (!pos.is_empty()).then(|| pos.iter().sum::<f64>() / pos.len() as f64),
+    }
+}
+
+/// A training unit: one completion with the value its loss weighs it by (the reward for the TOPR
+/// family, the advantage for PPO and GRPO), or, for DPO, a (chosen, rejected) pair.
+#[derive(Debug, Clone, Copy)]
+pub enum Unit<'a> {
+    Single(&'a Sample, f32),
+    Pair(&'a Sample, &'a Sample),
+}
+
+impl Unit<'_> {
+    /// Completions in this unit.
+    pub fn completions(&self) -> usize {
+        match self {
+            Self::Single(..) => 1,
+            Self::Pair(..) => 2,
+        }
+    }
+}
+
+/// Samples grouped by question id, in order of first appearance.
+fn groups(samples: &[Sample]) -> Vec<Vec<&Sample>> {
+    let mut index: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut out: Vec<Vec<&Sample>> = vec![];
+    for s in samples {
+        let k = *index.entry(&s.id).or_insert_with(|| {
+            out.push(vec![]);
+            out.len() - 1
+        });
+        out[k].push(s);
+    }
+    out
+}
+
+/// The training units of `samples` for `objective` with baseline `c`: GRPO advantages are
+/// computed per question over all its completions in the data set; DPO pairs the i-th correct
+/// with the i-th incorrect completion of each question.
+pub fn units(samples: &[Sample], objective: Objective, c: f64) -> Result<Vec<Unit<'_>>> {
+    Ok(match objective {
+        Objective::Ppo => samples.iter().map(|s| Unit::Single(s, (s.reward - c) as f32)).collect(),
+        Objective::Grpo => {
+            let mut out = vec![];
+            for g in groups(samples) {
+                let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
+                let a = Vec::<f64>::try_from(group_advantages(&r, GroupAdvantage::grpo())?.flatten(0, -1))?;
+                out.extend(g.iter().zip(a).map(|(s, a)| Unit::Single(s, a as f32)));
+            }
+            out
+        }
+        Objective::Dpo => {
+            let mut out = vec![];
+            for g in groups(samples) {
+                let pos = g.iter().filter(|s| s.reward > 0.0);
+                let neg = g.iter().filter(|s| s.reward <= 0.0);
+                out.extend(pos.zip(neg).map(|(w, l)| Unit::Pair(w, l)));
+            }
+            if out.is_empty() {
+                bail!("DPO needs questions with both a correct and an incorrect completion; this data set has none");
+            }
+            out
+        }
+        _ => samples.iter().map(|s| Unit::Single(s, s.reward as f32)).collect(),
+    })
+}
