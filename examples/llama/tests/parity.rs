@@ -253,9 +253,9 @@ fn fused_logprob_training_matches_naive_gradients() {
     let naive = grads(&m);
     // Fused.
     let hidden = m.hidden(&ids, &mask).narrow(1, 0, 6);
-    let cfg = topr_loss::LogProbConfig { chunk_tokens: 4, ..Default::default() };
+    let cfg = topr_loss::LogProbConfig::new().with_chunk_tokens(4);
     let _ = topr_loss::backward_through_fused_logprobs(&hidden, m.lm_head(), &labels, Some(&lmask), &cfg, |x| {
-        Ok((&x.logp * &weights).sum(Kind::Float))
+        Ok::<_, topr_loss::LossError>((&x.logp * &weights).sum(Kind::Float))
     })
     .unwrap();
     let fused = grads(&m);

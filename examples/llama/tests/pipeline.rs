@@ -119,11 +119,11 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
     }
     let vars = m.vs.trainable_variables();
     let topr = |ratio| {
-        train::Loss::Topr(topr_loss::ToprTokenConfig {
-            topr: topr_loss::ToprConfig::canonical().with_baseline(0.2),
-            ratio,
-            ..topr_loss::ToprTokenConfig::paper()
-        })
+        train::Loss::Topr(
+            topr_loss::ToprTokenConfig::paper()
+                .with_topr(topr_loss::ToprConfig::canonical().with_baseline(0.2))
+                .with_ratio(ratio),
+        )
     };
     let cases = [
         ("topr sequence", train::Objective::Topr, topr(topr_loss::RatioLevel::Sequence)),
@@ -133,10 +133,7 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
         (
             "grpo",
             train::Objective::Grpo,
-            train::Loss::Ppo(topr_loss::PpoConfig {
-                aggregation: topr_loss::AggregationMode::SeqMeanTokenMean,
-                ..topr_loss::PpoConfig::ppo()
-            }),
+            train::Loss::Ppo(topr_loss::PpoConfig::ppo().with_aggregation(topr_loss::AggregationMode::SeqMeanTokenMean)),
         ),
         ("dpo", train::Objective::Dpo, train::Loss::Dpo(topr_loss::DpoConfig::default())),
     ];

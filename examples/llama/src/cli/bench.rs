@@ -60,7 +60,7 @@ fn training(m: &Llama, train_batch: i64, train_len: i64) -> Result<()> {
     let fused_step = || -> Result<()> {
         let hidden = m.hidden(&ids, &mask).narrow(1, 0, train_len - 1); // [B, T−1, H]
         let _ = topr_loss::backward_through_fused_logprobs(&hidden, m.lm_head(), &labels, None, &cfg, |lp| {
-            Ok(-lp.logp.mean(Kind::Float))
+            Ok::<_, topr_loss::LossError>(-lp.logp.mean(Kind::Float))
         })?;
         Ok(())
     };

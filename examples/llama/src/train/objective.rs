@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
     AggregationMode, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
-    TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss,
-    dpo_rewards, group_advantages, ppo_clip_loss, sequence_logprobs, topr_token_diagnostics, topr_token_loss,
+    TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss_output,
+    group_advantages, ppo_clip_loss_output, sequence_logprobs, topr_token_loss_output,
 };
 
 /// The objectives `train` offers.
@@ -111,15 +111,11 @@ impl Loss {
     pub fn new(objective: Objective, c: f64, ratio: RatioLevel, dpo_beta: f64) -> Self {
         match objective {
             Objective::Ppo => Loss::Ppo(PpoConfig::ppo()),
-            Objective::Grpo => {
-                Loss::Ppo(PpoConfig { aggregation: AggregationMode::SeqMeanTokenMean, ..PpoConfig::ppo() })
-            }
-            Objective::Dpo => Loss::Dpo(DpoConfig { beta: dpo_beta, ..DpoConfig::default() }),
-            other => Loss::Topr(ToprTokenConfig {
-                topr: other.limits().unwrap_or_default().with_baseline(c),
-                ratio,
-                ..ToprTokenConfig::paper()
-            }),
+            Objective::Grpo => Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean)),
+            Objective::Dpo => Loss::Dpo(DpoConfig::dpo().with_beta(dpo_beta)),
+            other => Loss::Topr(
+                ToprTokenConfig::paper().with_topr(other.limits().unwrap_or_default().with_baseline(c)).with_ratio(ratio),
+            ),
         }
     }
 
@@ -137,16 +133,16 @@ impl Loss {
         tally.log_ratio += masked_sum(&delta, &lp.mask);
         match self {
             Loss::Topr(cfg) => {
-                let cfg = ToprTokenConfig { normalizer, ..*cfg };
-                tally.diags.push(topr_token_diagnostics(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)?);
-                topr_token_loss(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)
+                // The loss and its diagnostics from one pass, with the step's counts.
+                let out = topr_token_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?;
+                tally.diags.push(out.diagnostics.read()?);
+                Ok(out.loss)
             }
             Loss::Ppo(cfg) => {
-                let cfg = PpoConfig { normalizer, ..*cfg };
                 let ratio = delta.exp();
                 let outside = ratio.lt(1.0 - cfg.clip_low).logical_or(&ratio.gt(1.0 + cfg.clip_high));
                 tally.clipped += masked_sum(&outside, &lp.mask);
-                ppo_clip_loss(&lp.logp, &p.logp_mu, &p.values, &lp.mask, &cfg)
+                Ok(ppo_clip_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?.loss)
             }
             Loss::Dpo(cfg) => {
                 let n = lp.logp.size()[0] / 2;
@@ -154,11 +150,12 @@ impl Loss {
                 let mu = sequence_logprobs(&p.logp_mu, &lp.mask, SequenceReduce::Sum)?;
                 let (pw, pl) = (seq.narrow(0, 0, n), seq.narrow(0, n, n));
                 let (rw, rl) = (mu.narrow(0, 0, n), mu.narrow(0, n, n));
-                let r = dpo_rewards(&pw, &pl, &rw, &rl, cfg)?;
-                tally.dpo_accuracy += r.accuracy * n as f64;
-                tally.dpo_margin += r.margin * n as f64;
-                // dpo_loss averages over this micro-batch's pairs; weigh it by its share of the step.
-                Ok(dpo_loss(&pw, &pl, &rw, &rl, cfg)? * (n as f64 / pairs_in_step))
+                // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
+                let out = dpo_loss_output(&pw, &pl, &rw, &rl, cfg, &Normalizer::sequences(pairs_in_step))?;
+                let d = out.diagnostics.read()?;
+                tally.dpo_accuracy += d.accuracy * n as f64;
+                tally.dpo_margin += d.margin * n as f64;
+                Ok(out.loss)
             }
         }
     }
