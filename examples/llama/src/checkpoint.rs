@@ -41,8 +41,19 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// Loads a Hugging Face Llama directory onto `device` in `kind` (weights are converted).
 pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
     let cfg = LlamaConfig::load(dir)?;
+    let files = weight_files(dir)?;
+    // Sizes that the weight files cannot hold (at least one byte per parameter) are a corrupt
+    // config: refused before the model is allocated.
+    let bytes: u64 = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
+    if cfg.parameter_count() > bytes as f64 {
+        bail!(
+            "{}: its sizes make {:.3e} parameters, more than the {bytes} bytes of its weight files hold",
+            dir.join("config.json").display(),
+            cfg.parameter_count()
+        );
+    }
     let model = Llama::new(cfg, device, kind)?;
-    read_weights(&model, &weight_files(dir)?, dir)?;
+    read_weights(&model, &files, dir)?;
     Ok(model)
 }
 
@@ -98,6 +109,14 @@ pub fn read_weights(model: &Llama, files: &[PathBuf], what: &Path) -> Result<()>
                         bail!("{}: {name} has shape {:?}, the model {:?}", file.display(), t.size(), var.size());
                     }
                     tch::no_grad(|| var.shallow_clone().copy_(&t.to_kind(var.kind())));
+                    // After the conversion: a value that overflows the dtype is refused too.
+                    if !bool::try_from(var.isfinite().all())? {
+                        bail!(
+                            "{}: {name} holds non-finite values (NaN or infinite) in {:?}",
+                            file.display(),
+                            var.kind()
+                        );
+                    }
                     loaded.insert(name);
                 }
                 None if name == "lm_head.weight" && model.cfg.tie_word_embeddings => {}

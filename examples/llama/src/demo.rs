@@ -101,7 +101,7 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
         batch_size: 64,
         micro_batch_size: 32,
         epochs: 1,
-        max_grad_norm: 1.0,
+        max_grad_norm: Some(1.0),
         warmup_steps: 0,
         lr_decay: false,
         seed: 0,

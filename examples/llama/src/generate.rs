@@ -133,6 +133,11 @@ pub fn generate(
     if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
         bail!("every prompt needs at least one token");
     }
+    let vocab = model.cfg.vocab_size;
+    for p in prompts {
+        check_ids(p, vocab, "a prompt")?;
+    }
+    check_ids(&[pad_id], vocab, "the padding id")?;
     let device = model.device();
     let b = prompts.len() as i64;
     let p_len = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
@@ -160,7 +165,11 @@ pub fn generate(
     tch::no_grad(|| -> Result<()> {
         let mut cache = model.new_cache(b, p_len + s.max_new_tokens);
         let mut logits = model.step(&ids, &positions, &mask, &mut cache).to_kind(Kind::Float); // [B, V]
-        for _ in 0..s.max_new_tokens {
+        for k in 0..s.max_new_tokens {
+            // NaN logits would make the argmax arbitrary and the multinomial draw panic.
+            if !bool::try_from(logits.isfinite().all())? {
+                bail!("{}", non_finite_logits(k));
+            }
             let logp_model = logits.log_softmax(-1, Kind::Float);
             let (next, logp_q) = match &s.decoding {
                 Decoding::Greedy => (logits.argmax(-1, false), Tensor::zeros([b], (Kind::Float, device))),
@@ -204,12 +213,29 @@ pub fn generate(
     Ok(out)
 }
 
+/// Refuses token ids outside `0..vocab` (the embedding would panic on them).
+pub fn check_ids(ids: &[i64], vocab: i64, what: &str) -> Result<()> {
+    match ids.iter().find(|&&i| !(0..vocab).contains(&i)) {
+        Some(i) => bail!("{what} holds token id {i}, outside the vocabulary (0..{vocab})"),
+        None => Ok(()),
+    }
+}
+
+fn non_finite_logits(k: i64) -> String {
+    format!(
+        "the model's logits for new token {} are not finite (NaN or infinite): its weights overflow in this dtype, or are broken",
+        k + 1
+    )
+}
+
 /// Teacher-forced log-probs of `completion` after `prompt` (ids), under the model at
 /// temperature 1: one value per completion token.
 pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f32>> {
     if prompt.is_empty() || completion.is_empty() {
         bail!("score needs a non-empty prompt and completion");
     }
+    check_ids(prompt, model.cfg.vocab_size, "the prompt")?;
+    check_ids(completion, model.cfg.vocab_size, "the completion")?;
     let all: Vec<i64> = prompt.iter().chain(completion).copied().collect();
     let n = all.len() as i64;
     if n > model.cfg.max_position_embeddings {
@@ -218,14 +244,17 @@ pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f3
     let device = model.device();
     let ids = Tensor::from_slice(&all).view([1, n]).to_device(device);
     let mask = Tensor::ones([1, n], (Kind::Bool, device));
-    let logp = tch::no_grad(|| {
+    let logp = tch::no_grad(|| -> Result<Tensor> {
         let logits = model.logits(&ids, &mask).to_kind(Kind::Float); // [1, n, V]
+        if !bool::try_from(logits.isfinite().all())? {
+            bail!("the model's logits are not finite (NaN or infinite): its weights overflow in this dtype, or are broken");
+        }
         let p = prompt.len() as i64;
         let c = completion.len() as i64;
         // The token at position t is predicted by the logits at t − 1.
         let pred = logits.narrow(1, p - 1, c).log_softmax(-1, Kind::Float);
         let labels = ids.narrow(1, p, c).unsqueeze(2);
-        pred.gather(2, &labels, false).view([c])
-    });
+        Ok(pred.gather(2, &labels, false).view([c]))
+    })?;
     Ok(Vec::<f32>::try_from(&logp.to_device(tch::Device::Cpu))?)
 }

@@ -5,7 +5,7 @@
 use crate::checkpoint;
 use crate::config::LlamaConfig;
 use crate::model::Llama;
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use serde_json::json;
 use std::path::Path;
 use tch::{Device, Kind};
@@ -22,6 +22,40 @@ pub struct Size {
     pub kv_heads: i64,
     pub intermediate: i64,
     pub max_positions: i64,
+}
+
+/// More parameters than this (10^9, 4 GB in f32) is not a small model to train from scratch.
+pub const MAX_INIT_PARAMETERS: f64 = 1e9;
+
+/// The `config.json` of a new model of `size` with the byte-level vocabulary (`vocab` ids),
+/// checked: sizes < 1, a hidden size the heads do not divide, an odd head size, query heads
+/// that are not a multiple of the key-value heads, or more than [`MAX_INIT_PARAMETERS`] are
+/// refused, naming the config field.
+pub fn config(size: &Size, vocab: i64) -> Result<LlamaConfig> {
+    let cfg: LlamaConfig = serde_json::from_value(json!({
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": size.max_positions,
+        "tie_word_embeddings": true,
+        "bos_token_id": vocab - 4,
+        "eos_token_id": vocab - 3,
+        "hidden_act": "silu"
+    }))?;
+    cfg.check()?;
+    if cfg.parameter_count() > MAX_INIT_PARAMETERS {
+        bail!(
+            "these sizes make {:.3e} parameters, more than the {MAX_INIT_PARAMETERS:.0e} of a model made from scratch here",
+            cfg.parameter_count()
+        );
+    }
+    Ok(cfg)
 }
 
 /// `tokenizer.json` of a byte-level BPE without merges: one token per byte, plus the specials.
@@ -65,13 +99,14 @@ fn byte_tokenizer_json() -> serde_json::Value {
 /// Writes a randomly initialised Llama (weights `N(0, 0.02)`, norms 1, as transformers
 /// initialises them) with the byte-level tokenizer to `out`.
 pub fn init(out: &Path, size: Size, seed: i64) -> Result<()> {
-    std::fs::create_dir_all(out)?;
+    // Everything is checked before the directory is created: a refused size leaves nothing behind.
     let tok = byte_tokenizer_json();
     let vocab = tok["model"]["vocab"].as_object().map(|v| v.len()).context("vocab")? as i64;
     let (bos, eos) = (vocab - 4, vocab - 3);
-    // Check that the tokenizer loads before writing anything else.
     let text = serde_json::to_string(&tok)?;
     text.parse::<tokenizers::Tokenizer>().map_err(|e| anyhow!("building the byte-level tokenizer: {e}"))?;
+    let cfg = config(&size, vocab)?;
+    std::fs::create_dir_all(out)?;
     std::fs::write(out.join("tokenizer.json"), text)?;
     std::fs::write(
         out.join("tokenizer_config.json"),
@@ -84,23 +119,6 @@ pub fn init(out: &Path, size: Size, seed: i64) -> Result<()> {
         out.join("generation_config.json"),
         serde_json::to_string_pretty(&json!({"bos_token_id": bos, "eos_token_id": eos}))?,
     )?;
-    let cfg: LlamaConfig = serde_json::from_value(json!({
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": size.hidden,
-        "intermediate_size": size.intermediate,
-        "num_hidden_layers": size.layers,
-        "num_attention_heads": size.heads,
-        "num_key_value_heads": size.kv_heads,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "max_position_embeddings": size.max_positions,
-        "tie_word_embeddings": true,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "hidden_act": "silu"
-    }))?;
-    cfg.check()?;
     let model = Llama::new(cfg, Device::Cpu, Kind::Float)?;
     tch::manual_seed(seed);
     // In name order: `variables()` is a hash map, whose order changes from run to run.

@@ -14,7 +14,7 @@ use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::Path;
 
 /// The sampling settings recorded with every line.
@@ -52,18 +52,78 @@ pub struct Sample {
     pub sampling: SamplingRecord,
 }
 
-/// Reads a data set, naming the file and line of a malformed record; with `skip_bad`, malformed
-/// lines are skipped and counted instead. A truncated last line (an interrupted write) is
-/// always ignored.
+impl Sample {
+    /// Checks that the record can be trained on and scored: a non-empty prompt, as many μ and
+    /// sampling log-probs as completion tokens, finite rewards and log-probs, and token ids in
+    /// `0..vocab` (only `>= 0` when `vocab` is `None`). The error says what is wrong, without
+    /// the file and line (the reader adds them).
+    pub fn check(&self, vocab: Option<i64>) -> Result<()> {
+        if self.prompt_ids.is_empty() {
+            bail!("prompt_ids is empty (a completion needs a prompt to follow)");
+        }
+        for (field, ids) in [("prompt_ids", &self.prompt_ids), ("completion_ids", &self.completion_ids)] {
+            let outside = |&&i: &&i64| i < 0 || vocab.is_some_and(|v| i >= v);
+            if let Some((k, id)) = ids.iter().enumerate().find(|(_, i)| outside(i)) {
+                match vocab {
+                    Some(v) => bail!("{field}[{k}] = {id} lies outside the model's vocabulary (0..{v})"),
+                    None => bail!("{field}[{k}] = {id} is not a token id (negative)"),
+                }
+            }
+        }
+        let n = self.completion_ids.len();
+        for (field, lps) in [("logp_mu", &self.logp_mu), ("logp_sampling", &self.logp_sampling)] {
+            if lps.len() != n {
+                bail!("{field} has {} values for {n} completion_ids", lps.len());
+            }
+            if let Some((k, v)) = lps.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                bail!("{field}[{k}] = {v} is not finite (a log-probability; the value may overflow f32)");
+            }
+        }
+        let scalars = [
+            ("reward", self.reward),
+            ("reference", self.reference),
+            ("seq_logp_mu", self.seq_logp_mu),
+            ("seq_logp_sampling", self.seq_logp_sampling),
+            ("answer", self.answer.unwrap_or(0.0)),
+        ];
+        if let Some((field, v)) = scalars.iter().find(|(_, v)| !v.is_finite()) {
+            bail!("{field} = {v} is not finite");
+        }
+        Ok(())
+    }
+}
+
+/// What to do with a last line cut short (no end of line, not a whole record).
+#[derive(Clone, Copy, PartialEq)]
+enum CutLine {
+    /// An error, or with `skip_bad` skipped and counted like any malformed record.
+    Refuse,
+    /// Dropped quietly: the sampler resuming its own interrupted file writes it again.
+    Resume,
+}
+
+/// Reads a data set written by [`sample_dataset`] or [`write_solutions`], checking every record
+/// ([`Sample::check`], token ids only for being non-negative). A malformed or inconsistent record
+/// is an error naming the file and line (1-based), and so is a last line cut short (an
+/// interrupted write); with `skip_bad` they are skipped, reported and counted (the second value).
 pub fn read_dataset(path: &Path, skip_bad: bool) -> Result<(Vec<Sample>, usize)> {
-    let (records, skipped) = read_records(path, skip_bad)?;
+    read_dataset_for(path, None, skip_bad)
+}
+
+/// [`read_dataset`] for a model with `vocab` token ids: ids outside `0..vocab` are refused too.
+pub fn read_dataset_for(path: &Path, vocab: Option<i64>, skip_bad: bool) -> Result<(Vec<Sample>, usize)> {
+    let (records, skipped) = read_records(path, vocab, skip_bad, CutLine::Refuse)?;
     Ok((records.into_iter().map(|(_, s)| s).collect(), skipped))
 }
 
 /// [`read_dataset`], keeping each record's line as it is in the file.
-fn read_records(path: &Path, skip_bad: bool) -> Result<(Vec<(String, Sample)>, usize)> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let lines: Vec<String> = std::io::BufReader::new(f).lines().collect::<Result<_, _>>()?;
+fn read_records(path: &Path, vocab: Option<i64>, skip_bad: bool, cut: CutLine) -> Result<(Vec<(String, Sample)>, usize)> {
+    let text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
+    let text = String::from_utf8(text).map_err(|e| {
+        anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())
+    })?;
+    let ends_with_newline = text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
     let last = lines.len();
     let mut out = vec![];
     let mut skipped = 0;
@@ -71,15 +131,26 @@ fn read_records(path: &Path, skip_bad: bool) -> Result<(Vec<(String, Sample)>, u
         if line.trim().is_empty() {
             continue;
         }
-        match serde_json::from_str::<Sample>(&line) {
-            Ok(s) => out.push((line, s)),
-            Err(_) if n + 1 == last && !line.ends_with('}') => {} // cut short by a kill
-            Err(e) if skip_bad => {
-                eprintln!("{}:{}: skipping malformed record: {e}", path.display(), n + 1);
-                skipped += 1;
+        let at = format!("{}:{}", path.display(), n + 1);
+        let problem = match serde_json::from_str::<Sample>(line) {
+            Ok(s) => match s.check(vocab) {
+                Ok(()) => {
+                    out.push((line.to_string(), s));
+                    continue;
+                }
+                Err(e) => format!("invalid record: {e}"),
+            },
+            Err(_) if n + 1 == last && !ends_with_newline && cut == CutLine::Resume => continue,
+            Err(e) if n + 1 == last && !ends_with_newline => {
+                format!("the last record is cut short (an interrupted write?): {e}")
             }
-            Err(e) => bail!("{}:{}: malformed record: {e}", path.display(), n + 1),
+            Err(e) => format!("malformed record: {e}"),
+        };
+        if !skip_bad {
+            bail!("{at}: {problem}");
         }
+        eprintln!("{at}: skipping: {problem}");
+        skipped += 1;
     }
     Ok((out, skipped))
 }
@@ -115,7 +186,7 @@ pub fn sample_dataset(
     let mut start = 0;
     if out.exists() {
         // Kept lines are copied verbatim, never re-serialised.
-        let existing = read_records(out, false)?.0;
+        let existing = read_records(out, None, false, CutLine::Resume)?.0;
         let mut count: HashMap<&str, usize> = HashMap::new();
         for (_, smp) in &existing {
             if smp.sampling != record {

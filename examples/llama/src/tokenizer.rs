@@ -17,6 +17,8 @@ pub struct Tokenizer {
     pub eos_ids: Vec<i64>,
     /// An id used to pad batches (never attended to).
     pub pad_id: i64,
+    /// The model's vocabulary size: ids the tokenizer gives at or above it are refused.
+    vocab_size: i64,
 }
 
 /// A special token given as a string or as `{"content": ...}`.
@@ -59,10 +61,21 @@ impl Tokenizer {
         let bos_token = token_text(tc.get("bos_token")).unwrap_or_default();
         let eos_token = token_text(tc.get("eos_token")).unwrap_or_default();
         let mut eos_ids = cfg.eos_ids();
+        let vocab = cfg.vocab_size;
+        let outside = |file: &str, what: &str, id: i64| {
+            anyhow!("{}: {what} {id} lies outside the vocabulary (vocab_size {vocab})", dir.join(file).display())
+        };
         if let Some(gen_cfg) = read_json(&dir.join("generation_config.json"))? {
-            eos_ids.extend(ids(gen_cfg.get("eos_token_id")));
+            let more = ids(gen_cfg.get("eos_token_id"));
+            if let Some(&id) = more.iter().find(|&&i| !(0..vocab).contains(&i)) {
+                return Err(outside("generation_config.json", "eos_token_id", id));
+            }
+            eos_ids.extend(more);
         }
         if let Some(id) = inner.token_to_id(&eos_token) {
+            if id as i64 >= vocab {
+                return Err(outside("tokenizer.json", &format!("the eos token {eos_token:?} has id"), id as i64));
+            }
             eos_ids.push(id as i64);
         }
         eos_ids.sort_unstable();
@@ -74,13 +87,17 @@ impl Tokenizer {
             );
         }
         let pad_id = ids(cfg.pad_token_id.as_ref()).first().copied().unwrap_or(eos_ids[0]);
-        Ok(Self { inner, chat_template, bos_token, eos_token, eos_ids, pad_id })
+        Ok(Self { inner, chat_template, bos_token, eos_token, eos_ids, pad_id, vocab_size: vocab })
     }
 
     /// Token ids of `text`, with the tokenizer's special tokens (BOS) when `special`.
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<i64>> {
         let enc = self.inner.encode(text, special).map_err(|e| anyhow!("tokenizing: {e}"))?;
-        Ok(enc.get_ids().iter().map(|&i| i as i64).collect())
+        let ids: Vec<i64> = enc.get_ids().iter().map(|&i| i as i64).collect();
+        if let Some(id) = ids.iter().find(|&&i| i >= self.vocab_size) {
+            bail!("the tokenizer gives id {id}, outside the model's vocabulary (vocab_size {})", self.vocab_size);
+        }
+        Ok(ids)
     }
 
     /// Text of `ids`, without special tokens.

@@ -48,7 +48,8 @@ pub struct TrainSettings {
     /// Completions per forward/backward pass (gradient accumulation; same update for any value).
     pub micro_batch_size: usize,
     pub epochs: usize,
-    pub max_grad_norm: f64,
+    /// Clip the gradient's norm to this (`None`: no clipping).
+    pub max_grad_norm: Option<f64>,
     pub warmup_steps: usize,
     /// Decay the learning rate linearly to 0 after the warm-up (else constant).
     pub lr_decay: bool,
@@ -63,6 +64,32 @@ pub struct TrainSettings {
     pub save_every: usize,
     /// Continue from the saved state of an interrupted run in the same output directory.
     pub resume: bool,
+}
+
+impl TrainSettings {
+    /// Refuses settings that would train on nothing or silently mean something else: sizes and
+    /// epochs of 0, a learning rate, clipping norm or DPO β that is not finite and > 0, a baseline
+    /// that is not finite.
+    pub fn check(&self) -> Result<()> {
+        for (what, v) in [("batch size", self.batch_size), ("micro-batch size", self.micro_batch_size), ("epoch count", self.epochs)] {
+            if v == 0 {
+                bail!("the {what} must be >= 1, got 0");
+            }
+        }
+        let positive = [("learning rate", Some(self.lr)), ("clipping norm", self.max_grad_norm), ("DPO beta", Some(self.dpo_beta))];
+        for (what, v) in positive {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                bail!("the {what} must be finite and > 0, got {v}");
+            }
+        }
+        match self.baseline {
+            Baseline::Fixed(c) if !c.is_finite() => bail!("the baseline must be finite, got {c}"),
+            Baseline::TargetPositiveProportion(p) if !(0.0..=1.0).contains(&p) => {
+                bail!("the target positive proportion must lie in [0, 1], got {p}")
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// What a training run did.
@@ -81,10 +108,12 @@ pub struct Summary {
     pub truncated_fraction_neg: Option<f64>,
 }
 
-/// Reads a data set for training: malformed lines and completions longer than `context` tokens
-/// are errors naming the record, or are skipped and counted with `skip_bad`.
-pub fn load_data(path: &Path, context: usize, skip_bad: bool) -> Result<Vec<Sample>> {
-    let (mut samples, mut skipped) = crate::sample::read_dataset(path, skip_bad)?;
+/// Reads a data set for training a model of `vocab` token ids and a context of `context`:
+/// malformed or inconsistent records (see [`Sample::check`]), token ids outside the vocabulary
+/// and completions longer than the context are errors naming the record, or are skipped and
+/// counted with `skip_bad`.
+pub fn load_data(path: &Path, context: usize, vocab: i64, skip_bad: bool) -> Result<Vec<Sample>> {
+    let (mut samples, mut skipped) = crate::sample::read_dataset_for(path, Some(vocab), skip_bad)?;
     let too_long = |s: &Sample| s.prompt_ids.len() + s.completion_ids.len() > context;
     if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| too_long(s)) {
         if !skip_bad {
@@ -171,7 +200,7 @@ fn optimizer_step(
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }
-    let grad_norm = clip_grad_norm(vars, Some(o.max_grad_norm));
+    let grad_norm = clip_grad_norm(vars, o.max_grad_norm);
     let lr = learning_rate(o.lr, step, plan.total, o.warmup_steps, o.lr_decay);
     opt.step(lr)?;
     Ok(StepRecord { baseline: plan.c, epoch, grad_norm, lr, p_tilde: plan.p_tilde, stats, step: step + 1 })
@@ -191,6 +220,7 @@ fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
 /// metrics per optimiser step to `dir/metrics.jsonl`; the training state in `dir/state` every
 /// `save_every` steps (removed when the run finishes).
 pub fn run(model: &Llama, samples: &[Sample], o: &TrainSettings, dir: &Path) -> Result<Summary> {
+    o.check()?;
     let plan = Plan::new(samples, o)?;
     std::fs::create_dir_all(dir)?;
     let state = StateDir { dir: dir.to_path_buf() };
@@ -241,8 +271,9 @@ pub fn finish(dir: &Path) {
 /// saves the model (Hugging Face layout) with `metrics.jsonl` and `training.png` in `out`, and
 /// removes the training state.
 pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings, out: &Path) -> Result<Summary> {
+    o.check()?;
     let (m, _) = checkpoint::open(model_dir, at)?;
-    let samples = load_data(data, m.cfg.max_position_embeddings as usize, o.skip_bad_records)?;
+    let samples = load_data(data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, o.skip_bad_records)?;
     let summary = run(&m, &samples, o, out)?;
     checkpoint::save(&m, model_dir, out)?;
     finish(out);
