@@ -24,6 +24,11 @@ pub struct Size {
     pub max_positions: i64,
 }
 
+/// The vocabulary size of the byte-level tokenizer: 256 byte tokens and the specials.
+pub fn vocab_size() -> i64 {
+    (tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().len() + SPECIALS.len()) as i64
+}
+
 /// More parameters than this (10^9, 4 GB in f32) is not a small model to train from scratch.
 pub const MAX_INIT_PARAMETERS: f64 = 1e9;
 

@@ -20,7 +20,16 @@ mod cli;
 use clap::Parser;
 
 fn main() {
-    if let Err(e) = cli::run(cli::Cli::parse().command) {
+    let parsed = match cli::Cli::try_parse() {
+        Ok(parsed) => parsed,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // clap's message as one line: its first paragraph (the usage and tips follow).
+            eprintln!("{}", cli::first_paragraph(&e.to_string()));
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = cli::run(parsed.command) {
         eprintln!("error: {}", cli::message(&e));
         std::process::exit(1);
     }

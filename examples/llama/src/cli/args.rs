@@ -36,14 +36,86 @@ pub fn parse_device(s: &str) -> Result<Device, String> {
     Ok(d)
 }
 
-/// Parses a share in `[0, 1]`.
-pub fn parse_unit_interval(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
-        Ok(v) => Err(format!("must lie in [0, 1], got {v}")),
-        Err(e) => Err(e.to_string()),
+// Every numeric option is parsed by one of the functions below, so that a value out of its range
+// is refused before anything is loaded or written, by clap, in one line naming the option
+// ("invalid value '0' for '--batch-size <BATCH_SIZE>': …"). Options where 0 means "off" say so
+// in their help; `--max-grad-norm` takes `none` instead.
+
+/// A whole number in `lo..=hi` (the bounds keep absurd values from allocating without limit).
+pub fn whole<T>(lo: T, hi: T) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static
+where
+    T: Copy + TryInto<i128> + TryFrom<i128> + std::fmt::Display + Send + Sync + 'static,
+{
+    move |s: &str| {
+        let range = || format!("expected a whole number in {lo}..={hi}");
+        let v: i128 = s.trim().parse().map_err(|_| format!("{}, got {s:?}", range()))?;
+        let (l, h) = (lo.try_into().unwrap_or(i128::MIN), hi.try_into().unwrap_or(i128::MAX));
+        if v < l || v > h {
+            return Err(format!("{}, got {v}", range()));
+        }
+        T::try_from(v).map_err(|_| range())
     }
 }
+
+fn number(s: &str) -> Result<f64, String> {
+    s.trim().parse::<f64>().map_err(|_| format!("expected a number, got {s:?}"))
+}
+
+/// A finite number (any sign).
+pub fn parse_finite(s: &str) -> Result<f64, String> {
+    match number(s)? {
+        v if v.is_finite() => Ok(v),
+        v => Err(format!("must be finite, got {v}")),
+    }
+}
+
+/// A finite number > 0.
+pub fn parse_positive(s: &str) -> Result<f64, String> {
+    match number(s)? {
+        v if v.is_finite() && v > 0.0 => Ok(v),
+        v => Err(format!("must be finite and > 0, got {v}")),
+    }
+}
+
+/// A finite number >= 0.
+pub fn parse_non_negative(s: &str) -> Result<f64, String> {
+    match number(s)? {
+        v if v.is_finite() && v >= 0.0 => Ok(v),
+        v => Err(format!("must be finite and >= 0, got {v}")),
+    }
+}
+
+/// Parses a share in `[0, 1]`.
+pub fn parse_unit_interval(s: &str) -> Result<f64, String> {
+    match number(s)? {
+        v if (0.0..=1.0).contains(&v) => Ok(v),
+        v => Err(format!("must lie in [0, 1], got {v}")),
+    }
+}
+
+/// A probability mass in `(0, 1]` (top-p).
+pub fn parse_top_p(s: &str) -> Result<f64, String> {
+    match number(s)? {
+        v if v > 0.0 && v <= 1.0 => Ok(v),
+        v => Err(format!("must lie in (0, 1], got {v}")),
+    }
+}
+
+/// `--max-grad-norm`: `none` (no clipping) or a finite number > 0.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GradNorm(pub Option<f64>);
+
+pub fn parse_grad_norm(s: &str) -> Result<GradNorm, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(GradNorm(None));
+    }
+    parse_positive(s).map(|v| GradNorm(Some(v))).map_err(|e| format!("expected none or a number > 0: {e}"))
+}
+
+/// Upper bounds of the sizes (far above any use, low enough that a typo fails at once rather than
+/// after allocating for it).
+const MAX_TOKENS: i64 = 1 << 20;
+const MAX_BATCH: usize = 1 << 12;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum Dtype {
@@ -154,17 +226,17 @@ pub struct ObjectiveArgs {
     #[arg(long, value_enum, default_value_t = ObjectiveArg::Topr)]
     pub objective: ObjectiveArg,
     /// The baseline c subtracted from rewards.
-    #[arg(long, allow_hyphen_values = true, conflicts_with = "target_positive_proportion")]
+    #[arg(long, allow_hyphen_values = true, conflicts_with = "target_positive_proportion", value_parser = parse_finite)]
     pub baseline: Option<f64>,
     /// Derive the baseline from the data set's share of positives so that positives carry this
     /// share of the weight (the paper finds 0.1–0.2 best on GSM8K).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_unit_interval)]
     pub target_positive_proportion: Option<f64>,
     /// The TOPR family's ratio level.
     #[arg(long, value_enum, default_value_t = RatioArg::Sequence)]
     pub ratio: RatioArg,
-    /// DPO's β (strength of the implicit KL constraint to μ).
-    #[arg(long, default_value_t = 0.1)]
+    /// DPO's β (strength of the implicit KL constraint to μ; > 0).
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true, value_parser = parse_positive)]
     pub dpo_beta: f64,
 }
 
@@ -173,13 +245,17 @@ pub struct ObjectiveArgs {
 pub struct OptimizerArgs {
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
     pub optimizer: OptimizerArg,
-    #[arg(long, default_value_t = 1e-5)]
+    /// The learning rate (> 0).
+    #[arg(long, default_value_t = 1e-5, allow_negative_numbers = true, value_parser = parse_positive)]
     pub lr: f64,
-    #[arg(long, default_value_t = 0.0)]
+    /// Decoupled weight decay (>= 0).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = parse_non_negative)]
     pub weight_decay: f64,
-    #[arg(long, default_value_t = 1.0)]
-    pub max_grad_norm: f64,
-    #[arg(long, default_value_t = 0)]
+    /// Clip the gradient norm to this (> 0), or `none` for no clipping.
+    #[arg(long, default_value = "1.0", allow_negative_numbers = true, value_parser = parse_grad_norm)]
+    pub max_grad_norm: GradNorm,
+    /// Linear warm-up of the learning rate over this many steps (0: none).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = whole(0usize, 1_000_000_000))]
     pub warmup_steps: usize,
     /// Decay the learning rate linearly to 0 after the warm-up (else constant).
     #[arg(long)]
@@ -189,15 +265,16 @@ pub struct OptimizerArgs {
 /// How the data is cut into steps.
 #[derive(Args, Clone)]
 pub struct BatchArgs {
-    /// Completions per optimiser step.
-    #[arg(long, default_value_t = 16)]
+    /// Completions per optimiser step (>= 1).
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
     pub batch_size: usize,
     /// Completions per forward/backward pass (gradient accumulation; same update for any value).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
     pub micro_batch_size: usize,
-    #[arg(long, default_value_t = 1)]
+    /// Passes over the data set (>= 1).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
     pub epochs: usize,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub train_seed: u64,
 }
 
@@ -208,8 +285,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub skip_bad_records: bool,
     /// Save the training state (model, optimiser, position) every this many steps, so that a
-    /// killed run loses at most that many (0: never).
-    #[arg(long, default_value_t = 1)]
+    /// killed run loses at most that many (0: never save; a killed run then starts again).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = whole(0usize, 1_000_000_000))]
     pub save_every: usize,
     /// Continue an interrupted run from its saved state.
     #[arg(long)]
@@ -237,9 +314,6 @@ impl TrainArgs {
             (None, Some(p)) => Baseline::TargetPositiveProportion(p),
             (None, None) => Baseline::Zero,
         };
-        if !(opt.weight_decay.is_finite() && opt.weight_decay >= 0.0) {
-            bail!("--weight-decay must be finite and >= 0, got {}", opt.weight_decay);
-        }
         let optimizer = match opt.optimizer {
             OptimizerArg::Adamw => OptimizerConfig::adamw(opt.weight_decay),
             OptimizerArg::Adafactor => OptimizerConfig::adafactor(opt.weight_decay),
@@ -250,10 +324,10 @@ impl TrainArgs {
             ratio: obj.ratio.into(),
             optimizer: optimizer?,
             lr: opt.lr,
-            batch_size: batches.batch_size.max(1),
-            micro_batch_size: batches.micro_batch_size.max(1),
+            batch_size: batches.batch_size,
+            micro_batch_size: batches.micro_batch_size,
             epochs: batches.epochs,
-            max_grad_norm: opt.max_grad_norm,
+            max_grad_norm: opt.max_grad_norm.0,
             warmup_steps: opt.warmup_steps,
             lr_decay: opt.lr_decay,
             seed: batches.train_seed,
@@ -268,14 +342,17 @@ impl TrainArgs {
 /// Sampling settings shared by `eval`, `sample` and `iterate`.
 #[derive(Args, Clone)]
 pub struct SamplingArgs {
-    #[arg(long, default_value_t = 256)]
+    /// The token budget of a completion (>= 1).
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = whole(1i64, MAX_TOKENS))]
     pub max_new_tokens: i64,
-    #[arg(long, default_value_t = 1.0)]
+    /// The sampling temperature (> 0).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = parse_positive)]
     pub temperature: f64,
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling's probability mass, in (0, 1] (1: off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = parse_top_p)]
     pub top_p: f64,
-    /// 0 disables top-k.
-    #[arg(long, default_value_t = 0)]
+    /// Sample among the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = whole(0i64, MAX_TOKENS))]
     pub top_k: i64,
 }
 
@@ -292,18 +369,22 @@ impl SamplingArgs {
 /// `generate`'s decoding: greedy unless a sampling option is given.
 #[derive(Args, Clone)]
 pub struct DecodingArgs {
-    #[arg(long, default_value_t = 256)]
+    /// The token budget of the completion (>= 1).
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = whole(1i64, MAX_TOKENS))]
     pub max_new_tokens: i64,
     /// Argmax decoding (the default when no sampling option is given).
     #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
     pub greedy: bool,
-    #[arg(long)]
+    /// Sample at this temperature (> 0).
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_positive)]
     pub temperature: Option<f64>,
-    #[arg(long)]
+    /// Nucleus sampling's probability mass, in (0, 1].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
     pub top_p: Option<f64>,
-    #[arg(long)]
+    /// Sample among the k most likely tokens (0: off).
+    #[arg(long, allow_negative_numbers = true, value_parser = whole(0i64, MAX_TOKENS))]
     pub top_k: Option<i64>,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: i64,
 }
 
@@ -347,20 +428,22 @@ pub struct TaskArgs {
     /// A GSM8K JSONL file (the public release's layout).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Use at most this many problems (0: all).
-    #[arg(long, default_value_t = 0)]
+    /// Use at most this many problems (0: all of them).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = whole(0usize, 1_000_000_000))]
     pub limit: usize,
-    /// Synthetic task: number of problems, difficulty (operations per problem) and seed.
-    #[arg(long, default_value_t = 200)]
+    /// Synthetic task: number of problems (>= 1), difficulty (operations per problem, 1 to 20)
+    /// and seed.
+    #[arg(long, default_value_t = 200, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
     pub synthetic_n: usize,
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = whole(1usize, 20))]
     pub difficulty: usize,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub task_seed: u64,
     #[arg(long, value_enum, default_value_t = PromptStyleArg::Chat)]
     pub prompt_style: PromptStyleArg,
-    /// Worked examples for few-shot prompts (from --shots-data for GSM8K, generated otherwise).
-    #[arg(long, default_value_t = 4)]
+    /// Worked examples for few-shot prompts (from --shots-data for GSM8K, generated otherwise;
+    /// 0: none, a zero-shot prompt).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(0usize, 256))]
     pub shots: usize,
     #[arg(long)]
     pub shots_data: Option<PathBuf>,
@@ -415,11 +498,14 @@ pub struct LoopArgs {
     /// Working directory: one folder per iteration, and iterations.jsonl.
     #[arg(long)]
     pub work: PathBuf,
-    #[arg(long, default_value_t = 3)]
+    /// Iterations of sampling and training (>= 1).
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = whole(1usize, 10_000))]
     pub iterations: usize,
-    #[arg(long, default_value_t = 4)]
+    /// Completions sampled per prompt (>= 1).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
     pub samples_per_prompt: usize,
-    #[arg(long, default_value_t = 8)]
+    /// Prompts per generation batch (>= 1).
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
     pub batch_prompts: usize,
     /// Which samples are trained on.
     #[arg(long, value_enum, default_value_t = CurateArg::All)]
@@ -427,9 +513,11 @@ pub struct LoopArgs {
     /// Held-out evaluation: a GSM8K file (with --task gsm8k) or this many synthetic problems.
     #[arg(long)]
     pub eval_data: Option<PathBuf>,
-    #[arg(long, default_value_t = 128)]
+    /// Held-out problems evaluated (>= 1; at most this many of --eval-data).
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
     pub eval_n: usize,
-    #[arg(long, default_value_t = 64)]
+    /// Questions per evaluation batch (>= 1).
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
     pub eval_batch_size: usize,
 }
 
@@ -457,23 +545,43 @@ impl LoopArgs {
 /// The sizes of a new model.
 #[derive(Args, Clone)]
 pub struct SizeArgs {
-    #[arg(long, default_value_t = 4)]
+    /// Decoder layers (1 to 256).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1i64, 256))]
     pub layers: i64,
-    #[arg(long, default_value_t = 128)]
+    /// Hidden size (a multiple of --heads whose quotient, the head size, is even).
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = whole(1i64, 65_536))]
     pub hidden: i64,
-    #[arg(long, default_value_t = 4)]
+    /// Attention heads (a multiple of --kv-heads).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1i64, 1024))]
     pub heads: i64,
-    #[arg(long, default_value_t = 2)]
+    /// Key-value heads (grouped-query attention).
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = whole(1i64, 1024))]
     pub kv_heads: i64,
-    #[arg(long, default_value_t = 384)]
+    /// The MLP's inner size.
+    #[arg(long, default_value_t = 384, allow_negative_numbers = true, value_parser = whole(1i64, 262_144))]
     pub intermediate: i64,
-    #[arg(long, default_value_t = 512)]
+    /// The context length.
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = whole(1i64, MAX_TOKENS))]
     pub max_positions: i64,
 }
 
 impl SizeArgs {
-    pub fn size(&self) -> init::Size {
+    /// The sizes, refusing combinations the model cannot have (each bound alone is clap's).
+    pub fn size(&self) -> Result<init::Size> {
         let SizeArgs { layers, hidden, heads, kv_heads, intermediate, max_positions } = *self;
-        init::Size { layers, hidden, heads, kv_heads, intermediate, max_positions }
+        if hidden % heads != 0 {
+            bail!("--hidden {hidden} is not a multiple of --heads {heads}");
+        }
+        if (hidden / heads) % 2 != 0 {
+            bail!("--hidden / --heads = {} (the head size) must be even for rotary embeddings", hidden / heads);
+        }
+        if heads % kv_heads != 0 {
+            bail!("--heads {heads} is not a multiple of --kv-heads {kv_heads}");
+        }
+        let size = init::Size { layers, hidden, heads, kv_heads, intermediate, max_positions };
+        if let Err(e) = init::config(&size, init::vocab_size()) {
+            bail!("--layers, --hidden, --intermediate: {e}");
+        }
+        Ok(size)
     }
 }

@@ -10,6 +10,9 @@ use topr_llama::model::Llama;
 use topr_llama::tokenizer::Tokenizer;
 
 pub fn run(m: &Llama, tok: &Tokenizer, new_tokens: i64, train_batch: i64, train_len: i64) -> Result<()> {
+    if train_len > m.cfg.max_position_embeddings {
+        anyhow::bail!("--train-len {train_len} exceeds the model's context of {}", m.cfg.max_position_embeddings);
+    }
     generation(m, tok, new_tokens)?;
     training(m, train_batch, train_len)
 }

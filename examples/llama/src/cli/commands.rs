@@ -94,7 +94,7 @@ pub fn train(model: &ModelArgs, data: &Path, out: &Path, train: &TrainArgs) -> R
 }
 
 pub fn init(out: &Path, size: &SizeArgs, seed: i64) -> Result<()> {
-    new_model::init(out, size.size(), seed)?;
+    new_model::init(out, size.size()?, seed)?;
     eprintln!("wrote a new model to {}", out.display());
     Ok(())
 }
