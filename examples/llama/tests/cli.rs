@@ -341,3 +341,230 @@ fn init_is_deterministic() {
     let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
     assert!(bytes(&a) == bytes(&b), "two inits with the same seed differ");
 }
+
+/// Runs `llama args` expecting a refusal: a failure exit status that is not a panic's (101),
+/// and one error line (the last of stderr, after any log lines) that contains every `needle`.
+fn refused(args: &[&str], needles: &[&str]) {
+    let out = Command::new(llama()).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let code = out.status.code();
+    assert!(!out.status.success() && code != Some(101) && code.is_some(), "llama {args:?}: exit {code:?}\n{err}");
+    assert!(!err.contains("panicked"), "llama {args:?} panicked:\n{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "llama {args:?}: not one error line:\n{err}");
+    assert_eq!(err.lines().last(), Some(errors[0]), "llama {args:?}: the error is not one line:\n{err}");
+    for n in needles {
+        assert!(errors[0].contains(n), "llama {args:?}: {:?} does not name {n:?}", errors[0]);
+    }
+}
+
+/// Every numeric option out of its range is refused before anything is loaded or written, in one
+/// line naming the option.
+#[test]
+fn out_of_range_options_are_refused_naming_the_option() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_refuse_options", "1");
+    let out = dir.join("out");
+    let (m, o) = (s(&m0), s(&out));
+    let train = |extra: &[&'static str]| -> Vec<String> {
+        let mut a: Vec<String> = ["train", "--model", m, "--data", "/nonexistent.jsonl", "--out", o].map(String::from).to_vec();
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let with = |cmd: &[&str], extra: &[&'static str]| -> Vec<String> {
+        cmd.iter().chain(extra).map(|x| x.to_string()).collect()
+    };
+    let eval = ["eval", "--model", m];
+    let sample = ["sample", "--model", m, "--out", o];
+    let generate = ["generate", "--model", m, "--prompt", "hi"];
+    let iterate = ["iterate", "--model", m, "--work", o];
+    let init = ["init", "--out", o];
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (train(&["--batch-size", "0"]), "--batch-size"),
+        (train(&["--batch-size", "-3"]), "--batch-size"),
+        (train(&["--micro-batch-size", "0"]), "--micro-batch-size"),
+        (train(&["--micro-batch-size", "99999999999"]), "--micro-batch-size"),
+        (train(&["--epochs", "0"]), "--epochs"),
+        (train(&["--lr", "nan"]), "--lr"),
+        (train(&["--lr", "-1e-5"]), "--lr"),
+        (train(&["--lr", "0"]), "--lr"),
+        (train(&["--weight-decay", "-0.1"]), "--weight-decay"),
+        (train(&["--max-grad-norm", "0"]), "--max-grad-norm"),
+        (train(&["--max-grad-norm", "-1"]), "--max-grad-norm"),
+        (train(&["--max-grad-norm", "NaN"]), "--max-grad-norm"),
+        (train(&["--max-grad-norm", "inf"]), "--max-grad-norm"),
+        (train(&["--dpo-beta", "0"]), "--dpo-beta"),
+        (train(&["--baseline", "nan"]), "--baseline"),
+        (train(&["--target-positive-proportion", "1.5"]), "--target-positive-proportion"),
+        (train(&["--warmup-steps", "-1"]), "--warmup-steps"),
+        (train(&["--save-every", "-1"]), "--save-every"),
+        (train(&["--train-seed", "-1"]), "--train-seed"),
+        (with(&eval, &["--temperature", "0"]), "--temperature"),
+        (with(&eval, &["--temperature", "nan"]), "--temperature"),
+        (with(&eval, &["--top-p", "0"]), "--top-p"),
+        (with(&eval, &["--top-p", "1.01"]), "--top-p"),
+        (with(&eval, &["--top-k", "-1"]), "--top-k"),
+        (with(&eval, &["--max-new-tokens", "0"]), "--max-new-tokens"),
+        (with(&eval, &["--max-new-tokens", "-5"]), "--max-new-tokens"),
+        (with(&eval, &["--batch-size", "0"]), "--batch-size"),
+        (with(&eval, &["--samples", "-1"]), "--samples"),
+        (with(&eval, &["--synthetic-n", "0"]), "--synthetic-n"),
+        (with(&eval, &["--difficulty", "0"]), "--difficulty"),
+        (with(&eval, &["--difficulty", "1000"]), "--difficulty"),
+        (with(&eval, &["--limit", "-1"]), "--limit"),
+        (with(&eval, &["--shots", "100000"]), "--shots"),
+        (with(&sample, &["--samples-per-prompt", "0"]), "--samples-per-prompt"),
+        (with(&sample, &["--batch-prompts", "0"]), "--batch-prompts"),
+        (with(&generate, &["--temperature", "-1"]), "--temperature"),
+        (with(&generate, &["--top-p", "nan"]), "--top-p"),
+        (with(&generate, &["--max-new-tokens", "0"]), "--max-new-tokens"),
+        (with(&iterate, &["--iterations", "0"]), "--iterations"),
+        (with(&iterate, &["--samples-per-prompt", "0"]), "--samples-per-prompt"),
+        (with(&iterate, &["--eval-n", "0"]), "--eval-n"),
+        (with(&iterate, &["--eval-batch-size", "0"]), "--eval-batch-size"),
+        (with(&iterate, &["--batch-size", "0"]), "--batch-size"),
+        (with(&init, &["--layers", "0"]), "--layers"),
+        (with(&init, &["--heads", "0"]), "--heads"),
+        (with(&init, &["--kv-heads", "0"]), "--kv-heads"),
+        (with(&init, &["--hidden", "-128"]), "--hidden"),
+        (with(&init, &["--hidden", "100000000"]), "--hidden"),
+        (with(&init, &["--max-positions", "0"]), "--max-positions"),
+        (with(&init, &["--heads", "3"]), "--heads 3"),
+        (with(&init, &["--heads", "4", "--kv-heads", "3"]), "--kv-heads 3"),
+        (with(&init, &["--hidden", "20", "--heads", "4"]), "head size"),
+        (with(&init, &["--layers", "256", "--hidden", "8192", "--intermediate", "100000"]), "--layers"),
+        (with(&["sft-data", "--model", m, "--out", o], &["--slip-rate", "2"]), "--slip-rate"),
+        (with(&["bench", "--model", m], &["--train-len", "1"]), "--train-len"),
+        (with(&["bench", "--model", m], &["--train-len", "100000"]), "--train-len"),
+        (with(&["init"], &[]), "--out"),
+    ];
+    for (args, flag) in &cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        refused(&args, &[flag]);
+        assert!(!out.exists(), "llama {args:?} left {o} behind");
+    }
+    // "Off" is explicit, and accepted.
+    let out = Command::new(llama()).args(train(&["--max-grad-norm", "none"])).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("opening /nonexistent.jsonl"));
+}
+
+/// Every data-set record is checked when read: an error naming the file, the line and what is
+/// wrong, before the model is loaded and before the output directory is created.
+#[test]
+fn bad_data_records_are_refused_naming_file_and_line() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_refuse_records", "1");
+    let sft = dir.join("sft.jsonl");
+    run(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--task", "synthetic", "--synthetic-n", "4"]);
+    let lines: Vec<String> = std::fs::read_to_string(&sft).unwrap().lines().map(String::from).collect();
+    let mutated = |f: &dyn Fn(&mut Value)| -> String {
+        let mut v: Value = serde_json::from_str(&lines[1]).unwrap();
+        f(&mut v);
+        let mut all = lines.clone();
+        all[1] = v.to_string();
+        all.join("\n") + "\n"
+    };
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("vocab", mutated(&|v| v["completion_ids"][0] = 100_000.into()), "outside the model's vocabulary"),
+        ("negative", mutated(&|v| v["prompt_ids"][0] = (-1).into()), "prompt_ids[0] = -1"),
+        ("empty_prompt", mutated(&|v| v["prompt_ids"] = serde_json::json!([])), "prompt_ids is empty"),
+        (
+            "short_logp",
+            mutated(&|v| {
+                v["logp_mu"].as_array_mut().unwrap().pop();
+            }),
+            "logp_mu has",
+        ),
+        (
+            "long_logp",
+            mutated(&|v| {
+                v["logp_mu"].as_array_mut().unwrap().push((-1.0).into());
+            }),
+            "logp_mu has",
+        ),
+        ("null_reward", mutated(&|v| v["reward"] = Value::Null), "reward"),
+        (
+            "huge_logp",
+            {
+                let text = mutated(&|v| v["logp_mu"][0] = "HUGE".into());
+                text.replace("\"HUGE\"", "-1e300")
+            },
+            "out of range",
+        ),
+        ("huge_reward", mutated(&|v| v["reward"] = "HUGE".into()).replace("\"HUGE\"", "1e999"), "out of range"),
+        ("cut", format!("{}\n{}\n{}", lines[0], lines[1], &lines[2][..40]), "cut short"),
+    ];
+    for (name, text, what) in &cases {
+        let data = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&data, text).unwrap();
+        let out = dir.join(format!("out-{name}"));
+        let line = if *name == "cut" { ":3" } else { ":2" };
+        let file_line = format!("{name}.jsonl{line}");
+        refused(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &[&file_line, what]);
+        assert!(!out.exists(), "{name}: the output directory was created");
+    }
+    // With --skip-bad-records a cut last line is skipped, reported and counted.
+    let out = Command::new(llama())
+        .args(["train", "--model", s(&m0), "--data", s(&dir.join("cut.jsonl")), "--out", s(&dir.join("out-skip"))])
+        .args(["--skip-bad-records", "--objective", "sft", "--batch-size", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("cut.jsonl:3: skipping") && err.contains("skipped 1 record"), "{err}");
+}
+
+/// Models are checked on load: invalid config values and non-finite weights are refused naming
+/// the file and the field (or tensor).
+#[test]
+fn bad_models_are_refused_naming_file_and_field() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_refuse_models", "1");
+    let copy = |name: &str| -> PathBuf {
+        let to = dir.join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        for f in std::fs::read_dir(&m0).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+        }
+        to
+    };
+    let cases: Vec<(&str, &str, Value, &str)> = vec![
+        ("heads0", "num_attention_heads", 0.into(), "num_attention_heads must be >= 1"),
+        ("kv0", "num_key_value_heads", 0.into(), "num_key_value_heads must be >= 1"),
+        ("hidden33", "hidden_size", 33.into(), "hidden_size 33 is not a multiple of num_attention_heads"),
+        ("eps0", "rms_norm_eps", 0.0.into(), "rms_norm_eps"),
+        ("eps_neg", "rms_norm_eps", (-1e-5).into(), "rms_norm_eps"),
+        ("layers0", "num_hidden_layers", 0.into(), "num_hidden_layers must be >= 1"),
+        ("vocab0", "vocab_size", 0.into(), "vocab_size must be >= 1"),
+        ("vocab_neg", "vocab_size", (-5).into(), "vocab_size must be >= 1"),
+        ("bos", "bos_token_id", 260.into(), "bos_token_id 260"),
+        ("eos", "eos_token_id", serde_json::json!([257, 9999]), "eos_token_id 9999"),
+        ("pad", "pad_token_id", (-1).into(), "pad_token_id -1"),
+        ("huge", "num_hidden_layers", 1_000_000_000.into(), "parameters"),
+        ("intermediate_huge", "intermediate_size", 1_000_000_000.into(), "parameters"),
+    ];
+    for (name, field, value, what) in cases {
+        let m = copy(name);
+        let path = m.join("config.json");
+        let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        cfg[field] = value;
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        refused(&["generate", "--model", s(&m), "--prompt", "hi", "--max-new-tokens", "2"], &["config.json", what]);
+    }
+    // Non-finite weights, and weights that overflow the dtype they are converted to.
+    let m = copy("nan_weights");
+    let file = m.join("model.safetensors");
+    let tensors = tch::Tensor::read_safetensors(&file).unwrap();
+    let victim = tensors.iter().position(|(n, _)| n == "model.norm.weight").unwrap();
+    let _ = tensors[victim].1.get(0).fill_(f64::NAN);
+    tch::Tensor::write_safetensors(&tensors, &file).unwrap();
+    refused(&["generate", "--model", s(&m), "--prompt", "hi"], &["model.safetensors", "model.norm.weight", "non-finite"]);
+    let m = copy("overflow_weights");
+    let file = m.join("model.safetensors");
+    let tensors = tch::Tensor::read_safetensors(&file).unwrap();
+    let victim = tensors.iter().position(|(n, _)| n == "model.norm.weight").unwrap();
+    let _ = tensors[victim].1.get(0).fill_(1e30);
+    tch::Tensor::write_safetensors(&tensors, &file).unwrap();
+    refused(&["generate", "--model", s(&m), "--prompt", "hi", "--dtype", "f16"], &["model.norm.weight", "non-finite"]);
+    // A generation_config.json naming an EOS id outside the vocabulary.
+    let m = copy("gen_eos");
+    std::fs::write(m.join("generation_config.json"), r#"{"eos_token_id": 70000}"#).unwrap();
+    refused(&["generate", "--model", s(&m), "--prompt", "hi"], &["generation_config.json", "eos_token_id 70000"]);
+}

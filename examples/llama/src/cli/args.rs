@@ -230,13 +230,13 @@ pub struct ObjectiveArgs {
     pub baseline: Option<f64>,
     /// Derive the baseline from the data set's share of positives so that positives carry this
     /// share of the weight (the paper finds 0.1–0.2 best on GSM8K).
-    #[arg(long, allow_negative_numbers = true, value_parser = parse_unit_interval)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_unit_interval)]
     pub target_positive_proportion: Option<f64>,
     /// The TOPR family's ratio level.
     #[arg(long, value_enum, default_value_t = RatioArg::Sequence)]
     pub ratio: RatioArg,
     /// DPO's β (strength of the implicit KL constraint to μ; > 0).
-    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = parse_positive)]
     pub dpo_beta: f64,
 }
 
@@ -246,16 +246,16 @@ pub struct OptimizerArgs {
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
     pub optimizer: OptimizerArg,
     /// The learning rate (> 0).
-    #[arg(long, default_value_t = 1e-5, allow_negative_numbers = true, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 1e-5, allow_hyphen_values = true, value_parser = parse_positive)]
     pub lr: f64,
     /// Decoupled weight decay (>= 0).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = parse_non_negative)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
     pub weight_decay: f64,
     /// Clip the gradient norm to this (> 0), or `none` for no clipping.
-    #[arg(long, default_value = "1.0", allow_negative_numbers = true, value_parser = parse_grad_norm)]
+    #[arg(long, default_value = "1.0", allow_hyphen_values = true, value_parser = parse_grad_norm)]
     pub max_grad_norm: GradNorm,
     /// Linear warm-up of the learning rate over this many steps (0: none).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = whole(0usize, 1_000_000_000))]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = whole(0usize, 1_000_000_000))]
     pub warmup_steps: usize,
     /// Decay the learning rate linearly to 0 after the warm-up (else constant).
     #[arg(long)]
@@ -266,15 +266,15 @@ pub struct OptimizerArgs {
 #[derive(Args, Clone)]
 pub struct BatchArgs {
     /// Completions per optimiser step (>= 1).
-    #[arg(long, default_value_t = 16, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
+    #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
     pub batch_size: usize,
     /// Completions per forward/backward pass (gradient accumulation; same update for any value).
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub micro_batch_size: usize,
     /// Passes over the data set (>= 1).
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
     pub epochs: usize,
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     pub train_seed: u64,
 }
 
@@ -286,7 +286,7 @@ pub struct RunArgs {
     pub skip_bad_records: bool,
     /// Save the training state (model, optimiser, position) every this many steps, so that a
     /// killed run loses at most that many (0: never save; a killed run then starts again).
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = whole(0usize, 1_000_000_000))]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = whole(0usize, 1_000_000_000))]
     pub save_every: usize,
     /// Continue an interrupted run from its saved state.
     #[arg(long)]
@@ -343,16 +343,16 @@ impl TrainArgs {
 #[derive(Args, Clone)]
 pub struct SamplingArgs {
     /// The token budget of a completion (>= 1).
-    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = whole(1i64, MAX_TOKENS))]
+    #[arg(long, default_value_t = 256, allow_hyphen_values = true, value_parser = whole(1i64, MAX_TOKENS))]
     pub max_new_tokens: i64,
     /// The sampling temperature (> 0).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = parse_positive)]
     pub temperature: f64,
     /// Nucleus sampling's probability mass, in (0, 1] (1: off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = parse_top_p)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = parse_top_p)]
     pub top_p: f64,
     /// Sample among the k most likely tokens (0: off).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = whole(0i64, MAX_TOKENS))]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = whole(0i64, MAX_TOKENS))]
     pub top_k: i64,
 }
 
@@ -370,21 +370,21 @@ impl SamplingArgs {
 #[derive(Args, Clone)]
 pub struct DecodingArgs {
     /// The token budget of the completion (>= 1).
-    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = whole(1i64, MAX_TOKENS))]
+    #[arg(long, default_value_t = 256, allow_hyphen_values = true, value_parser = whole(1i64, MAX_TOKENS))]
     pub max_new_tokens: i64,
     /// Argmax decoding (the default when no sampling option is given).
     #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
     pub greedy: bool,
     /// Sample at this temperature (> 0).
-    #[arg(long, allow_negative_numbers = true, value_parser = parse_positive)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive)]
     pub temperature: Option<f64>,
     /// Nucleus sampling's probability mass, in (0, 1].
-    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_top_p)]
     pub top_p: Option<f64>,
     /// Sample among the k most likely tokens (0: off).
-    #[arg(long, allow_negative_numbers = true, value_parser = whole(0i64, MAX_TOKENS))]
+    #[arg(long, allow_hyphen_values = true, value_parser = whole(0i64, MAX_TOKENS))]
     pub top_k: Option<i64>,
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     pub seed: i64,
 }
 
@@ -429,21 +429,21 @@ pub struct TaskArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Use at most this many problems (0: all of them).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = whole(0usize, 1_000_000_000))]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = whole(0usize, 1_000_000_000))]
     pub limit: usize,
     /// Synthetic task: number of problems (>= 1), difficulty (operations per problem, 1 to 20)
     /// and seed.
-    #[arg(long, default_value_t = 200, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
+    #[arg(long, default_value_t = 200, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
     pub synthetic_n: usize,
-    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = whole(1usize, 20))]
+    #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = whole(1usize, 20))]
     pub difficulty: usize,
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true)]
     pub task_seed: u64,
     #[arg(long, value_enum, default_value_t = PromptStyleArg::Chat)]
     pub prompt_style: PromptStyleArg,
     /// Worked examples for few-shot prompts (from --shots-data for GSM8K, generated otherwise;
     /// 0: none, a zero-shot prompt).
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(0usize, 256))]
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(0usize, 256))]
     pub shots: usize,
     #[arg(long)]
     pub shots_data: Option<PathBuf>,
@@ -499,13 +499,13 @@ pub struct LoopArgs {
     #[arg(long)]
     pub work: PathBuf,
     /// Iterations of sampling and training (>= 1).
-    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = whole(1usize, 10_000))]
+    #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = whole(1usize, 10_000))]
     pub iterations: usize,
     /// Completions sampled per prompt (>= 1).
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub samples_per_prompt: usize,
     /// Prompts per generation batch (>= 1).
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
+    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub batch_prompts: usize,
     /// Which samples are trained on.
     #[arg(long, value_enum, default_value_t = CurateArg::All)]
@@ -514,10 +514,10 @@ pub struct LoopArgs {
     #[arg(long)]
     pub eval_data: Option<PathBuf>,
     /// Held-out problems evaluated (>= 1; at most this many of --eval-data).
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = whole(1usize, 1_000_000))]
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
     pub eval_n: usize,
     /// Questions per evaluation batch (>= 1).
-    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = whole(1usize, MAX_BATCH))]
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub eval_batch_size: usize,
 }
 
@@ -546,22 +546,22 @@ impl LoopArgs {
 #[derive(Args, Clone)]
 pub struct SizeArgs {
     /// Decoder layers (1 to 256).
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1i64, 256))]
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(1i64, 256))]
     pub layers: i64,
     /// Hidden size (a multiple of --heads whose quotient, the head size, is even).
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = whole(1i64, 65_536))]
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = whole(1i64, 65_536))]
     pub hidden: i64,
     /// Attention heads (a multiple of --kv-heads).
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = whole(1i64, 1024))]
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(1i64, 1024))]
     pub heads: i64,
     /// Key-value heads (grouped-query attention).
-    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = whole(1i64, 1024))]
+    #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = whole(1i64, 1024))]
     pub kv_heads: i64,
     /// The MLP's inner size.
-    #[arg(long, default_value_t = 384, allow_negative_numbers = true, value_parser = whole(1i64, 262_144))]
+    #[arg(long, default_value_t = 384, allow_hyphen_values = true, value_parser = whole(1i64, 262_144))]
     pub intermediate: i64,
     /// The context length.
-    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = whole(1i64, MAX_TOKENS))]
+    #[arg(long, default_value_t = 512, allow_hyphen_values = true, value_parser = whole(1i64, MAX_TOKENS))]
     pub max_positions: i64,
 }
 

@@ -48,12 +48,12 @@ pub enum Command {
         #[command(flatten)]
         sampling: SamplingArgs,
         /// Samples per question for sampled pass@1, maj@K and pass@K (0: greedy only).
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = args::whole(0usize, 4096))]
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 4096))]
         samples: usize,
         /// Questions per generation batch (>= 1).
-        #[arg(long, default_value_t = 16, allow_negative_numbers = true, value_parser = args::whole(1usize, 4096))]
+        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_size: usize,
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
         /// Per-question results (JSONL).
         #[arg(long)]
@@ -70,14 +70,14 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Completions sampled per prompt (>= 1).
-        #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = args::whole(1usize, 4096))]
+        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         samples_per_prompt: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
         /// Prompts per generation batch (each with all its samples; >= 1).
-        #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = args::whole(1usize, 4096))]
+        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_prompts: usize,
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
     },
     /// Train the model off-policy on a sampled data set (see `sample`) with an objective of the
@@ -116,7 +116,7 @@ pub enum Command {
         out: PathBuf,
         #[command(flatten)]
         size: SizeArgs,
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
     },
     /// Write a task's worked solutions as a data set (reward +1), for supervised warm-up with
@@ -131,7 +131,7 @@ pub enum Command {
         /// Share of solutions written by a sloppy teacher whose answer line copies the starting
         /// amount instead of the result (0: a perfect teacher). What the README's demo uses to
         /// show reinforcement learning correcting an imitated mistake.
-        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = args::parse_unit_interval)]
+        #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = args::parse_unit_interval)]
         slip_rate: f64,
     },
     /// The README's demo: a small Llama from scratch, a supervised warm-up on a sloppy teacher's
@@ -170,13 +170,13 @@ pub enum Command {
         #[command(flatten)]
         model: ModelArgs,
         /// Tokens generated per measurement (>= 1).
-        #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = args::whole(1i64, 1 << 20))]
+        #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = args::whole(1i64, 1 << 20))]
         new_tokens: i64,
         /// Sequences of the training measurement (>= 1).
-        #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = args::whole(1i64, 4096))]
+        #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1i64, 4096))]
         train_batch: i64,
         /// Tokens per sequence of the training measurement (>= 2, at most the model's context).
-        #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = args::whole(2i64, 1 << 20))]
+        #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(2i64, 1 << 20))]
         train_len: i64,
     },
     /// Print the teacher-forced log-probabilities of a completion as JSON.

@@ -28,7 +28,7 @@ use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::sample::Sample;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use state::{MetricsLog, Progress, StateDir};
 use std::path::Path;
@@ -272,8 +272,11 @@ pub fn finish(dir: &Path) {
 /// removes the training state.
 pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings, out: &Path) -> Result<Summary> {
     o.check()?;
+    // The data is checked against the model's config before the weights are loaded (and before
+    // `out` is created): a bad record is reported at once.
+    let cfg = crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
+    let samples = load_data(data, cfg.max_position_embeddings as usize, cfg.vocab_size, o.skip_bad_records)?;
     let (m, _) = checkpoint::open(model_dir, at)?;
-    let samples = load_data(data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, o.skip_bad_records)?;
     let summary = run(&m, &samples, o, out)?;
     checkpoint::save(&m, model_dir, out)?;
     finish(out);
