@@ -53,8 +53,8 @@ pub struct Sample {
 }
 
 impl Sample {
-    /// Checks that the record can be trained on and scored: a non-empty prompt, as many μ and
-    /// sampling log-probs as completion tokens, finite rewards and log-probs, and token ids in
+    /// Checks that the record can be trained on and scored: a non-empty prompt, as many μ
+    /// log-probs as completion tokens, finite rewards and log-probs, and token ids in
     /// `0..vocab` (only `>= 0` when `vocab` is `None`). The error says what is wrong, without
     /// the file and line (the reader adds them).
     pub fn check(&self, vocab: Option<i64>) -> Result<()> {
@@ -71,10 +71,12 @@ impl Sample {
             }
         }
         let n = self.completion_ids.len();
+        // `logp_sampling` is recorded for the user and never read by training: only its values
+        // are checked.
+        if self.logp_mu.len() != n {
+            bail!("logp_mu has {} values for {n} completion_ids", self.logp_mu.len());
+        }
         for (field, lps) in [("logp_mu", &self.logp_mu), ("logp_sampling", &self.logp_sampling)] {
-            if lps.len() != n {
-                bail!("{field} has {} values for {n} completion_ids", lps.len());
-            }
             if let Some((k, v)) = lps.iter().enumerate().find(|(_, v)| !v.is_finite()) {
                 bail!("{field}[{k}] = {v} is not finite (a log-probability; the value may overflow f32)");
             }
