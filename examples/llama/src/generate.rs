@@ -247,7 +247,9 @@ pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f3
     let logp = tch::no_grad(|| -> Result<Tensor> {
         let logits = model.logits(&ids, &mask).to_kind(Kind::Float); // [1, n, V]
         if !bool::try_from(logits.isfinite().all())? {
-            bail!("the model's logits are not finite (NaN or infinite): its weights overflow in this dtype, or are broken");
+            bail!(
+                "the model's logits are not finite (NaN or infinite): its weights overflow in this dtype, or are broken"
+            );
         }
         let p = prompt.len() as i64;
         let c = completion.len() as i64;

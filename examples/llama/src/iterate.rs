@@ -129,7 +129,12 @@ impl Loop<'_> {
             s.batch_prompts,
             &data,
         )?;
-        let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, s.train.skip_bad_records)?;
+        let samples = train::load_data(
+            &data,
+            m.cfg.max_position_embeddings as usize,
+            m.cfg.vocab_size,
+            s.train.skip_bad_records,
+        )?;
         let samples = s.curate.apply(samples);
         let summary = train::run(&m, &samples, &s.train, dir)?;
         checkpoint::save(&m, mu_dir, model_dir)?;

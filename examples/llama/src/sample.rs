@@ -119,7 +119,12 @@ pub fn read_dataset_for(path: &Path, vocab: Option<i64>, skip_bad: bool) -> Resu
 }
 
 /// [`read_dataset`], keeping each record's line as it is in the file.
-fn read_records(path: &Path, vocab: Option<i64>, skip_bad: bool, cut: CutLine) -> Result<(Vec<(String, Sample)>, usize)> {
+fn read_records(
+    path: &Path,
+    vocab: Option<i64>,
+    skip_bad: bool,
+    cut: CutLine,
+) -> Result<(Vec<(String, Sample)>, usize)> {
     let text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
     let text = String::from_utf8(text).map_err(|e| {
         anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())

@@ -366,7 +366,8 @@ fn out_of_range_options_are_refused_naming_the_option() {
     let out = dir.join("out");
     let (m, o) = (s(&m0), s(&out));
     let train = |extra: &[&'static str]| -> Vec<String> {
-        let mut a: Vec<String> = ["train", "--model", m, "--data", "/nonexistent.jsonl", "--out", o].map(String::from).to_vec();
+        let mut a: Vec<String> =
+            ["train", "--model", m, "--data", "/nonexistent.jsonl", "--out", o].map(String::from).to_vec();
         a.extend(extra.iter().map(|x| x.to_string()));
         a
     };
@@ -555,7 +556,10 @@ fn bad_models_are_refused_naming_file_and_field() {
     let victim = tensors.iter().position(|(n, _)| n == "model.norm.weight").unwrap();
     let _ = tensors[victim].1.get(0).fill_(f64::NAN);
     tch::Tensor::write_safetensors(&tensors, &file).unwrap();
-    refused(&["generate", "--model", s(&m), "--prompt", "hi"], &["model.safetensors", "model.norm.weight", "non-finite"]);
+    refused(
+        &["generate", "--model", s(&m), "--prompt", "hi"],
+        &["model.safetensors", "model.norm.weight", "non-finite"],
+    );
     let m = copy("overflow_weights");
     let file = m.join("model.safetensors");
     let tensors = tch::Tensor::read_safetensors(&file).unwrap();

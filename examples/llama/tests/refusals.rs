@@ -62,13 +62,32 @@ fn record() -> impl Strategy<Value = Value> {
         (field(strings()), field((0u64..4).prop_map(Value::from)), field(strings()), field(ids()), field(strings())),
         (field(ids()), field(logps()), field(logps()), field(number()), field(number())),
         (field(prop_oneof![number(), Just(Value::Null)]), field(number()), field(any::<bool>().prop_map(Value::from))),
-        (field(any::<bool>().prop_map(Value::from)), field(number()), field(prop_oneof![Just(json!("eos")), Just(json!("length"))])),
+        (
+            field(any::<bool>().prop_map(Value::from)),
+            field(number()),
+            field(prop_oneof![Just(json!("eos")), Just(json!("length"))]),
+        ),
         field(Just(json!({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8, "seed": 0}))),
     );
     fields.prop_map(|((a, b, c, d, e), (f, g, h, i, j), (k, l, m), (n, o, p), q)| {
         let names = [
-            "id", "sample", "question", "prompt_ids", "completion", "completion_ids", "logp_mu", "logp_sampling",
-            "seq_logp_mu", "seq_logp_sampling", "answer", "reference", "correct", "invalid", "reward", "stop", "sampling",
+            "id",
+            "sample",
+            "question",
+            "prompt_ids",
+            "completion",
+            "completion_ids",
+            "logp_mu",
+            "logp_sampling",
+            "seq_logp_mu",
+            "seq_logp_sampling",
+            "answer",
+            "reference",
+            "correct",
+            "invalid",
+            "reward",
+            "stop",
+            "sampling",
         ];
         let values = [a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q];
         Value::Object(names.iter().zip(values).filter_map(|(n, v)| v.map(|v| (n.to_string(), v))).collect())

@@ -71,12 +71,18 @@ impl TrainSettings {
     /// epochs of 0, a learning rate, clipping norm or DPO β that is not finite and > 0, a baseline
     /// that is not finite.
     pub fn check(&self) -> Result<()> {
-        for (what, v) in [("batch size", self.batch_size), ("micro-batch size", self.micro_batch_size), ("epoch count", self.epochs)] {
+        for (what, v) in
+            [("batch size", self.batch_size), ("micro-batch size", self.micro_batch_size), ("epoch count", self.epochs)]
+        {
             if v == 0 {
                 bail!("the {what} must be >= 1, got 0");
             }
         }
-        let positive = [("learning rate", Some(self.lr)), ("clipping norm", self.max_grad_norm), ("DPO beta", Some(self.dpo_beta))];
+        let positive = [
+            ("learning rate", Some(self.lr)),
+            ("clipping norm", self.max_grad_norm),
+            ("DPO beta", Some(self.dpo_beta)),
+        ];
         for (what, v) in positive {
             if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
                 bail!("the {what} must be finite and > 0, got {v}");
@@ -274,7 +280,8 @@ pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings
     o.check()?;
     // The data is checked against the model's config before the weights are loaded (and before
     // `out` is created): a bad record is reported at once.
-    let cfg = crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
+    let cfg =
+        crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
     let samples = load_data(data, cfg.max_position_embeddings as usize, cfg.vocab_size, o.skip_bad_records)?;
     let (m, _) = checkpoint::open(model_dir, at)?;
     let summary = run(&m, &samples, o, out)?;
