@@ -11,7 +11,7 @@ use tch::{Kind, Tensor};
 /// The arguments of a token-level loss, with the names its signature gives them.
 pub(crate) struct TokenArgs<'a> {
     pub logp: &'a Tensor,
-    /// The second policy's log-probs and the argument's name (`logp_mu`, `logp_old`, `logp_ref`).
+    /// The second policy's log-probs and the argument's name (`logp_mu` or `logp_ref`).
     pub other: (&'a Tensor, &'static str),
     /// Rewards or advantages and the argument's name, if the loss takes them.
     pub weights: Option<(&'a Tensor, &'static str)>,

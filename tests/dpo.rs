@@ -16,7 +16,7 @@ fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// Value and gradients w.r.t. policy_chosen and policy_rejected, by hand.
+/// Value and gradients w.r.t. logp_chosen and logp_rejected, by hand.
 fn ref_dpo(pc: &[f64], pr: &[f64], rc: &[f64], rr: &[f64], cfg: &DpoConfig) -> (f64, Vec<f64>, Vec<f64>) {
     let n = pc.len() as f64;
     let (b, eps) = (cfg.beta, cfg.label_smoothing);

@@ -133,7 +133,9 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
         (
             "grpo",
             train::Objective::Grpo,
-            train::Loss::Ppo(topr_loss::PpoConfig::ppo().with_aggregation(topr_loss::AggregationMode::SeqMeanTokenMean)),
+            train::Loss::Ppo(
+                topr_loss::PpoConfig::ppo().with_aggregation(topr_loss::AggregationMode::SeqMeanTokenMean),
+            ),
         ),
         ("dpo", train::Objective::Dpo, train::Loss::Dpo(topr_loss::DpoConfig::default())),
     ];

@@ -114,7 +114,9 @@ impl Loss {
             Objective::Grpo => Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean)),
             Objective::Dpo => Loss::Dpo(DpoConfig::dpo().with_beta(dpo_beta)),
             other => Loss::Topr(
-                ToprTokenConfig::paper().with_topr(other.limits().unwrap_or_default().with_baseline(c)).with_ratio(ratio),
+                ToprTokenConfig::paper()
+                    .with_topr(other.limits().unwrap_or_default().with_baseline(c))
+                    .with_ratio(ratio),
             ),
         }
     }
