@@ -214,33 +214,44 @@ impl PpoConfig {
 
     /// The clipped surrogate `−min(r A, clip(r) A)`, dual-clipped where `A < 0`.
     fn clipped_surrogate(&self, r: &Tensor, adv: &Tensor) -> Result<Tensor, LossError> {
+        Ok(self.surrogate_parts(r, adv)?.value)
+    }
+
+    /// The clipped surrogate and the two sides it was chosen from, computed once, so that the
+    /// diagnostics read where the clip and the dual clip decided without recomputing them.
+    fn surrogate_parts(&self, r: &Tensor, adv: &Tensor) -> Result<SurrogateParts, LossError> {
         let unclipped = r.f_mul(adv)?.f_neg()?;
         let clipped = self.clip(r)?.f_mul(adv)?.f_neg()?;
         let loss = unclipped.f_maximum(&clipped)?;
-        Ok(match self.dual_clip {
+        let value = match self.dual_clip {
             Some(c) => {
                 let cap = adv.f_mul_scalar(-c)?; // −c A (> 0 where A < 0)
                 let capped = loss.f_minimum(&cap.f_expand_as(&loss)?)?;
                 capped.f_where_self(&adv.f_lt(0.0)?, &loss)?
             }
-            None => loss,
-        })
-    }
-
-    /// Where the clip decides the surrogate (`clip(r) A` is the min, so no gradient) and where
-    /// the dual clip does (`−c A` caps it), broadcast to `r`'s shape. For the diagnostics.
-    fn clip_masks(&self, r: &Tensor, adv: &Tensor) -> Result<(Tensor, Tensor), LossError> {
-        let unclipped = r.f_mul(adv)?.f_neg()?;
-        let clipped = self.clip(r)?.f_mul(adv)?.f_neg()?;
-        let clip_active = clipped.f_gt_tensor(&unclipped)?;
-        let dual_active = match self.dual_clip {
-            Some(c) => {
-                let loss = unclipped.f_maximum(&clipped)?;
-                adv.f_mul_scalar(-c)?.f_lt_tensor(&loss)?.f_logical_and(&adv.f_lt(0.0)?)?
-            }
-            None => clip_active.f_zeros_like()?,
+            None => loss.shallow_clone(),
         };
-        Ok((clip_active, dual_active))
+        Ok(SurrogateParts { value, unclipped, clipped, loss })
+    }
+}
+
+/// The pieces of `PpoConfig::surrogate_parts`.
+struct SurrogateParts {
+    /// The dual-clipped surrogate.
+    value: Tensor,
+    /// `−r A`.
+    unclipped: Tensor,
+    /// `−clip(r) A`.
+    clipped: Tensor,
+    /// `max` of the two, before the dual clip.
+    loss: Tensor,
+}
+
+impl SurrogateParts {
+    /// Where the clip decides the surrogate (`clip(r) A` is the min, so no gradient) and where
+    /// the dual clip does (`−c A` caps it). For the diagnostics.
+    fn clip_masks(&self) -> Result<(Tensor, Tensor), LossError> {
+        Ok((self.clipped.f_gt_tensor(&self.unclipped)?, self.value.f_ne_tensor(&self.loss)?))
     }
 }
 
@@ -459,8 +470,9 @@ pub fn ppo_clip_loss_output(
     let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
     let r = cfg.ratio(&x.delta)?;
     let adv = x.weights_per_token()?;
-    let per_token = cfg.clipped_surrogate(&r, &adv)?;
-    let (clip, dual) = cfg.clip_masks(&r, &adv)?;
+    let parts = cfg.surrogate_parts(&r, &adv)?;
+    let (clip, dual) = parts.clip_masks()?;
+    let per_token = parts.value;
     let diagnostics = ppo_diagnostics(&r, &clip, &dual, &x.mask)?;
     output(&per_token, &x, cfg, norm, diagnostics)
 }
@@ -540,8 +552,9 @@ pub fn gspo_loss_output(
 ) -> Result<LossOutput<PpoDiagnostics>, LossError> {
     let x = check_inputs(logp, logp_mu, advantages, mask, false, cfg)?;
     let s = cfg.ratio(&x.mean_delta()?)?; // [B]
-    let per_seq = cfg.clipped_surrogate(&s, x.weights())?;
-    let (clip, dual) = cfg.clip_masks(&s, x.weights())?;
+    let parts = cfg.surrogate_parts(&s, x.weights())?;
+    let (clip, dual) = parts.clip_masks()?;
+    let per_seq = parts.value;
     let diagnostics = ppo_diagnostics(&s, &clip, &dual, &x.has_tokens.f_gt(0.0)?)?;
     output(&per_seq.f_unsqueeze(1)?, &x, cfg, norm, diagnostics)
 }

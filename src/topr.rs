@@ -399,7 +399,7 @@ pub(crate) fn check_sequence_inputs(
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn topr_loss(logp: &Tensor, logp_mu: &Tensor, rewards: &Tensor, cfg: &ToprConfig) -> Result<Tensor, LossError> {
-    Ok(topr_loss_output(logp, logp_mu, rewards, cfg, &Normalizer::local())?.loss)
+    Ok(sequence_forward(logp, logp_mu, rewards, cfg, &Normalizer::local())?.loss)
 }
 
 /// [`topr_loss`] with the batch size `S` from `norm` (`norm.sequences`, else `B`), its
@@ -449,6 +449,30 @@ pub fn topr_loss_output(
     cfg: &ToprConfig,
     norm: &Normalizer,
 ) -> Result<LossOutput<ToprDiagnostics>, LossError> {
+    let f = sequence_forward(logp, logp_mu, rewards, cfg, norm)?;
+    let valid = f.delta.f_ones_like()?.f_to_kind(Kind::Bool)?;
+    let diagnostics = topr_diagnostics(&f.delta, &f.r_prime, &f.positive, &valid, cfg)?;
+    Ok(LossOutput { loss: f.loss, terms: f.terms, diagnostics })
+}
+
+/// The loss of [`topr_loss`] with the per-sample pieces its output and diagnostics reuse.
+struct SequenceForward {
+    loss: Tensor,
+    /// `−R'_i T(e^{δ_i})`, `[B]`.
+    terms: Tensor,
+    /// `δ`, detached.
+    delta: Tensor,
+    r_prime: Tensor,
+    positive: Tensor,
+}
+
+fn sequence_forward(
+    logp: &Tensor,
+    logp_mu: &Tensor,
+    rewards: &Tensor,
+    cfg: &ToprConfig,
+    norm: &Normalizer,
+) -> Result<SequenceForward, LossError> {
     cfg.validate()?;
     let x = check_sequence_inputs(logp, logp_mu, rewards, cfg.checks)?;
     let samples = norm.sequences_or(x.logp.size()[0] as f64)?;
@@ -459,7 +483,5 @@ pub fn topr_loss_output(
     let loss = terms.f_sum(None::<Kind>)?.f_div_scalar(samples)?;
     let delta = delta.f_detach()?;
     guard_finite(&loss, &delta, &positive, cfg)?;
-    let valid = delta.f_ones_like()?.f_to_kind(Kind::Bool)?;
-    let diagnostics = topr_diagnostics(&delta, &r_prime, &positive, &valid, cfg)?;
-    Ok(LossOutput { loss, terms, diagnostics })
+    Ok(SequenceForward { loss, terms, delta, r_prime, positive })
 }
