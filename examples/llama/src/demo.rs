@@ -48,6 +48,21 @@ impl Scale {
         }
     }
 
+    /// The GPU check's demo: a 19 M-parameter model (8 layers, hidden 384), four times the
+    /// warm-up problems and twice the questions of [`Scale::full`], evaluated on 512 questions.
+    pub fn gpu() -> Self {
+        Self {
+            size: init::Size { layers: 8, hidden: 384, heads: 6, kv_heads: 2, intermediate: 1152, max_positions: 512 },
+            sft_problems: 16000,
+            sft_epochs: 2,
+            prompts: 1024,
+            samples_per_prompt: 4,
+            iterations: 3,
+            eval_n: 512,
+            max_new_tokens: 96,
+        }
+    }
+
     pub fn quick() -> Self {
         Self {
             size: init::Size { layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64, max_positions: 256 },

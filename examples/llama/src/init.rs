@@ -29,14 +29,21 @@ pub fn vocab_size() -> i64 {
     (tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().len() + SPECIALS.len()) as i64
 }
 
-/// More parameters than this (10^9, 4 GB in f32) is not a small model to train from scratch.
-pub const MAX_INIT_PARAMETERS: f64 = 1e9;
+/// More parameters than this (2·10^9, 8 GB in f32) is not a model to make from scratch here
+/// (Llama 3.2 1B's shape, 1.24·10^9, is the largest the GPU check makes).
+pub const MAX_INIT_PARAMETERS: f64 = 2e9;
 
-/// The `config.json` of a new model of `size` with the byte-level vocabulary (`vocab` ids),
-/// checked: sizes < 1, a hidden size the heads do not divide, an odd head size, query heads
+/// The `config.json` of a new model of `size` with `vocab` embedding rows: the byte-level
+/// tokenizer's [`vocab_size`] ids, or more (ids the tokenizer never produces, so that the
+/// embedding and output layer cost what a real vocabulary's do), checked: fewer rows than the
+/// tokenizer's ids, sizes < 1, a hidden size the heads do not divide, an odd head size, query heads
 /// that are not a multiple of the key-value heads, or more than [`MAX_INIT_PARAMETERS`] are
 /// refused, naming the config field.
 pub fn config(size: &Size, vocab: i64) -> Result<LlamaConfig> {
+    let tokens = vocab_size();
+    if vocab < tokens {
+        bail!("vocab_size {vocab} is less than the byte-level tokenizer's {tokens} ids");
+    }
     let cfg: LlamaConfig = serde_json::from_value(json!({
         "model_type": "llama",
         "vocab_size": vocab,
@@ -49,8 +56,8 @@ pub fn config(size: &Size, vocab: i64) -> Result<LlamaConfig> {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "max_position_embeddings": size.max_positions,
         "tie_word_embeddings": true,
-        "bos_token_id": vocab - 4,
-        "eos_token_id": vocab - 3,
+        "bos_token_id": tokens - 4,
+        "eos_token_id": tokens - 3,
         "hidden_act": "silu"
     }))?;
     cfg.check()?;
@@ -104,10 +111,15 @@ fn byte_tokenizer_json() -> serde_json::Value {
 /// Writes a randomly initialised Llama (weights `N(0, 0.02)`, norms 1, as transformers
 /// initialises them) with the byte-level tokenizer to `out`.
 pub fn init(out: &Path, size: Size, seed: i64) -> Result<()> {
+    init_with_vocab(out, size, vocab_size(), seed)
+}
+
+/// [`init`] with `vocab` embedding rows (at least [`vocab_size`]; see [`config`]).
+pub fn init_with_vocab(out: &Path, size: Size, vocab: i64, seed: i64) -> Result<()> {
     // Everything is checked before the directory is created: a refused size leaves nothing behind.
     let tok = byte_tokenizer_json();
-    let vocab = tok["model"]["vocab"].as_object().map(|v| v.len()).context("vocab")? as i64;
-    let (bos, eos) = (vocab - 4, vocab - 3);
+    let tokens = tok["model"]["vocab"].as_object().map(|v| v.len()).context("vocab")? as i64;
+    let (bos, eos) = (tokens - 4, tokens - 3);
     let text = serde_json::to_string(&tok)?;
     text.parse::<tokenizers::Tokenizer>().map_err(|e| anyhow!("building the byte-level tokenizer: {e}"))?;
     let cfg = config(&size, vocab)?;

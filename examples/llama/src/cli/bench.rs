@@ -1,7 +1,10 @@
-//! `bench`: throughput of generation (greedy, fixed length, batch 1 and 16) and of a training
-//! step (forward + backward of the mean next-token NLL), each after one warm-up run. One JSON
-//! line per measurement on stdout.
+//! `bench`: throughput of generation (greedy, fixed length, at each `--gen-batch`) and of a
+//! training step (forward + backward of the mean next-token NLL, through the full logits and
+//! through the crate's fused log-prob path), each after one warm-up run. One JSON line per
+//! measurement on stdout; the training lines carry the model FLOPs per token, so that the model
+//! FLOP utilisation is `flops_per_token × tokens_per_s / peak` (the peak from `check peak`).
 
+use super::check::sync;
 use anyhow::Result;
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -9,18 +12,37 @@ use topr_llama::generate::{self, Sampling};
 use topr_llama::model::Llama;
 use topr_llama::tokenizer::Tokenizer;
 
-pub fn run(m: &Llama, tok: &Tokenizer, new_tokens: i64, train_batch: i64, train_len: i64) -> Result<()> {
+pub fn run(
+    m: &Llama,
+    tok: &Tokenizer,
+    new_tokens: i64,
+    gen_batches: &[usize],
+    train_batch: i64,
+    train_len: i64,
+) -> Result<()> {
     if train_len > m.cfg.max_position_embeddings {
         anyhow::bail!("--train-len {train_len} exceeds the model's context of {}", m.cfg.max_position_embeddings);
     }
-    generation(m, tok, new_tokens)?;
+    generation(m, tok, new_tokens, gen_batches)?;
     training(m, train_batch, train_len)
 }
 
-fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64) -> Result<()> {
+/// Training FLOPs per token of a sequence of `len` tokens, as PaLM's model FLOP utilisation
+/// counts them (Chowdhery et al. 2022, appendix B): `6 N + 12 L d T`, N the parameters that
+/// multiply (the output layer included, the embedding lookup not), L layers, d the attention
+/// width, T the sequence length (causal masking not discounted).
+pub fn flops_per_token(m: &Llama, len: i64) -> f64 {
+    let c = &m.cfg;
+    let embedding = c.vocab_size as f64 * c.hidden_size as f64;
+    let matmul = c.parameter_count() - if c.tie_word_embeddings { 0.0 } else { embedding };
+    let width = (c.num_attention_heads * c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1))) as f64;
+    6.0 * matmul + 12.0 * c.num_hidden_layers as f64 * width * len as f64
+}
+
+fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]) -> Result<()> {
     let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
     let s = Sampling::greedy(new_tokens);
-    for batch in [1usize, 16] {
+    for &batch in batches {
         let prompts = vec![prompt.clone(); batch];
         let warm = Sampling { max_new_tokens: 4, ..s };
         generate::generate(m, &prompts, &warm, &[], tok.pad_id)?;
@@ -46,16 +68,19 @@ fn training(m: &Llama, train_batch: i64, train_len: i64) -> Result<()> {
         let nll = -lp.gather(2, &ids.narrow(1, 1, train_len - 1).unsqueeze(2), false).mean(Kind::Float);
         nll.backward();
     };
+    let flops = flops_per_token(m, train_len);
     step();
+    sync(m.device());
     let iters = 3;
     let t0 = Instant::now();
     for _ in 0..iters {
         step();
     }
+    sync(m.device());
     let secs = t0.elapsed().as_secs_f64() / iters as f64;
     println!(
         "{}",
-        serde_json::json!({"what": "train_fwd_bwd", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs})
+        serde_json::json!({"what": "train_fwd_bwd", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs, "flops_per_token": flops})
     );
     // The same step through the crate's fused log-prob path: no [B, T, V] logits tensor.
     let cfg = topr_loss::LogProbConfig::default();
@@ -68,14 +93,16 @@ fn training(m: &Llama, train_batch: i64, train_len: i64) -> Result<()> {
         Ok(())
     };
     fused_step()?;
+    sync(m.device());
     let t0 = Instant::now();
     for _ in 0..iters {
         fused_step()?;
     }
+    sync(m.device());
     let secs = t0.elapsed().as_secs_f64() / iters as f64;
     println!(
         "{}",
-        serde_json::json!({"what": "train_fwd_bwd_fused_logprobs", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs})
+        serde_json::json!({"what": "train_fwd_bwd_fused_logprobs", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs, "flops_per_token": flops})
     );
     Ok(())
 }

@@ -93,8 +93,12 @@ pub fn train(model: &ModelArgs, data: &Path, out: &Path, train: &TrainArgs) -> R
     Ok(())
 }
 
-pub fn init(out: &Path, size: &SizeArgs, seed: i64) -> Result<()> {
-    new_model::init(out, size.size()?, seed)?;
+pub fn init(out: &Path, size: &SizeArgs, vocab_size: Option<i64>, seed: i64) -> Result<()> {
+    let (size, vocab) = (size.size()?, vocab_size.unwrap_or_else(new_model::vocab_size));
+    if let Err(e) = new_model::config(&size, vocab) {
+        bail!("--vocab-size {vocab}: {e}");
+    }
+    new_model::init_with_vocab(out, size, vocab, seed)?;
     eprintln!("wrote a new model to {}", out.display());
     Ok(())
 }

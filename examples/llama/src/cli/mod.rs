@@ -4,6 +4,7 @@
 
 pub mod args;
 mod bench;
+mod check;
 mod commands;
 
 use args::{DecodingArgs, LoopArgs, ModelArgs, SamplingArgs, SizeArgs, TaskArgs, TrainArgs, parse_device};
@@ -116,6 +117,11 @@ pub enum Command {
         out: PathBuf,
         #[command(flatten)]
         size: SizeArgs,
+        /// Embedding rows (default: the byte-level tokenizer's 260 ids). More rows are ids the
+        /// tokenizer never produces: the embedding and output layer then cost what a real
+        /// vocabulary's do (Llama 3's is 128256), for throughput measurements.
+        #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1i64, 1 << 22))]
+        vocab_size: Option<i64>,
         #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
     },
@@ -141,9 +147,14 @@ pub enum Command {
         /// Working directory (one folder per stage).
         #[arg(long, default_value = "runs/demo")]
         work: PathBuf,
-        /// A CI-sized run (tiny model, a few steps): checks the pipeline, learns nothing.
-        #[arg(long)]
+        /// A CI-sized run (tiny model, a few steps): checks the pipeline, learns nothing
+        /// (the same as --scale quick).
+        #[arg(long, conflicts_with = "scale")]
         quick: bool,
+        /// The demo's size: full (the README's, about 7 minutes on 2 CPU cores), gpu (the GPU
+        /// check's larger model and data) or quick.
+        #[arg(long, value_enum, default_value_t = DemoScale::Full)]
+        scale: DemoScale,
         /// cpu, cuda or cuda:N.
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
@@ -165,19 +176,28 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Measure generation (batch 1 and 16) and training forward+backward throughput; prints JSON.
+    /// Measure generation and training forward+backward throughput; prints JSON.
     Bench {
         #[command(flatten)]
         model: ModelArgs,
         /// Tokens generated per measurement (>= 1).
         #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = args::whole(1i64, 1 << 20))]
         new_tokens: i64,
+        /// Generation batch sizes to measure (repeat the flag, or comma-separated; default 1,16).
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16], allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        gen_batch: Vec<usize>,
         /// Sequences of the training measurement (>= 1).
         #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1i64, 4096))]
         train_batch: i64,
         /// Tokens per sequence of the training measurement (>= 2, at most the model's context).
         #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(2i64, 1 << 20))]
         train_len: i64,
+    },
+    /// The GPU check's own measurements (parity with the CPU, the bf16 peak, the losses' speed
+    /// and host reads); one JSON line per measurement.
+    Check {
+        #[command(subcommand)]
+        what: CheckCommand,
     },
     /// Print the teacher-forced log-probabilities of a completion as JSON.
     Score {
@@ -208,20 +228,86 @@ pub fn run(command: Command) -> anyhow::Result<()> {
             let settings = iterate.settings(&task, &train, &sampling)?;
             topr_llama::iterate::run(&model.model, model.placement(), &settings)
         }
-        Command::Init { out, size, seed } => c::init(&out, &size, seed),
+        Command::Init { out, size, vocab_size, seed } => c::init(&out, &size, vocab_size, seed),
         Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),
-        Command::Demo { work, quick, device, resume } => {
-            let scale = if quick { topr_llama::demo::Scale::quick() } else { topr_llama::demo::Scale::full() };
+        Command::Demo { work, quick, scale, device, resume } => {
+            use topr_llama::demo::Scale;
+            let scale = match (quick, scale) {
+                (true, _) | (_, DemoScale::Quick) => Scale::quick(),
+                (_, DemoScale::Full) => Scale::full(),
+                (_, DemoScale::Gpu) => Scale::gpu(),
+            };
             topr_llama::demo::run(&work, scale, device, resume)
         }
         Command::Plot { dir } => c::plot(&dir),
         Command::Convert { model, out } => c::convert(&model, &out),
-        Command::Bench { model, new_tokens, train_batch, train_len } => {
+        Command::Bench { model, new_tokens, gen_batch, train_batch, train_len } => {
             let (m, tok) = c::load(&model)?;
-            bench::run(&m, &tok, new_tokens, train_batch, train_len)
+            bench::run(&m, &tok, new_tokens, &gen_batch, train_batch, train_len)
         }
+        Command::Check { what } => match what {
+            CheckCommand::Parity { model, device, prompts, len, new_tokens } => {
+                check::parity(&model, device, prompts, len, new_tokens)
+            }
+            CheckCommand::Peak { device, n } => check::peak(device, n),
+            CheckCommand::Losses { device, batch, len, iters } => check::losses(device, batch, len, iters),
+        },
         Command::Score { model, prompt, completion, chat } => c::score(&model, &prompt, &completion, chat),
     }
+}
+
+/// `demo --scale`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum DemoScale {
+    Full,
+    Gpu,
+    Quick,
+}
+
+/// The measurements of `llama check`.
+#[derive(Subcommand)]
+pub enum CheckCommand {
+    /// Logits of one checkpoint on --device in f32 and bf16 against the CPU in f32, and greedy
+    /// generations in f32 on both.
+    Parity {
+        /// A model directory (Hugging Face layout).
+        #[arg(long)]
+        model: PathBuf,
+        /// cuda, cuda:N or cpu (cpu compares the CPU with itself: a check of the command only).
+        #[arg(long, default_value = "cuda", value_parser = parse_device)]
+        device: Device,
+        /// Random prompts (>= 1).
+        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1i64, 4096))]
+        prompts: i64,
+        /// Tokens per prompt (>= 1).
+        #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = args::whole(1i64, 1 << 16))]
+        len: i64,
+        /// Greedy tokens generated per prompt (>= 1).
+        #[arg(long, default_value_t = 32, allow_hyphen_values = true, value_parser = args::whole(1i64, 1 << 16))]
+        new_tokens: i64,
+    },
+    /// TFLOP/s of an N × N bf16 matrix product (best of 10).
+    Peak {
+        #[arg(long, default_value = "cuda", value_parser = parse_device)]
+        device: Device,
+        #[arg(long, default_value_t = 8192, allow_hyphen_values = true, value_parser = args::whole(1i64, 1 << 16))]
+        n: i64,
+    },
+    /// Forward + backward time and host reads per call of topr_token_loss, ppo_clip_loss and
+    /// dpo_loss, with full and with shape-only checks.
+    Losses {
+        #[arg(long, default_value = "cuda", value_parser = parse_device)]
+        device: Device,
+        /// Sequences (>= 2; DPO pairs the first half with the second).
+        #[arg(long, default_value_t = 512, allow_hyphen_values = true, value_parser = args::whole(2i64, 1 << 20))]
+        batch: i64,
+        /// Tokens per sequence (>= 2).
+        #[arg(long, default_value_t = 2048, allow_hyphen_values = true, value_parser = args::whole(2i64, 1 << 20))]
+        len: i64,
+        /// Timed calls per loss (>= 1).
+        #[arg(long, default_value_t = 20, allow_hyphen_values = true, value_parser = args::whole(1usize, 1 << 20))]
+        iters: usize,
+    },
 }
 
 /// The first paragraph of a multi-line message, as one line.

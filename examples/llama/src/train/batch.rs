@@ -112,13 +112,15 @@ pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> R
 }
 
 /// `sqrt(Σ g²)` over the trainable parameters, then scales the gradients so that it is at most
-/// `max_norm` (when given). Returns the norm before clipping.
+/// `max_norm` (when given). Returns the norm before clipping. One host read: the per-parameter
+/// sums stay on the device until their total is read.
 pub fn clip_grad_norm(vars: &[Tensor], max_norm: Option<f64>) -> f64 {
-    let sq: f64 = vars
+    let sums: Vec<Tensor> = vars
         .iter()
         .filter(|v| v.grad().defined())
-        .map(|v| v.grad().to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
-        .sum();
+        .map(|v| v.grad().to_kind(Kind::Double).square().sum(Kind::Double))
+        .collect();
+    let sq = if sums.is_empty() { 0.0 } else { Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[]) };
     let norm = sq.sqrt();
     if let Some(max) = max_norm {
         if norm > max && norm.is_finite() {

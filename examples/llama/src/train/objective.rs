@@ -9,7 +9,7 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
+    AggregationMode, Checks, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
     TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss_output,
     group_advantages, ppo_clip_loss_output, sequence_logprobs, topr_token_loss_output,
 };
@@ -108,14 +108,22 @@ pub enum Loss {
 
 impl Loss {
     /// The loss of `objective` with baseline `c`, TOPR's `ratio` level and DPO's `dpo_beta`.
+    ///
+    /// The losses run with [`Checks::Shapes`]: no host synchronisation inside a loss call. Their
+    /// inputs come from checked records and the model's own log-probs, and a non-finite loss
+    /// is still refused once per optimiser step (`optimizer_step`), where the step's loss is read
+    /// for its metrics anyway.
     pub fn new(objective: Objective, c: f64, ratio: RatioLevel, dpo_beta: f64) -> Self {
+        let fast = Checks::Shapes;
         match objective {
-            Objective::Ppo => Loss::Ppo(PpoConfig::ppo()),
-            Objective::Grpo => Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean)),
-            Objective::Dpo => Loss::Dpo(DpoConfig::dpo().with_beta(dpo_beta)),
+            Objective::Ppo => Loss::Ppo(PpoConfig::ppo().with_checks(fast)),
+            Objective::Grpo => {
+                Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean).with_checks(fast))
+            }
+            Objective::Dpo => Loss::Dpo(DpoConfig::dpo().with_beta(dpo_beta).with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
-                    .with_topr(other.limits().unwrap_or_default().with_baseline(c))
+                    .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
                     .with_ratio(ratio),
             ),
         }

@@ -1,0 +1,189 @@
+//! `check`: the measurements of the GPU check that the other subcommands do not make. Each
+//! prints one JSON line per measurement on stdout (a [`CheckRecord`]); `scripts/gpu_bundle/run.sh`
+//! runs them and `report.py` turns their lines into the check's table.
+//!
+//! - `check parity`: one checkpoint's logits on `--device` (f32 and bf16) against the CPU in f32,
+//!   and greedy generations in f32 on both;
+//! - `check peak`: the device's bf16 matrix-product throughput (the denominator of the model FLOP
+//!   utilisation that `bench` reports against);
+//! - `check losses`: forward + backward of `topr_token_loss`, `ppo_clip_loss` and `dpo_loss` at a
+//!   given batch and length, with full and with shape-only checks, and the host reads of each call.
+
+use anyhow::{Result, bail};
+use serde::Serialize;
+use std::path::Path;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+use topr_llama::checkpoint::{self, Placement};
+use topr_llama::generate::{self, Sampling};
+use topr_loss::{Checks, DpoConfig, PpoConfig, ToprConfig, ToprTokenConfig, host_reads};
+
+/// One measurement line of `check`.
+#[derive(Debug, Serialize)]
+#[serde(tag = "what", rename_all = "snake_case")]
+pub enum CheckRecord {
+    /// Logits and greedy generations on `device` against the CPU in f32.
+    Parity {
+        device: String,
+        /// `max |Δ| / max |logit|` over the compared positions, f32 on the device.
+        f32_rel: f64,
+        /// The same in bf16 (weights and activations), against the CPU's f32.
+        bf16_rel: f64,
+        /// Share of positions whose bf16 argmax is the f32 CPU argmax.
+        bf16_argmax_agreement: f64,
+        positions: i64,
+        /// Greedy generations in f32: identical token for token on the device and the CPU.
+        greedy_identical: bool,
+        greedy_tokens: usize,
+    },
+    /// A large bf16 matrix product on the device.
+    Peak { device: String, n: i64, tflops: f64 },
+    /// One loss's forward + backward.
+    Loss {
+        device: String,
+        loss: &'static str,
+        checks: &'static str,
+        batch: i64,
+        len: i64,
+        ms: f64,
+        /// Host reads (device → host synchronisations) the loss call itself makes.
+        host_reads_per_call: u64,
+    },
+}
+
+fn emit(r: &CheckRecord) -> Result<()> {
+    println!("{}", serde_json::to_string(r)?);
+    Ok(())
+}
+
+fn device_name(d: Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Waits for the device's queued work (a no-op on the CPU).
+pub fn sync(d: Device) {
+    if let Device::Cuda(i) = d {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// `check parity`: `prompts` random prompts of `len` byte-level tokens.
+pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i64) -> Result<()> {
+    let (cpu, tok) = checkpoint::open(dir, Placement::f32(Device::Cpu))?;
+    let (dev32, _) = checkpoint::open(dir, Placement::f32(device))?;
+    let (dev16, _) = checkpoint::open(dir, Placement { device, kind: Kind::BFloat16 })?;
+    // Ids the tokenizer produces (the byte tokens of `init`'s models are 0..256; any real
+    // tokenizer has at least as many).
+    let real = 256.min(cpu.cfg.vocab_size);
+    let mut rng = topr_llama::task::Rng::new(0);
+    let prompt_ids: Vec<Vec<i64>> = (0..prompts).map(|_| (0..len).map(|_| rng.range(0, real - 1)).collect()).collect();
+    let ids = Tensor::from_slice(&prompt_ids.concat()).view([prompts, len]);
+    let mask = Tensor::ones([prompts, len], (Kind::Int64, Device::Cpu));
+    let (want, l32, l16) = tch::no_grad(|| {
+        let on = |m: &topr_llama::model::Llama| {
+            m.logits(&ids.to(m.device()), &mask.to(m.device())).to_device(Device::Cpu).to_kind(Kind::Float)
+        };
+        (on(&cpu), on(&dev32), on(&dev16))
+    });
+    let scale = want.abs().max().double_value(&[]);
+    if !(scale.is_finite() && scale > 0.0) {
+        bail!("the CPU logits of {} are {scale} at most: not a usable model", dir.display());
+    }
+    let rel = |l: &Tensor| (l - &want).abs().max().double_value(&[]) / scale;
+    let agree = l16.argmax(-1, false).eq_tensor(&want.argmax(-1, false)).to_kind(Kind::Double).mean(Kind::Double);
+    let s = Sampling::greedy(new_tokens);
+    let a = generate::generate(&cpu, &prompt_ids, &s, &[], tok.pad_id)?;
+    let b = generate::generate(&dev32, &prompt_ids, &s, &[], tok.pad_id)?;
+    emit(&CheckRecord::Parity {
+        device: device_name(device),
+        f32_rel: rel(&l32),
+        bf16_rel: rel(&l16),
+        bf16_argmax_agreement: agree.double_value(&[]),
+        positions: prompts * len,
+        greedy_identical: a.iter().zip(&b).all(|(x, y)| x.tokens == y.tokens),
+        greedy_tokens: a.iter().map(|c| c.tokens.len()).sum(),
+    })
+}
+
+/// `check peak`: TFLOP/s of an `n × n` bf16 matrix product, best of 10 after a warm-up.
+pub fn peak(device: Device, n: i64) -> Result<()> {
+    let a = Tensor::randn([n, n], (Kind::BFloat16, device));
+    let b = Tensor::randn([n, n], (Kind::BFloat16, device));
+    let _ = a.matmul(&b);
+    sync(device);
+    let mut best = f64::INFINITY;
+    for _ in 0..10 {
+        let t0 = Instant::now();
+        let _ = a.matmul(&b);
+        sync(device);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    emit(&CheckRecord::Peak { device: device_name(device), n, tflops: 2.0 * (n as f64).powi(3) / best / 1e12 })
+}
+
+/// `check losses`: mean time of `iters` forward + backward passes of each loss (after two
+/// warm-up calls), with full and with shape-only checks.
+pub fn losses(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> {
+    tch::manual_seed(0);
+    let opts = (Kind::Float, device);
+    let logp = (-Tensor::rand([batch, len], opts) * 2.0).set_requires_grad(true);
+    let logp_mu = logp.detach() + Tensor::randn([batch, len], opts) * 0.1;
+    let lengths = Tensor::randint_low(len / 2, len + 1, [batch, 1], (Kind::Int64, device));
+    let mask = Tensor::arange(len, (Kind::Int64, device)).unsqueeze(0).lt_tensor(&lengths);
+    let rewards = Tensor::randint(2, [batch], (Kind::Float, device)) * 2.0 - 1.0;
+    let half = batch / 2;
+    for checks in [Checks::Full, Checks::Shapes] {
+        let name = if checks == Checks::Full { "full" } else { "shapes" };
+        let topr = ToprTokenConfig::paper().with_topr(ToprConfig::canonical().with_checks(checks));
+        let ppo = PpoConfig::ppo().with_checks(checks);
+        let dpo = DpoConfig::dpo().with_checks(checks);
+        let calls: [(&'static str, Box<dyn Fn() -> Result<Tensor>>); 3] = [
+            ("topr_token_loss", Box::new(|| Ok(topr_loss::topr_token_loss(&logp, &logp_mu, &rewards, &mask, &topr)?))),
+            ("ppo_clip_loss", Box::new(|| Ok(topr_loss::ppo_clip_loss(&logp, &logp_mu, &rewards, &mask, &ppo)?))),
+            (
+                "dpo_loss",
+                Box::new(|| {
+                    // Sequence log-probs of `half` pairs from the token log-probs.
+                    let seq = (&logp * &mask).sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+                    let seq_mu = (&logp_mu * &mask).sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+                    let (c, r) = (seq.narrow(0, 0, half), seq.narrow(0, half, half));
+                    let (rc, rr) = (seq_mu.narrow(0, 0, half), seq_mu.narrow(0, half, half));
+                    Ok(topr_loss::dpo_loss(&c, &r, &rc, &rr, &dpo)?)
+                }),
+            ),
+        ];
+        for (loss, call) in &calls {
+            let step = || -> Result<u64> {
+                let before = host_reads();
+                let l = call()?;
+                let reads = host_reads() - before;
+                l.backward();
+                Ok(reads)
+            };
+            step()?;
+            step()?;
+            sync(device);
+            let t0 = Instant::now();
+            let mut reads = 0;
+            for _ in 0..iters {
+                reads = step()?;
+            }
+            sync(device);
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / iters as f64;
+            emit(&CheckRecord::Loss {
+                device: device_name(device),
+                loss,
+                checks: name,
+                batch,
+                len,
+                ms,
+                host_reads_per_call: reads,
+            })?;
+        }
+    }
+    Ok(())
+}

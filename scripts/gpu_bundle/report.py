@@ -1,0 +1,146 @@
+"""The GPU check's report: reads what run.sh left in OUT_DIR (machine.json, stages.jsonl and the
+stages' JSON lines in logs/) and writes summary.json and table.md there, and prints the table.
+
+    python3 report.py OUT_DIR
+
+Exits 1 when a stage failed or a parity bound is not met.
+"""
+import json
+import os
+import sys
+
+# Parity bounds: f32 on the device against f32 on the CPU, relative to the logits' largest
+# magnitude (kernels sum in other orders: differences of a few f32 ulps per layer); bf16 weights
+# and activations (8 mantissa bits: 2^-8 = 0.4 % per rounding, accumulated over the layers).
+F32_BOUND = 1e-4
+BF16_BOUND = 5e-2
+
+
+def lines(path):
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def fmt(x, digits=3):
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "**no**"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def memory_estimate_gib(cfg, tokens, full_logits):
+    """docs/gpu.md's arithmetic for a bf16 training step: weights and gradients (2 + 2 bytes a
+    parameter), activations (8·hidden + 3·kv_dim + 4·MLP bf16 values a token and layer) and the
+    logits (bf16, plus the f32 log-softmax and its gradient on the full-logits path)."""
+    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    kv_dim = kv * (h // heads)
+    n = v * h + layers * (2 * h * h + 2 * h * kv_dim + 3 * h * i + 2 * h) + h
+    weights = 4 * n
+    activations = tokens * layers * (8 * h + 3 * kv_dim + 4 * i) * 2
+    logits = tokens * v * ((2 + 4 + 4) if full_logits else 2)
+    return (weights + activations + logits) / 2**30
+
+
+def main():
+    out = sys.argv[1]
+    logs = os.path.join(out, "logs")
+    machine = json.load(open(os.path.join(out, "machine.json")))
+    stages = lines(os.path.join(out, "stages.jsonl"))
+    by_stage = {s["stage"]: s for s in stages}
+    get = lambda name: lines(os.path.join(logs, f"{name}.out"))
+    failed = [s["stage"] for s in stages if s["status"] != "ok"]
+    rows = []  # (section, measurement, value, note)
+
+    parity = next((r for r in get("parity") if r.get("what") == "parity"), None)
+    parity_ok = True
+    if parity:
+        f32_ok, bf16_ok = parity["f32_rel"] <= F32_BOUND, parity["bf16_rel"] <= BF16_BOUND
+        parity_ok = f32_ok and bf16_ok and parity["greedy_identical"]
+        rows += [
+            ("parity", "logits f32, max |Δ| / max |logit|", fmt(parity["f32_rel"]), f"bound {F32_BOUND:g}: {'met' if f32_ok else '**not met**'}"),
+            ("parity", "logits bf16, max |Δ| / max |logit|", fmt(parity["bf16_rel"]), f"bound {BF16_BOUND:g}: {'met' if bf16_ok else '**not met**'}"),
+            ("parity", "bf16 argmax = f32 CPU argmax", f"{parity['bf16_argmax_agreement']:.1%}", f"{parity['positions']} positions"),
+            ("parity", "greedy generations identical (f32)", fmt(parity["greedy_identical"]), f"{parity['greedy_tokens']} tokens"),
+        ]
+
+    peak = next((r for r in get("peak") if r.get("what") == "peak"), None)
+    if peak:
+        rows.append(("throughput", f"bf16 matrix product {peak['n']}²", f"{peak['tflops']:.1f} TFLOP/s", "the MFU denominator, measured"))
+    cfg_path = os.path.join(out, "work", "big", "config.json")
+    cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
+    for r in get("bench"):
+        if r.get("what") == "generate":
+            rows.append(("throughput", f"generation, batch {r['batch']}", f"{r['tokens_per_s']:.0f} tokens/s", f"greedy, {r['new_tokens']} new tokens"))
+        elif r.get("what", "").startswith("train_fwd_bwd"):
+            fused = r["what"].endswith("fused_logprobs")
+            mfu = r["flops_per_token"] * r["tokens_per_s"] / (peak["tflops"] * 1e12) if peak else None
+            path = "fused log-probs" if fused else "full logits"
+            note = f"{r['batch']}×{r['len']} tokens, forward + backward ({path})"
+            rows.append(("throughput", f"training, {path}", f"{r['tokens_per_s']:.0f} tokens/s", note))
+            rows.append(("throughput", f"model FLOP utilisation, {path}", f"{mfu:.1%}" if mfu is not None else "—", "6N + 12·L·d·T FLOPs a token over the measured peak"))
+            if cfg and not fused and "bench" in by_stage:
+                est = memory_estimate_gib(cfg, r["batch"] * r["len"], True)
+                mib = by_stage["bench"]["peak_mib"]
+                rows.append(("memory", "peak GPU memory of the bench stage", f"{mib / 1024:.1f} GiB" if mib else "—", f"docs/gpu.md arithmetic for its training step: {est:.1f} GiB"))
+
+    mine = {(r["loss"], r["checks"]): r for r in get("losses") if r.get("what") == "loss"}
+    theirs = {r["loss"]: r for r in get("losses-pytorch") if r.get("what") == "loss"}
+    for loss in ["topr_token_loss", "ppo_clip_loss", "dpo_loss"]:
+        full, fast, ref = mine.get((loss, "full")), mine.get((loss, "shapes")), theirs.get(loss)
+        if not full:
+            continue
+        shape = f"B = {full['batch']}, T = {full['len']}"
+        value = f"{full['ms']:.3g} ms (full checks), {fast['ms']:.3g} ms (shapes only)" if fast else f"{full['ms']:.3g} ms"
+        note = f"{shape}; host reads a call: {full['host_reads_per_call']} full, {fast['host_reads_per_call'] if fast else '—'} shapes only"
+        if ref:
+            note += f"; PyTorch {ref['ms']:.3g} ms: ratio {full['ms'] / ref['ms']:.2f} (full), {fast['ms'] / ref['ms']:.2f} (shapes only)" if fast else ""
+        rows.append(("losses", f"{loss} forward + backward", value, note))
+
+    for s in stages:
+        if s["stage"].startswith("train-"):
+            _, objective, optimizer = s["stage"].split("-")
+            steps = lines(os.path.join(out, "work", s["stage"], "metrics.jsonl"))
+            last = steps[-1]["stats"]["loss"] if steps else None
+            rows.append(("objectives", f"train {objective}, {optimizer}", s["status"], f"{len(steps)} steps, last loss {fmt(last)}, {s['seconds']:.1f} s, peak {s['peak_mib'] or '—'} MiB"))
+
+    demo = lines(os.path.join(out, "demo-iterations.jsonl"))
+    for r in demo:
+        label = "warm-up model" if r["iteration"] == 0 else f"after iteration {r['iteration']}"
+        pos = r.get("data_positive_fraction")
+        rows.append(("demo", f"held-out accuracy, {label}", f"{r['accuracy']:.3f}", f"its samples {pos:.1%} positive" if pos is not None else ""))
+    if "demo" in by_stage:
+        rows.append(("demo", "demo wall time", f"{by_stage['demo']['seconds']:.0f} s", by_stage["demo"]["status"]))
+
+    total = sum(s["seconds"] for s in stages)
+    head = f"GPU check: {machine.get('gpu', machine['device'])}, torch {machine['torch']} (CUDA {machine['cuda']}), {total:.0f} s of stages"
+    table = [head, "", "| section | measurement | value | note |", "|---|---|---|---|"]
+    table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    if failed:
+        table += ["", "Failed stages: " + ", ".join(failed) + " (see logs/)."]
+    text = "\n".join(table) + "\n"
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(text)
+    summary = {"machine": machine, "stages": stages, "failed": failed, "parity_ok": parity_ok,
+               "rows": [dict(zip(["section", "measurement", "value", "note"], r)) for r in rows]}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(text)
+    sys.exit(1 if failed or not parity_ok else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The GPU check of topr-loss's Llama example, run from a bundle made by scripts/gpu_bundle.sh.
+# Needs only bash, python3 with the torch the bundle was built against (a CUDA build for a GPU
+# run), and nvidia-smi for the memory column: no Rust, no network, no download.
+#
+#   ./run.sh OUT_DIR                            # on the GPU: the measured check (at most ~8 min on one H200)
+#   ./run.sh OUT_DIR --device cpu --size tiny   # the same stages at toy sizes on the CPU (CI)
+#
+# PYTHON (default python3) names the interpreter whose torch provides libtorch.
+# Writes to OUT_DIR: stages.jsonl (one line per stage: seconds, peak GPU MiB, exit status),
+# logs/STAGE.out and .err (each stage's JSON lines and log), summary.json and table.md (made
+# by report.py from them), and plots/ (the demo's). Exits 1 when a stage failed.
+set -uo pipefail
+
+usage() { echo "usage: $0 OUT_DIR [--device cuda|cpu] [--size full|tiny]" >&2; exit 2; }
+die() { echo "run.sh: $*" >&2; exit 2; }
+
+[ $# -ge 1 ] || usage
+out=$1; shift
+device=cuda
+size=full
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) [ $# -ge 2 ] || usage; device=$2; shift 2 ;;
+        --size) [ $# -ge 2 ] || usage; size=$2; shift 2 ;;
+        *) usage ;;
+    esac
+done
+case "$device" in cpu|cuda|cuda:[0-9]*) ;; *) die "--device: expected cpu, cuda or cuda:N, got '$device'" ;; esac
+case "$size" in full|tiny) ;; *) die "--size: expected full or tiny, got '$size'" ;; esac
+
+here=$(cd "$(dirname "$0")" && pwd)
+bin="$here/llama"
+[ -x "$bin" ] || die "$bin is missing: run scripts/gpu_bundle.sh to make the bundle"
+PY=${PYTHON:-python3}
+command -v "$PY" >/dev/null || die "$PY not found (set PYTHON to a python with torch)"
+
+# libtorch: the torch package of python3, which must be the version the binary was built against.
+torch_dir=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) \
+    || die "$PY cannot import torch"
+torch_version=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+want=$(cat "$here/TORCH_VERSION")
+[ "$torch_version" = "$want" ] || die "the bundle was built for torch $want, $PY has torch $torch_version"
+export LD_LIBRARY_PATH="$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if [ -e "$out" ] && [ -n "$(ls -A "$out" 2>/dev/null)" ]; then
+    die "$out exists and is not empty: choose a new folder"
+fi
+mkdir -p "$out/logs" "$out/plots" || die "cannot create $out"
+out=$(cd "$out" && pwd)
+W="$out/work"
+mkdir -p "$W"
+start=$(date +%s)
+
+# The sizes. full: Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 query and 8 key-value heads,
+# MLP 8192, its 128,256-entry vocabulary; tied embeddings, 1.24 B parameters) for throughput and
+# parity; a 4-layer model for the objectives; the demo's GPU scale. tiny: toy sizes, same stages.
+if [ "$size" = full ]; then
+    big=(--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --max-positions 2048 --vocab-size 128256)
+    small=(--layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --max-positions 512)
+    bench=(--new-tokens 128 --gen-batch 1,64 --train-batch 16 --train-len 1024)
+    parity=(--prompts 4 --len 64 --new-tokens 32)
+    peak=(--n 8192)
+    losses=(--batch 512 --len 2048 --iters 20)
+    demo=(--scale gpu)
+    problems=128; demo_limit=300
+else
+    big=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --max-positions 256 --vocab-size 2048)
+    small=(--layers 1 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 --max-positions 256)
+    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64)
+    parity=(--prompts 2 --len 16 --new-tokens 8)
+    peak=(--n 256)
+    losses=(--batch 8 --len 64 --iters 3)
+    demo=(--quick)
+    problems=16; demo_limit=300
+fi
+dev=(--device "$device")
+[ "$device" = cpu ] && half=(--dtype f32) || half=(--dtype bf16)
+failed=0
+
+# stage NAME LIMIT_S COMMAND...: runs COMMAND with its stdout and stderr in logs/, under a time
+# limit, polling the GPU's used memory every 100 ms, and appends one line to stages.jsonl.
+stage() {
+    local name=$1 limit=$2; shift 2
+    local poll="" t0 t1 rc peak="null"
+    if [ "$device" != cpu ] && command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$out/logs/$name.mem" 2>/dev/null &
+        poll=$!
+    fi
+    echo "[$(( $(date +%s) - start )) s] $name" >&2
+    t0=$(date +%s.%N)
+    timeout "$limit" "$@" > "$out/logs/$name.out" 2> "$out/logs/$name.err"
+    rc=$?
+    t1=$(date +%s.%N)
+    if [ -n "$poll" ]; then
+        kill "$poll" 2>/dev/null; wait "$poll" 2>/dev/null
+        peak=$(sort -n "$out/logs/$name.mem" | tail -1); peak=${peak:-null}
+    fi
+    local status=ok
+    [ $rc -eq 0 ] || { status=failed; failed=1; }
+    [ $rc -eq 124 ] && status=timeout
+    printf '{"stage":"%s","status":"%s","exit":%d,"seconds":%s,"peak_mib":%s}\n' \
+        "$name" "$status" "$rc" "$("$PY" -c "print(round($t1 - $t0, 2))")" "$peak" >> "$out/stages.jsonl"
+    [ $rc -eq 0 ] || echo "  $name: $status (exit $rc): $(tail -2 "$out/logs/$name.err" | tr '\n' ' ')" >&2
+    return $rc
+}
+
+# The machine, for the report.
+"$PY" - "$device" > "$out/machine.json" <<'PY'
+import json, platform, sys, torch
+d = sys.argv[1]
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(), "device": d}
+if d != "cpu" and torch.cuda.is_available():
+    info["gpu"] = torch.cuda.get_device_name(0)
+print(json.dumps(info))
+PY
+
+stage init-big 300 "$bin" init --out "$W/big" "${big[@]}"
+stage init-small 60 "$bin" init --out "$W/small" "${small[@]}"
+stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
+stage bench 240 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}"
+stage parity 240 "$bin" check parity --model "$W/big" "${dev[@]}" "${parity[@]}"
+stage losses 120 "$bin" check losses "${dev[@]}" "${losses[@]}"
+stage losses-pytorch 120 "$PY" "$here/losses_torch.py" --device "${device/cuda:*/cuda}" "${losses[@]}"
+
+# Every objective a few steps, with AdamW and with Adafactor, on the small model's graded samples.
+# A random model answers nothing right: the first completion of every question is marked correct,
+# so that every objective (DPO's pairs, GRPO's groups) has work to do.
+task=(--task synthetic --difficulty 1 --max-new-tokens 24)
+if stage sample 120 "$bin" sample --model "$W/small" "${dev[@]}" "${half[@]}" "${task[@]}" --synthetic-n "$problems" \
+        --samples-per-prompt 4 --batch-prompts 16 --out "$W/samples.jsonl"; then
+    "$PY" - "$W/samples.jsonl" "$W/mixed.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1]) as f, open(sys.argv[2], "w") as out:
+    for line in f:
+        r = json.loads(line)
+        r["correct"] = r["sample"] == 0
+        r["reward"] = 1.0 if r["correct"] else -1.0
+        out.write(json.dumps(r) + "\n")
+PY
+    for objective in topr tis sft reinforce is ppo grpo dpo; do
+        for optimizer in adamw adafactor; do
+            stage "train-$objective-$optimizer" 60 "$bin" train --model "$W/small" "${dev[@]}" "${half[@]}" \
+                --data "$W/mixed.jsonl" --out "$W/train-$objective-$optimizer" --objective "$objective" \
+                --optimizer "$optimizer" --lr 1e-5 --batch-size 32 --micro-batch-size 16 --save-every 0
+        done
+    done
+fi
+
+# The demo: a model from scratch, the sloppy teacher's warm-up, then TOPR iterations.
+stage demo "$demo_limit" "$bin" demo --work "$W/demo" "${dev[@]}" "${demo[@]}"
+cp "$W"/demo/topr/*.png "$W"/demo/warm-up/*.png "$out/plots/" 2>/dev/null
+cp "$W/demo/topr/iterations.jsonl" "$out/demo-iterations.jsonl" 2>/dev/null
+
+"$PY" "$here/report.py" "$out" || failed=1
+echo "[$(( $(date +%s) - start )) s] done: $out/table.md" >&2
+exit $failed
