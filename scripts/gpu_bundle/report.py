@@ -71,8 +71,8 @@ def main():
         f32_ok, bf16_ok = parity["f32_rel"] <= F32_BOUND, parity["bf16_rel"] <= BF16_BOUND
         parity_ok = f32_ok and bf16_ok and parity["greedy_identical"]
         rows += [
-            ("parity", "logits f32, max |Δ| / max |logit|", fmt(parity["f32_rel"]), f"bound {F32_BOUND:g}: {'met' if f32_ok else '**not met**'}"),
-            ("parity", "logits bf16, max |Δ| / max |logit|", fmt(parity["bf16_rel"]), f"bound {BF16_BOUND:g}: {'met' if bf16_ok else '**not met**'}"),
+            ("parity", "logits f32, max abs Δ / max abs logit", fmt(parity["f32_rel"]), f"bound {F32_BOUND:g}: {'met' if f32_ok else '**not met**'}"),
+            ("parity", "logits bf16, max abs Δ / max abs logit", fmt(parity["bf16_rel"]), f"bound {BF16_BOUND:g}: {'met' if bf16_ok else '**not met**'}"),
             ("parity", "bf16 argmax = f32 CPU argmax", f"{parity['bf16_argmax_agreement']:.1%}", f"{parity['positions']} positions"),
             ("parity", "greedy generations identical (f32)", fmt(parity["greedy_identical"]), f"{parity['greedy_tokens']} tokens"),
         ]

@@ -1,0 +1,96 @@
+//! The GPU check's own commands through the built binary, on the CPU: `init --vocab-size`,
+//! `check parity`, `check peak`, `check losses` and `bench --gen-batch` (the GPU bundle's
+//! `run.sh` runs them; CI runs the bundle at toy sizes too).
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn llama(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llama")).args(args).output().unwrap()
+}
+
+/// The JSON lines a successful command printed.
+fn records(args: &[&str]) -> Vec<Value> {
+    let out = llama(args);
+    assert!(out.status.success(), "llama {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// A tiny model with `vocab` embedding rows, made by `init`.
+fn model(name: &str, vocab: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    let size = ["--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
+    let out = llama(&[&["init", "--out", dir.to_str().unwrap(), "--vocab-size", vocab][..], &size[..]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    dir
+}
+
+#[test]
+fn init_pads_the_vocabulary_and_keeps_the_tokenizers_special_ids() {
+    let dir = model("check_vocab", "1000");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["vocab_size"], 1000);
+    // The byte-level tokenizer's specials follow its 256 byte tokens, whatever the rows.
+    assert_eq!((cfg["bos_token_id"].as_i64(), cfg["eos_token_id"].as_i64()), (Some(256), Some(257)));
+    // The model generates and scores with the padded vocabulary.
+    let out = llama(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "2+2", "--max-new-tokens", "4"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // Fewer rows than the tokenizer's ids: refused in one line naming the flag, nothing written.
+    let bad = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("check_vocab_bad");
+    let _ = std::fs::remove_dir_all(&bad);
+    let out = llama(&["init", "--out", bad.to_str().unwrap(), "--vocab-size", "100"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--vocab-size 100") && err.trim().lines().count() == 1, "{err}");
+    assert!(!bad.exists());
+}
+
+#[test]
+fn parity_on_the_cpu_compares_the_cpu_with_itself() {
+    let dir = model("check_parity", "300");
+    let r = records(&["check", "parity", "--model", dir.to_str().unwrap(), "--device", "cpu", "--prompts", "2", "--len", "8", "--new-tokens", "4"]);
+    assert_eq!(r.len(), 1);
+    let p = &r[0];
+    assert_eq!(p["what"], "parity");
+    assert_eq!(p["f32_rel"], 0.0);
+    assert_eq!(p["greedy_identical"], true);
+    assert_eq!(p["positions"], 16);
+    // bf16 is a real rounding, even on the CPU: not zero, well inside the stated bound.
+    let bf16 = p["bf16_rel"].as_f64().unwrap();
+    assert!(bf16 > 0.0 && bf16 < 5e-2, "{bf16}");
+}
+
+#[test]
+fn losses_report_their_host_reads_full_and_none_with_shape_checks() {
+    let r = records(&["check", "losses", "--device", "cpu", "--batch", "4", "--len", "8", "--iters", "1"]);
+    let reads = |loss: &str, checks: &str| {
+        r.iter()
+            .find(|x| x["loss"] == loss && x["checks"] == checks)
+            .map(|x| x["host_reads_per_call"].as_u64().unwrap())
+            .unwrap()
+    };
+    for loss in ["topr_token_loss", "ppo_clip_loss", "dpo_loss"] {
+        assert!(reads(loss, "full") > 0, "{loss}");
+        assert_eq!(reads(loss, "shapes"), 0, "{loss}");
+    }
+    assert!(r.iter().all(|x| x["ms"].as_f64().unwrap() > 0.0));
+}
+
+#[test]
+fn peak_and_bench_report_what_the_mfu_needs() {
+    let peak = records(&["check", "peak", "--device", "cpu", "--n", "64"]);
+    assert!(peak[0]["tflops"].as_f64().unwrap() > 0.0);
+    let dir = model("check_bench", "300");
+    let r = records(&["bench", "--model", dir.to_str().unwrap(), "--new-tokens", "2", "--gen-batch", "1,3", "--train-batch", "2", "--train-len", "8"]);
+    let batches: Vec<i64> = r.iter().filter(|x| x["what"] == "generate").map(|x| x["batch"].as_i64().unwrap()).collect();
+    assert_eq!(batches, [1, 3]);
+    // 6N + 12·L·d·T with N = 300·32 (tied output layer) + 2 layers of attention and MLP.
+    let (v, h, kv, i, l, t) = (300.0, 32.0, 16.0, 64.0, 2.0, 8.0);
+    let n = v * h + l * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * i + 2.0 * h) + h;
+    let want = 6.0 * n + 12.0 * l * h * t;
+    for x in r.iter().filter(|x| x["what"].as_str().unwrap().starts_with("train")) {
+        assert_eq!(x["flops_per_token"].as_f64().unwrap(), want);
+    }
+}
