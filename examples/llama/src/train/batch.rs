@@ -90,15 +90,22 @@ pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> R
     let lp_cfg = LogProbConfig::default();
     let mut stats = StepStats { sequences: batch.iter().map(Unit::completions).sum(), ..Default::default() };
     let mut tally = Tally::default();
+    let (mut values, mut tokens) = (vec![], vec![]);
     for p in &parts {
         let logits = model.logits(&p.ids, &p.attn);
         let l = p.ids.size()[1];
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
             loss.micro_batch(lp, p, normalizer, pairs_in_step, &mut tally)
         })?;
-        stats.loss += value.double_value(&[]);
-        stats.tokens += p.mask.sum(Kind::Int64).int64_value(&[]) as usize;
+        values.push(value.detach());
+        tokens.push(p.mask.sum(Kind::Int64));
     }
+    // Every micro-batch is queued: the metrics are read now, in micro-batch order.
+    for (v, n) in values.iter().zip(&tokens) {
+        stats.loss += v.double_value(&[]);
+        stats.tokens += n.int64_value(&[]) as usize;
+    }
+    let tally = tally.read()?;
     stats.log_ratio_mean = tally.log_ratio / stats.tokens.max(1) as f64;
     match loss {
         Loss::Topr(_) => stats.topr = Some(topr_stats(&tally.diags)),

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
     AggregationMode, Checks, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
-    TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss_output,
+    OnDevice, DpoDiagnostics, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss_output,
     group_advantages, ppo_clip_loss_output, sequence_logprobs, topr_token_loss_output,
 };
 
@@ -140,18 +140,18 @@ impl Loss {
         tally: &mut Tally,
     ) -> Result<Tensor, LossError> {
         let delta = &lp.logp.detach() - &p.logp_mu;
-        tally.log_ratio += masked_sum(&delta, &lp.mask);
+        tally.log_ratio.push(masked_sum(&delta, &lp.mask));
         match self {
             Loss::Topr(cfg) => {
                 // The loss and its diagnostics from one pass, with the step's counts.
                 let out = topr_token_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?;
-                tally.diags.push(out.diagnostics.read()?);
+                tally.diags.push(out.diagnostics);
                 Ok(out.loss)
             }
             Loss::Ppo(cfg) => {
                 let ratio = delta.exp();
                 let outside = ratio.lt(1.0 - cfg.clip_low).logical_or(&ratio.gt(1.0 + cfg.clip_high));
-                tally.clipped += masked_sum(&outside, &lp.mask);
+                tally.clipped.push(masked_sum(&outside, &lp.mask));
                 Ok(ppo_clip_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?.loss)
             }
             Loss::Dpo(cfg) => {
@@ -162,31 +162,58 @@ impl Loss {
                 let (rw, rl) = (mu.narrow(0, 0, n), mu.narrow(0, n, n));
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
                 let out = dpo_loss_output(&pw, &pl, &rw, &rl, cfg, &Normalizer::sequences(pairs_in_step))?;
-                let d = out.diagnostics.read()?;
-                tally.dpo_accuracy += d.accuracy * n as f64;
-                tally.dpo_margin += d.margin * n as f64;
+                tally.dpo.push((out.diagnostics, n as f64));
                 Ok(out.loss)
             }
         }
     }
 }
 
-/// The diagnostics of one step, summed over its micro-batches.
+/// The diagnostics of one step's micro-batches, kept on the device until the step has queued
+/// all its work: reading them per micro-batch would stall the device after each one.
 #[derive(Default)]
 pub(super) struct Tally {
+    pub diags: Vec<OnDevice<ToprDiagnostics>>,
+    /// Tokens whose PPO ratio lies outside the clip range, per micro-batch (f64 scalars).
+    pub clipped: Vec<Tensor>,
+    /// Σ `log π − log μ` over the completion tokens, per micro-batch (f64 scalars).
+    pub log_ratio: Vec<Tensor>,
+    /// DPO: each micro-batch's diagnostics and pairs.
+    pub dpo: Vec<(OnDevice<DpoDiagnostics>, f64)>,
+}
+
+/// The sums a step's metrics need, read from a [`Tally`] once its micro-batches are queued, in
+/// micro-batch order (so that the sums are the same as when read one micro-batch at a time).
+pub(super) struct TallySums {
     pub diags: Vec<ToprDiagnostics>,
-    /// Tokens whose PPO ratio lies outside the clip range.
     pub clipped: f64,
-    /// Σ `log π − log μ` over the completion tokens.
     pub log_ratio: f64,
-    /// DPO: pair-weighted sums of accuracy and margin.
     pub dpo_accuracy: f64,
     pub dpo_margin: f64,
 }
 
-/// Σ over the masked tokens of `x`, as f64.
-fn masked_sum(x: &Tensor, mask: &Tensor) -> f64 {
-    x.detach().to_kind(Kind::Double).masked_select(mask).sum(Kind::Double).double_value(&[])
+impl Tally {
+    pub fn read(&self) -> Result<TallySums, LossError> {
+        let sum = |v: &[Tensor]| v.iter().map(|t| t.double_value(&[])).sum::<f64>();
+        let mut out = TallySums {
+            diags: self.diags.iter().map(OnDevice::read).collect::<Result<_, _>>()?,
+            clipped: sum(&self.clipped),
+            log_ratio: sum(&self.log_ratio),
+            dpo_accuracy: 0.0,
+            dpo_margin: 0.0,
+        };
+        for (d, n) in &self.dpo {
+            let d = d.read()?;
+            out.dpo_accuracy += d.accuracy * n;
+            out.dpo_margin += d.margin * n;
+        }
+        Ok(out)
+    }
+}
+
+/// Σ over the masked tokens of `x`, as an f64 scalar on the device.
+fn masked_sum(x: &Tensor, mask: &Tensor) -> Tensor {
+    x.detach().to_kind(Kind::Double).masked_select(mask).sum(Kind::Double)
 }
 
 /// The TOPR-family statistics, weighted by each micro-batch's sample count.
