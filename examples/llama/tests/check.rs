@@ -50,7 +50,20 @@ fn init_pads_the_vocabulary_and_keeps_the_tokenizers_special_ids() {
 #[test]
 fn parity_on_the_cpu_compares_the_cpu_with_itself() {
     let dir = model("check_parity", "300");
-    let r = records(&["check", "parity", "--model", dir.to_str().unwrap(), "--device", "cpu", "--prompts", "2", "--len", "8", "--new-tokens", "4"]);
+    let r = records(&[
+        "check",
+        "parity",
+        "--model",
+        dir.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--prompts",
+        "2",
+        "--len",
+        "8",
+        "--new-tokens",
+        "4",
+    ]);
     assert_eq!(r.len(), 1);
     let p = &r[0];
     assert_eq!(p["what"], "parity");
@@ -83,8 +96,21 @@ fn peak_and_bench_report_what_the_mfu_needs() {
     let peak = records(&["check", "peak", "--device", "cpu", "--n", "64"]);
     assert!(peak[0]["tflops"].as_f64().unwrap() > 0.0);
     let dir = model("check_bench", "300");
-    let r = records(&["bench", "--model", dir.to_str().unwrap(), "--new-tokens", "2", "--gen-batch", "1,3", "--train-batch", "2", "--train-len", "8"]);
-    let batches: Vec<i64> = r.iter().filter(|x| x["what"] == "generate").map(|x| x["batch"].as_i64().unwrap()).collect();
+    let r = records(&[
+        "bench",
+        "--model",
+        dir.to_str().unwrap(),
+        "--new-tokens",
+        "2",
+        "--gen-batch",
+        "1,3",
+        "--train-batch",
+        "2",
+        "--train-len",
+        "8",
+    ]);
+    let batches: Vec<i64> =
+        r.iter().filter(|x| x["what"] == "generate").map(|x| x["batch"].as_i64().unwrap()).collect();
     assert_eq!(batches, [1, 3]);
     // 6N + 12·L·d·T with N = 300·32 (tied output layer) + 2 layers of attention and MLP.
     let (v, h, kv, i, l, t) = (300.0, 32.0, 16.0, 64.0, 2.0, 8.0);
@@ -92,5 +118,13 @@ fn peak_and_bench_report_what_the_mfu_needs() {
     let want = 6.0 * n + 12.0 * l * h * t;
     for x in r.iter().filter(|x| x["what"].as_str().unwrap().starts_with("train")) {
         assert_eq!(x["flops_per_token"].as_f64().unwrap(), want);
+    }
+    // The roofline: the peak of the model's dtype measured in the same run, and every throughput
+    // line's achieved TFLOP/s as FLOPs a token × tokens/s, and its share of that peak.
+    let peak = r.iter().find(|x| x["what"] == "peak").unwrap()["tflops"].as_f64().unwrap();
+    for x in r.iter().filter(|x| x["what"] != "peak") {
+        let achieved = x["flops_per_token"].as_f64().unwrap() * x["tokens_per_s"].as_f64().unwrap() / 1e12;
+        assert!((x["achieved_tflops"].as_f64().unwrap() - achieved).abs() <= 1e-12 * achieved.max(1.0), "{x}");
+        assert!((x["share_of_peak"].as_f64().unwrap() - achieved / peak).abs() <= 1e-9, "{x}");
     }
 }

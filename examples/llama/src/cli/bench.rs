@@ -1,8 +1,9 @@
 //! `bench`: throughput of generation (greedy, fixed length, at each `--gen-batch`) and of a
 //! training step (forward + backward of the mean next-token NLL, through the full logits and
 //! through the crate's fused log-prob path), each after one warm-up run. One JSON line per
-//! measurement on stdout; the training lines carry the model FLOPs per token, so that the model
-//! FLOP utilisation is `flops_per_token × tokens_per_s / peak` (the peak from `check peak`).
+//! measurement on stdout. The roofline: a first line gives the machine's peak, a matrix product
+//! in the model's dtype timed in the same run, and every throughput line carries the model FLOPs
+//! a token, the achieved TFLOP/s and their share of that peak.
 
 use super::check::sync;
 use anyhow::Result;
@@ -23,8 +24,36 @@ pub fn run(
     if train_len > m.cfg.max_position_embeddings {
         anyhow::bail!("--train-len {train_len} exceeds the model's context of {}", m.cfg.max_position_embeddings);
     }
-    generation(m, tok, new_tokens, gen_batches)?;
-    training(m, train_batch, train_len)
+    let n = if m.device() == tch::Device::Cpu { 2048 } else { 8192 };
+    let peak = super::check::matmul_tflops(m.device(), m.kind(), n);
+    println!(
+        "{}",
+        serde_json::json!({"what": "peak", "impl": "topr-loss", "kind": format!("{:?}", m.kind()), "n": n, "tflops": peak})
+    );
+    generation(m, tok, new_tokens, gen_batches, peak)?;
+    training(m, train_batch, train_len, peak)
+}
+
+/// The roofline fields of a throughput line: FLOPs a token, achieved TFLOP/s, share of `peak`.
+fn roofline(flops_per_token: f64, tokens_per_s: f64, peak: f64) -> serde_json::Value {
+    let achieved = flops_per_token * tokens_per_s / 1e12;
+    serde_json::json!({"flops_per_token": flops_per_token, "achieved_tflops": achieved, "share_of_peak": achieved / peak})
+}
+
+/// Inference FLOPs a generated token at context `ctx`: `2 N + 4 L d ctx` (the forward third of
+/// [`flops_per_token`], with attention over the cached context).
+fn generation_flops_per_token(m: &Llama, ctx: i64) -> f64 {
+    let c = &m.cfg;
+    let width = (c.num_attention_heads * c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1))) as f64;
+    (flops_per_token(m, 0) / 3.0) + 4.0 * c.num_hidden_layers as f64 * width * ctx as f64
+}
+
+/// Merges the roofline fields into a JSON line.
+fn with(mut line: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    if let (Some(a), Some(b)) = (line.as_object_mut(), extra.as_object()) {
+        a.extend(b.clone());
+    }
+    line
 }
 
 /// Training FLOPs per token of a sequence of `len` tokens, as PaLM's model FLOP utilisation
@@ -39,7 +68,7 @@ pub fn flops_per_token(m: &Llama, len: i64) -> f64 {
     6.0 * matmul + 12.0 * c.num_hidden_layers as f64 * width * len as f64
 }
 
-fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]) -> Result<()> {
+fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<()> {
     let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
     let s = Sampling::greedy(new_tokens);
     for &batch in batches {
@@ -52,13 +81,16 @@ fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]) ->
         let n: usize = out.iter().map(|c| c.tokens.len()).sum();
         println!(
             "{}",
-            serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": n as f64 / secs})
+            with(
+                serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": n as f64 / secs}),
+                roofline(generation_flops_per_token(m, prompt.len() as i64 + new_tokens / 2), n as f64 / secs, peak)
+            )
         );
     }
     Ok(())
 }
 
-fn training(m: &Llama, train_batch: i64, train_len: i64) -> Result<()> {
+fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()> {
     tch::manual_seed(0);
     let ids = Tensor::randint(m.cfg.vocab_size, [train_batch, train_len], (Kind::Int64, m.device()));
     let mask = Tensor::ones([train_batch, train_len], (Kind::Int64, m.device()));
@@ -80,7 +112,10 @@ fn training(m: &Llama, train_batch: i64, train_len: i64) -> Result<()> {
     let secs = t0.elapsed().as_secs_f64() / iters as f64;
     println!(
         "{}",
-        serde_json::json!({"what": "train_fwd_bwd", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs, "flops_per_token": flops})
+        with(
+            serde_json::json!({"what": "train_fwd_bwd", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs}),
+            roofline(flops, (train_batch * train_len) as f64 / secs, peak)
+        )
     );
     // The same step through the crate's fused log-prob path: no [B, T, V] logits tensor.
     let cfg = topr_loss::LogProbConfig::default();
@@ -102,7 +137,10 @@ fn training(m: &Llama, train_batch: i64, train_len: i64) -> Result<()> {
     let secs = t0.elapsed().as_secs_f64() / iters as f64;
     println!(
         "{}",
-        serde_json::json!({"what": "train_fwd_bwd_fused_logprobs", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs, "flops_per_token": flops})
+        with(
+            serde_json::json!({"what": "train_fwd_bwd_fused_logprobs", "impl": "topr-loss", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": (train_batch * train_len) as f64 / secs}),
+            roofline(flops, (train_batch * train_len) as f64 / secs, peak)
+        )
     );
     Ok(())
 }

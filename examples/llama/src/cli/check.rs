@@ -109,10 +109,11 @@ pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i6
     })
 }
 
-/// `check peak`: TFLOP/s of an `n × n` bf16 matrix product, best of 10 after a warm-up.
-pub fn peak(device: Device, n: i64) -> Result<()> {
-    let a = Tensor::randn([n, n], (Kind::BFloat16, device));
-    let b = Tensor::randn([n, n], (Kind::BFloat16, device));
+/// TFLOP/s of an `n × n` matrix product in `kind` on `device`, best of 10 after a warm-up: the
+/// machine's measured peak for that dtype.
+pub fn matmul_tflops(device: Device, kind: Kind, n: i64) -> f64 {
+    let a = Tensor::randn([n, n], (kind, device));
+    let b = Tensor::randn([n, n], (kind, device));
     let _ = a.matmul(&b);
     sync(device);
     let mut best = f64::INFINITY;
@@ -122,8 +123,16 @@ pub fn peak(device: Device, n: i64) -> Result<()> {
         sync(device);
         best = best.min(t0.elapsed().as_secs_f64());
     }
-    emit(&CheckRecord::Peak { device: device_name(device), n, tflops: 2.0 * (n as f64).powi(3) / best / 1e12 })
+    2.0 * (n as f64).powi(3) / best / 1e12
 }
+
+/// `check peak`: TFLOP/s of an `n × n` bf16 matrix product.
+pub fn peak(device: Device, n: i64) -> Result<()> {
+    emit(&CheckRecord::Peak { device: device_name(device), n, tflops: matmul_tflops(device, Kind::BFloat16, n) })
+}
+
+/// One loss call of `check losses`, on inputs it captures.
+type LossCall<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
 
 /// `check losses`: mean time of `iters` forward + backward passes of each loss (after two
 /// warm-up calls), with full and with shape-only checks.
@@ -141,7 +150,7 @@ pub fn losses(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> 
         let topr = ToprTokenConfig::paper().with_topr(ToprConfig::canonical().with_checks(checks));
         let ppo = PpoConfig::ppo().with_checks(checks);
         let dpo = DpoConfig::dpo().with_checks(checks);
-        let calls: [(&'static str, Box<dyn Fn() -> Result<Tensor>>); 3] = [
+        let calls: [(&'static str, LossCall); 3] = [
             ("topr_token_loss", Box::new(|| Ok(topr_loss::topr_token_loss(&logp, &logp_mu, &rewards, &mask, &topr)?))),
             ("ppo_clip_loss", Box::new(|| Ok(topr_loss::ppo_clip_loss(&logp, &logp_mu, &rewards, &mask, &ppo)?))),
             (

@@ -9,9 +9,10 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, DpoConfig, GroupAdvantage, LossError, Normalizer, PpoConfig, RatioLevel, SequenceReduce,
-    OnDevice, DpoDiagnostics, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, baseline_for_effective_proportion, dpo_loss_output,
-    group_advantages, ppo_clip_loss_output, sequence_logprobs, topr_token_loss_output,
+    AggregationMode, Checks, DpoConfig, DpoDiagnostics, GroupAdvantage, LossError, Normalizer, OnDevice, PpoConfig,
+    RatioLevel, SequenceReduce, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
+    baseline_for_effective_proportion, dpo_loss_output, group_advantages, ppo_clip_loss_output, sequence_logprobs,
+    topr_token_loss_output,
 };
 
 /// The objectives `train` offers.
