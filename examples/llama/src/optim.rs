@@ -30,8 +30,10 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 /// Which optimiser, with its hyper-parameters (the learning rate comes per step).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OptimizerConfig {
+    #[serde(rename = "adamw")]
     AdamW {
         beta1: f64,
         beta2: f64,

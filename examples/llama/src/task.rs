@@ -254,7 +254,8 @@ pub fn synthetic_problems(seed: u64, n: usize, difficulty: usize) -> Vec<Problem
 }
 
 /// Where a task's problems come from.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Source {
     /// A GSM8K JSONL file (the public release's layout).
     Gsm8k(PathBuf),
@@ -263,7 +264,8 @@ pub enum Source {
 }
 
 /// How problems become prompts.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Prompting {
     /// The model's chat template.
     Chat,
@@ -273,7 +275,8 @@ pub enum Prompting {
 }
 
 /// A task: its problems and how they are prompted.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub struct TaskSpec {
     pub source: Source,
     /// The seed of the synthetic problems, and of the worked examples and held-out problems

@@ -15,7 +15,8 @@ use topr_loss::{
 };
 
 /// The objectives `train` offers.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Objective {
     Topr,
     Tis,
@@ -50,7 +51,8 @@ impl Objective {
 }
 
 /// The baseline `c` subtracted from rewards (TOPR family, PPO).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Baseline {
     /// `c = 0`.
     #[default]
