@@ -331,7 +331,7 @@ mod tests {
         let d = scratch("atomic");
         let p = d.join("a.json");
         write_file(&p, "old").unwrap();
-        let err = write_atomic(&p, |w| {
+        let err = write_atomic(&p, |w| -> Result<()> {
             w.write_all(b"half")?;
             bail!("disk full")
         })
