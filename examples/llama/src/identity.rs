@@ -112,11 +112,14 @@ fn show(v: Option<&Value>) -> String {
     match v {
         None | Some(Value::Null) => "(none)".into(),
         Some(Value::String(s)) => s.clone(),
-        // Learning rates and the like as `1e-5`, not `0.00001`.
-        Some(Value::Number(n)) if n.is_f64() => match n.as_f64() {
-            Some(x) if x != 0.0 && (x.abs() < 1e-3 || x.abs() >= 1e6) => format!("{x:e}"),
-            _ => n.to_string(),
-        },
+        // Learning rates and the like as `1e-5`, not `0.00001`: the shorter of the two forms.
+        Some(Value::Number(n)) if n.is_f64() => {
+            let plain = n.to_string();
+            match n.as_f64().map(|x| format!("{x:e}")) {
+                Some(e) if e.len() < plain.len() => e,
+                _ => plain,
+            }
+        }
         Some(other) => other.to_string(),
     }
 }

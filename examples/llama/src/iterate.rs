@@ -7,12 +7,12 @@ use crate::Refusal;
 use crate::checkpoint::{self, Placement};
 use crate::eval::{self, EvalSettings, PromptStyle};
 use crate::generate::{Decoding, Sampling};
+use crate::identity::ModelId;
+use crate::io::{Append, Lock};
 use crate::metrics::IterationRecord;
 use crate::sample::{self, Sample};
 use crate::task::{self, Source, TaskSpec};
 use crate::train::{self, TrainSettings};
-use crate::identity::ModelId;
-use crate::io::{Append, Lock};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -155,11 +155,13 @@ impl Loop<'_> {
 pub struct IterateRun {
     /// The initial model.
     pub model: ModelId,
+    /// The settings, as fields of the record (`iterations`, `train.lr`, ...).
+    #[serde(flatten)]
     pub settings: IterateSettings,
 }
 
 /// Fields of [`IterateRun`] a resumed loop may change.
-const MAY_CHANGE: [&str; 1] = ["settings.iterations"];
+const MAY_CHANGE: [&str; 1] = ["iterations"];
 
 /// Refuses to continue the loop in `work` with other inputs or settings than it was started
 /// with (listing what differs), or one whose record is missing; records `run` in a new loop.
@@ -175,7 +177,8 @@ fn check_run(work: &Path, started: bool, run: &IterateRun) -> Result<()> {
             file.display()
         )
     })?;
-    let saved: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+    let saved: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
     let differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &MAY_CHANGE);
     if !differences.is_empty() {
         bail!(Refusal::ChangedSettings { dir: work.to_path_buf(), differences, run: crate::Resumable::Iterations });

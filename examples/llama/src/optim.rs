@@ -34,12 +34,7 @@ use tch::{Kind, Tensor};
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerConfig {
     #[serde(rename = "adamw")]
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
+    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
     Adafactor {
         beta1: Option<f64>,
         eps1: f64,

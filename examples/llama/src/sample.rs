@@ -8,10 +8,10 @@
 
 use crate::eval::{PromptStyle, prompt_ids};
 use crate::generate::{self, Decoding, Sampling};
+use crate::identity::{Digest, ModelId};
 use crate::model::Llama;
 use crate::task::{self, Problem};
 use crate::tokenizer::Tokenizer;
-use crate::identity::{Digest, ModelId};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

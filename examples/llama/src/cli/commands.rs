@@ -7,9 +7,7 @@ use std::path::Path;
 use topr_llama::eval::{self, EvalSettings};
 use topr_llama::model::Llama;
 use topr_llama::tokenizer::Tokenizer;
-use topr_llama::{
-    checkpoint, config, generate, init as new_model, io, plot, sample as sampling, train as training,
-};
+use topr_llama::{checkpoint, config, generate, init as new_model, io, plot, sample as sampling, train as training};
 
 /// The model and tokenizer of `--model`, on `--device` in `--dtype`.
 pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {

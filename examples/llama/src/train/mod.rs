@@ -141,6 +141,8 @@ pub struct RunRecord {
     pub data: FileId,
     /// The records trained on (after skipping bad records and any curation).
     pub records: Digest,
+    /// The settings, as fields of the record (`lr`, `objective`, ...).
+    #[serde(flatten)]
     pub settings: TrainSettings,
 }
 

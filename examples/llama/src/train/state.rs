@@ -4,10 +4,10 @@
 
 use super::{RunRecord, TrainSettings};
 use crate::io::Append;
-use crate::{Refusal, Resumable};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::Optimizer;
+use crate::{Refusal, Resumable};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
