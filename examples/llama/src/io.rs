@@ -27,6 +27,21 @@ pub fn refuse_special(path: &Path) -> Result<()> {
     }
 }
 
+/// Refuses an input that is a device (`/dev/zero`, `/dev/full`, ...), which a whole-file read
+/// would read without end.
+pub fn refuse_device(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if let Ok(m) = std::fs::metadata(path) {
+            if m.file_type().is_char_device() || m.file_type().is_block_device() {
+                bail!("{} is a device, not a data file", path.display());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The path a rename must replace: a symbolic link's target (so that the link stays a link).
 fn destination(path: &Path) -> PathBuf {
     match std::fs::symlink_metadata(path) {
@@ -343,6 +358,7 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "new");
         assert!(refuse_special(Path::new("/dev/null")).is_err());
         assert!(write_file(Path::new("/dev/null"), "x").is_err());
+        assert!(refuse_device(Path::new("/dev/zero")).is_err() && refuse_device(&p).is_ok());
     }
 
     #[test]

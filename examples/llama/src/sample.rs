@@ -126,6 +126,7 @@ fn read_records(
     skip_bad: bool,
     cut: CutLine,
 ) -> Result<(Vec<(String, Sample)>, usize)> {
+    crate::io::refuse_device(path)?;
     let text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
     let text = String::from_utf8(text).map_err(|e| {
         anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())
@@ -338,7 +339,10 @@ fn check_run(out: &Path, run: &SampleRun) -> Result<()> {
         })?;
         let saved: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
-        let differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &[]);
+        let mut differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &[]);
+        if differences.iter().any(|d| d.starts_with("prompts.")) {
+            differences.push("(the problems or their prompts differ: another task, task seed, size, data file, prompt style or tokenizer)".into());
+        }
         if !differences.is_empty() {
             bail!(crate::Refusal::ChangedSettings {
                 dir: out.to_path_buf(),

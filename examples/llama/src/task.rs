@@ -107,6 +107,7 @@ struct Gsm8kLine {
 /// A malformed line is an error naming the file and line, unless `skip_bad` is set: then it is
 /// skipped and counted in the second return value.
 pub fn load_gsm8k(path: &Path, skip_bad: bool) -> Result<(Vec<Problem>, usize)> {
+    crate::io::refuse_device(path)?;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut problems = vec![];
     let mut skipped = 0;

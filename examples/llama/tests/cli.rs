@@ -626,6 +626,33 @@ fn failed_writes_leave_no_file_and_name_the_path() {
         &["/dev/full", "not a regular file"],
     );
     refused(&["sft-data", "--model", s(&m0), "--out", "/dev/null"], &["/dev/null", "not a regular file"]);
+    // Nor is a device read as a data file (it would be read without end).
+    let x = dir.join("x");
+    refused(&["train", "--model", s(&m0), "--data", "/dev/zero", "--out", s(&x)], &["/dev/zero", "device"]);
+
+    // A write that fails half-way (the file size limit, which binds root too: `ulimit -f`, with
+    // SIGXFSZ ignored so that the write returns EFBIG instead of killing the process).
+    let limited = |args: &[&str]| -> (bool, String) {
+        let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+        let script = format!("trap '' XFSZ; ulimit -f 4; exec '{}' {}", llama().display(), quoted.join(" "));
+        let out = Command::new("sh").arg("-c").arg(script).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let full = dir.join("full");
+    std::fs::create_dir_all(&full).unwrap();
+    let q = full.join("q.jsonl");
+    let many = ["--synthetic-n", "40", "--max-new-tokens", "4"];
+    let (ok, err) = limited(&strs(&with(&["eval", "--model", s(&m0), "--out", s(&q)], &many)));
+    let last = err.lines().last().unwrap_or_default();
+    assert!(!ok && last.starts_with("error: writing ") && last.contains(s(&q)), "{err}");
+    assert_eq!(std::fs::read_dir(&full).unwrap().count(), 0, "a failed eval --out left a file behind");
+    // sample stops at the first failed write, naming its file (what was written is kept: it
+    // resumes).
+    let d = full.join("d.jsonl");
+    let (ok, err) = limited(&strs(&with(&["sample", "--model", s(&m0), "--out", s(&d)], &many)));
+    let last = err.lines().last().unwrap_or_default();
+    assert!(!ok && last.starts_with("error: writing ") && last.contains(s(&d)), "{err}");
+    assert!(std::fs::metadata(&d).unwrap().len() <= 4096 && !full.join("d.jsonl.lock").exists());
 
     let ro = dir.join("read-only");
     std::fs::create_dir_all(&ro).unwrap();
