@@ -21,7 +21,7 @@ const SIDE_FILES: [&str; 6] = [
 ];
 
 /// The safetensors files of a checkpoint directory.
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.exists() {
         return Ok(vec![single]);
@@ -150,7 +150,8 @@ fn torch_dtype_name(kind: Kind) -> &'static str {
     }
 }
 
-/// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata transformers expects.
+/// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata transformers expects,
+/// atomically (see [`crate::io::write_atomic`]).
 pub fn write_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
@@ -170,42 +171,41 @@ pub fn write_safetensors(tensors: &BTreeMap<String, Tensor>, path: &Path) -> Res
     while json.len() % 8 != 0 {
         json.push(b' ');
     }
-    let mut f =
-        std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
-    f.write_all(&(json.len() as u64).to_le_bytes())?;
-    f.write_all(&json)?;
-    for t in blobs {
-        let mut buf = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
-        t.f_copy_data_u8(&mut buf, t.numel())?;
-        f.write_all(&buf)?;
-    }
-    f.flush()?;
-    Ok(())
+    crate::io::write_atomic(path, |f| {
+        f.write_all(&(json.len() as u64).to_le_bytes())?;
+        f.write_all(&json)?;
+        for t in blobs {
+            let mut buf = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+            t.f_copy_data_u8(&mut buf, t.numel())?;
+            f.write_all(&buf)?;
+        }
+        Ok(())
+    })
 }
 
 /// Saves `model` as a Hugging Face directory `out` (config, one safetensors file, and the
 /// tokenizer and generation files copied from `source`, the directory it was loaded from).
+///
+/// Every file is written atomically: a failed save leaves each file whole (old or new).
 pub fn save(model: &Llama, source: &Path, out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut cfg = serde_json::to_value(&model.cfg)?;
     if let Some(o) = cfg.as_object_mut() {
         o.insert("torch_dtype".into(), torch_dtype_name(model.kind()).into());
         o.insert("dtype".into(), torch_dtype_name(model.kind()).into());
         o.insert("architectures".into(), serde_json::json!(["LlamaForCausalLM"]));
     }
-    let tmp = out.join("config.json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
-    std::fs::rename(&tmp, out.join("config.json"))?;
-    let tmp = out.join("model.safetensors.tmp");
-    write_safetensors(&weights(model), &tmp)?;
-    std::fs::rename(&tmp, out.join("model.safetensors"))?;
+    // config.json last: a directory with one is taken for a whole model.
     if source != out {
         for f in SIDE_FILES {
             let from = source.join(f);
             if from.exists() {
-                std::fs::copy(&from, out.join(f)).with_context(|| format!("copying {}", from.display()))?;
+                let bytes = std::fs::read(&from).with_context(|| format!("reading {}", from.display()))?;
+                crate::io::write_file(&out.join(f), bytes)?;
             }
         }
     }
+    write_safetensors(&weights(model), &out.join("model.safetensors"))?;
+    crate::io::write_file(&out.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
     Ok(())
 }

@@ -17,7 +17,7 @@ use crate::iterate::{self, Curation, IterateSettings};
 use crate::task::TaskSpec;
 use crate::train::{self, Baseline, Objective, TrainSettings};
 use crate::{Refusal, init, optim, sample, tokenizer};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use std::path::Path;
 use tch::Device;
 
@@ -87,13 +87,16 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
     if work.join("init").exists() && !resume {
         bail!(Refusal::EarlierDemo(work.to_path_buf()));
     }
-    std::fs::create_dir_all(work)?;
+    std::fs::create_dir_all(work).with_context(|| format!("creating {}", work.display()))?;
+    let _lock = crate::io::Lock::dir(work)?;
     let t0 = std::time::Instant::now();
     let at = Placement::f32(device);
 
     // 1. A new model.
     let init_dir = work.join("init");
-    if !init_dir.join("model.safetensors").exists() {
+    // A model is whole once its config.json is written (the last file).
+    if !init_dir.join("config.json").exists() {
+        let _ = std::fs::remove_dir_all(&init_dir); // what an interrupted init left
         init::init(&init_dir, scale.size, 0)?;
     }
     // 2. The sloppy teacher's worked solutions (deterministic: rewritten if missing).
@@ -102,9 +105,7 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
         let cfg = crate::config::LlamaConfig::load(&init_dir)?;
         let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
         let (problems, style) = task(1, scale.sft_problems).load()?;
-        let tmp = work.join("sft.jsonl.tmp");
-        sample::write_solutions(&tok, &problems, &style, &tmp, 0.6, 1)?;
-        std::fs::rename(&tmp, &sft)?;
+        sample::write_solutions(&tok, &problems, &style, &sft, 0.6, 1)?;
     }
     // The TOPR iterations' training settings; the warm-up differs where it says.
     let topr = TrainSettings {
@@ -127,7 +128,7 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
     };
     // 3. Supervised warm-up.
     let warm = work.join("warm-up");
-    if !warm.join("model.safetensors").exists() {
+    if !warm.join("config.json").exists() {
         eprintln!("[demo {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
         let o = TrainSettings {
             objective: Objective::Sft,

@@ -10,7 +10,8 @@ use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 
 /// The sampling distribution: temperature, then top-k, then top-p.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub struct SamplingParams {
     pub temperature: f64,
     pub top_p: f64,
@@ -41,7 +42,8 @@ impl SamplingParams {
 }
 
 /// How the next token is chosen.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Decoding {
     /// The most likely token.
     Greedy,
@@ -50,7 +52,8 @@ pub enum Decoding {
 }
 
 /// Generation settings: the decoding and the token budget.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub struct Sampling {
     pub decoding: Decoding,
     pub max_new_tokens: i64,

@@ -123,17 +123,22 @@ pub fn init_with_vocab(out: &Path, size: Size, vocab: i64, seed: i64) -> Result<
     let text = serde_json::to_string(&tok)?;
     text.parse::<tokenizers::Tokenizer>().map_err(|e| anyhow!("building the byte-level tokenizer: {e}"))?;
     let cfg = config(&size, vocab)?;
-    std::fs::create_dir_all(out)?;
-    std::fs::write(out.join("tokenizer.json"), text)?;
-    std::fs::write(
-        out.join("tokenizer_config.json"),
+    if crate::io::holds_model(out) {
+        bail!("{} holds a model already: choose another output directory, or remove it", out.display());
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let _lock = crate::io::Lock::dir(out)?;
+    let write = |p: &Path, t: String| crate::io::write_file(p, t);
+    write(&out.join("tokenizer.json"), text)?;
+    write(
+        &out.join("tokenizer_config.json"),
         serde_json::to_string_pretty(
             &json!({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}),
         )?,
     )?;
-    std::fs::write(out.join("chat_template.jinja"), CHAT_TEMPLATE)?;
-    std::fs::write(
-        out.join("generation_config.json"),
+    write(&out.join("chat_template.jinja"), CHAT_TEMPLATE.to_string())?;
+    write(
+        &out.join("generation_config.json"),
         serde_json::to_string_pretty(&json!({"bos_token_id": bos, "eos_token_id": eos}))?,
     )?;
     let model = Llama::new(cfg, Device::Cpu, Kind::Float)?;

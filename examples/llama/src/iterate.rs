@@ -7,17 +7,20 @@ use crate::Refusal;
 use crate::checkpoint::{self, Placement};
 use crate::eval::{self, EvalSettings, PromptStyle};
 use crate::generate::{Decoding, Sampling};
+use crate::identity::ModelId;
+use crate::io::{Append, Lock};
 use crate::metrics::IterationRecord;
 use crate::sample::{self, Sample};
 use crate::task::{self, Source, TaskSpec};
 use crate::train::{self, TrainSettings};
 use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Which samples of a data set are trained on.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Curation {
     All,
     /// Every negative, and one positive per question (as in the paper's curated runs).
@@ -37,7 +40,12 @@ impl Curation {
 }
 
 /// The settings of the loop.
-#[derive(Debug, Clone)]
+///
+/// Serialised, they are recorded in `work/settings.json` and in every row of
+/// `iterations.jsonl`; a resumed loop must match them field for field, but for `iterations`
+/// (which may grow or shrink) and the training's `resume` and `save_every`. `work` is not
+/// recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IterateSettings {
     /// The training problems (sampled each iteration) and their prompts.
     pub task: TaskSpec,
@@ -47,6 +55,7 @@ pub struct IterateSettings {
     /// How μ samples (and the token budget of the greedy evaluation).
     pub sampling: Sampling,
     /// One folder per iteration, and `iterations.jsonl`.
+    #[serde(skip)]
     pub work: PathBuf,
     pub iterations: usize,
     pub samples_per_prompt: usize,
@@ -89,7 +98,6 @@ impl Loop<'_> {
             return Ok(s);
         }
         let (m, tok) = checkpoint::open(dir, self.at)?;
-        let mut file = std::io::BufWriter::new(std::fs::File::create(out.with_extension("questions.jsonl"))?);
         let settings = EvalSettings {
             max_new_tokens: self.s.sampling.max_new_tokens,
             samples: 0,
@@ -99,9 +107,10 @@ impl Loop<'_> {
             },
             batch_size: self.s.eval_batch_size,
         };
-        let s = eval::evaluate(&m, &tok, &self.held_out, &self.style, &settings, Some(&mut file))?;
-        file.flush()?;
-        std::fs::write(out, serde_json::to_string(&s)?)?;
+        let s = crate::io::write_atomic(&out.with_extension("questions.jsonl"), |w| {
+            eval::evaluate(&m, &tok, &self.held_out, &self.style, &settings, Some(w))
+        })?;
+        crate::io::write_file(out, serde_json::to_string(&s)?)?;
         Ok(s)
     }
 
@@ -118,17 +127,13 @@ impl Loop<'_> {
         let s = self.s;
         let (m, tok) = checkpoint::open(mu_dir, self.at)?;
         let seed = (s.train.seed as i64).wrapping_add(1_000 * i as i64);
-        sample::sample_dataset(
-            &m,
-            &tok,
-            &self.problems,
-            &self.style,
-            s.samples_per_prompt,
-            &s.sampling,
+        let sampling = sample::SampleSettings {
+            samples_per_prompt: s.samples_per_prompt,
+            sampling: s.sampling,
             seed,
-            s.batch_prompts,
-            &data,
-        )?;
+            batch_prompts: s.batch_prompts,
+        };
+        sample::sample_dataset(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &data)?;
         let samples = train::load_data(
             &data,
             m.cfg.max_position_embeddings as usize,
@@ -136,35 +141,106 @@ impl Loop<'_> {
             s.train.skip_bad_records,
         )?;
         let samples = s.curate.apply(samples);
-        let summary = train::run(&m, &samples, &s.train, dir)?;
+        let record = train::RunRecord::new(mu_dir, &data, &samples, &s.train)?;
+        let summary = train::run(&m, &samples, &s.train, &record, dir)?;
         checkpoint::save(&m, mu_dir, model_dir)?;
         train::finish(dir);
-        std::fs::write(&done, serde_json::to_string(&summary)?)?;
+        crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
         Ok(summary)
+    }
+}
+
+/// What a loop was started from and with, recorded in `work/settings.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IterateRun {
+    /// The initial model.
+    pub model: ModelId,
+    /// The settings, as fields of the record (`iterations`, `train.lr`, ...).
+    #[serde(flatten)]
+    pub settings: IterateSettings,
+}
+
+/// Fields of [`IterateRun`] a resumed loop may change.
+const MAY_CHANGE: [&str; 1] = ["iterations"];
+
+/// Refuses to continue the loop in `work` with other inputs or settings than it was started
+/// with (listing what differs), or one whose record is missing; records `run` in a new loop.
+fn check_run(work: &Path, started: bool, run: &IterateRun) -> Result<()> {
+    let file = work.join("settings.json");
+    if !started {
+        return crate::io::write_file(&file, serde_json::to_string_pretty(run)?);
+    }
+    let text = std::fs::read_to_string(&file).with_context(|| {
+        format!(
+            "{} holds an earlier run without the record of its settings ({} cannot be read; an older version wrote it), so resuming it cannot be checked: choose another work directory",
+            work.display(),
+            file.display()
+        )
+    })?;
+    let saved: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+    let differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &MAY_CHANGE);
+    if !differences.is_empty() {
+        bail!(Refusal::ChangedSettings { dir: work.to_path_buf(), differences, run: crate::Resumable::Iterations });
+    }
+    Ok(())
+}
+
+/// `iterations.jsonl`: the rows already there are kept as they are (a resumed loop with fewer
+/// iterations does not drop later ones); a row is appended, checked and flushed, when its
+/// iteration is evaluated.
+struct Table {
+    rows: Vec<IterationRecord>,
+    file: Append,
+}
+
+impl Table {
+    fn open(path: &Path) -> Result<Self> {
+        let rows = if path.exists() { crate::metrics::read_jsonl(path)? } else { vec![] };
+        Ok(Self { rows, file: Append::open(path)? })
+    }
+
+    fn add(&mut self, row: IterationRecord) -> Result<()> {
+        if self.rows.iter().any(|r| r.iteration == row.iteration) {
+            return Ok(());
+        }
+        self.file.line(&serde_json::to_string(&row)?)?;
+        self.rows.push(row);
+        Ok(())
     }
 }
 
 /// Runs (or, with `s.train.resume`, continues) the loop from the model in `model`, loaded with
 /// `at`; writes `iterations.jsonl` and `iterations.png` to `s.work` and prints the table.
+///
+/// Refused before anything is written: a work directory that is, contains or lies inside
+/// `model`; one in use by another run (it is locked while this one runs); an earlier loop without
+/// `resume`, or one started with other settings.
 pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
+    crate::io::refuse_overlap(model, &s.work, "work directory")?;
+    // The inputs first: a bad data file or model is reported before anything is written.
+    let (problems, style) = s.task.load()?;
+    let held_out = eval_problems(s)?;
+    let run = IterateRun { model: ModelId::of(model)?, settings: s.clone() };
+    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
+    let _lock = Lock::dir(&s.work)?;
     let started = s.work.join("eval-initial.json").exists() || s.work.join("iter-1").exists();
     if started && !s.train.resume {
         bail!(Refusal::EarlierIterations(s.work.clone()));
     }
-    std::fs::create_dir_all(&s.work)?;
-    let (problems, style) = s.task.load()?;
-    let held_out = eval_problems(s)?;
+    check_run(&s.work, started, &run)?;
     let lp = Loop { at, s, problems, style, held_out };
-    let mut rows = vec![];
+    let mut table = Table::open(&s.work.join("iterations.jsonl"))?;
     let before = lp.evaluate_cached(model, &s.work.join("eval-initial.json"))?;
-    rows.push(IterationRecord {
+    table.add(IterationRecord {
         accuracy: before.pass1_greedy,
         data_positive_fraction: None,
         invalid_rate: before.invalid_rate_greedy,
         iteration: 0,
         p_tilde: None,
+        settings: Some(s.clone()),
         truncated_fraction_neg: None,
-    });
+    })?;
     eprintln!(
         "iteration 0 (initial model): held-out pass@1 {:.3}, invalid {:.3}",
         before.pass1_greedy, before.invalid_rate_greedy
@@ -172,7 +248,7 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
     let mut mu_dir = model.to_path_buf();
     for i in 1..=s.iterations {
         let dir = s.work.join(format!("iter-{i}"));
-        std::fs::create_dir_all(&dir)?;
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let model_dir = dir.join("model");
         let summary = lp.sample_and_train(i, &mu_dir, &dir, &model_dir)?;
         let e = lp.evaluate_cached(&model_dir, &dir.join("eval.json"))?;
@@ -185,28 +261,19 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
             opt(summary.p_tilde),
             opt(summary.truncated_fraction_neg)
         );
-        rows.push(IterationRecord {
+        table.add(IterationRecord {
             accuracy: e.pass1_greedy,
             data_positive_fraction: Some(summary.positive_fraction),
             invalid_rate: e.invalid_rate_greedy,
             iteration: i,
             p_tilde: summary.p_tilde,
+            settings: Some(s.clone()),
             truncated_fraction_neg: summary.truncated_fraction_neg,
-        });
+        })?;
         mu_dir = model_dir;
     }
-    write_table(&s.work.join("iterations.jsonl"), &rows)?;
     crate::plot::report("iterations", || crate::plot::plot_iterations(&s.work));
-    print_table(&rows);
-    Ok(())
-}
-
-fn write_table(path: &Path, rows: &[IterationRecord]) -> Result<()> {
-    let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
-    for r in rows {
-        writeln!(w, "{}", serde_json::to_string(r)?)?;
-    }
-    w.flush()?;
+    print_table(&table.rows);
     Ok(())
 }
 

@@ -26,6 +26,8 @@
 //! | [`metrics`] | the records of the JSONL metric files, shared by writers and readers |
 //! | [`plot`] | the PNG plots |
 //! | [`init`] | a small Llama from scratch with a byte-level tokenizer |
+//! | [`io`] | atomic and checked writes, locks, the refusal to write into an input |
+//! | [`identity`] | what a resumable run was made from, and what differs on resume |
 //! | [`demo`] | the README's demo |
 
 pub mod checkpoint;
@@ -33,7 +35,9 @@ pub mod config;
 pub mod demo;
 pub mod eval;
 pub mod generate;
+pub mod identity;
 pub mod init;
+pub mod io;
 pub mod iterate;
 pub mod metrics;
 pub mod model;
@@ -45,6 +49,17 @@ pub mod tokenizer;
 pub mod train;
 
 use std::path::PathBuf;
+
+/// What kind of run [`Refusal::ChangedSettings`] refused to continue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Resumable {
+    /// `train`'s output directory.
+    Training,
+    /// A sampled data set.
+    Sampling,
+    /// `iterate`'s work directory.
+    Iterations,
+}
 
 /// A refusal that a caller lifts by changing a setting (continuing an earlier run, or skipping
 /// bad records). Front ends can recognise it (`anyhow::Error::downcast_ref`) and name their own
@@ -67,6 +82,20 @@ pub enum Refusal {
     /// A demo work directory holds an earlier demo.
     #[error("{} holds an earlier demo: resume it, or choose another work directory", .0.display())]
     EarlierDemo(PathBuf),
+    /// A training output directory holds a finished model (not the state of an interrupted run).
+    #[error(
+        "{} holds a finished model: choose another output directory, or remove it to train again",
+        .0.display()
+    )]
+    FinishedModel(PathBuf),
+    /// A resumed run (or a sampled data set being extended) was made with other inputs or
+    /// settings; `differences` lists them, each as `field saved → now`.
+    #[error(
+        "settings differ from the saved run in {}: {} (start a new run elsewhere)",
+        dir.display(),
+        differences.join(", ")
+    )]
+    ChangedSettings { dir: PathBuf, differences: Vec<String>, run: Resumable },
     /// A data-set record longer than the model's context.
     #[error(
         "{}: record {record} ({id}) has {tokens} tokens, more than the model's context of {context} (skipping bad records skips such records)",

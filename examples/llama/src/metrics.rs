@@ -73,6 +73,10 @@ pub struct IterationRecord {
     pub invalid_rate: f64,
     pub iteration: usize,
     pub p_tilde: Option<f64>,
+    /// The settings of the run that made this row (absent in files written before they were
+    /// recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<crate::iterate::IterateSettings>,
     pub truncated_fraction_neg: Option<f64>,
 }
 

@@ -30,14 +30,11 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 /// Which optimiser, with its hyper-parameters (the learning rate comes per step).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OptimizerConfig {
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
+    #[serde(rename = "adamw")]
+    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
     Adafactor {
         beta1: Option<f64>,
         eps1: f64,

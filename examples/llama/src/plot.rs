@@ -86,9 +86,14 @@ fn drawing(e: impl std::fmt::Debug) -> anyhow::Error {
     anyhow::anyhow!("drawing a plot: {e:?}")
 }
 
-/// Draws `panels` on a grid of `cols` columns into the PNG `path`.
+/// Draws `panels` on a grid of `cols` columns into the PNG `path`, atomically (drawn into a
+/// temporary PNG beside it, renamed once whole).
 pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     font()?;
+    crate::io::replace_with(path, |tmp| draw_into(tmp, panels, cols))
+}
+
+fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     let rows = panels.len().div_ceil(cols.max(1));
     let size = (480 * cols as u32, 340 * rows as u32);
     let root = BitMapBackend::new(path, size).into_drawing_area();

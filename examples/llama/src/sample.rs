@@ -8,6 +8,7 @@
 
 use crate::eval::{PromptStyle, prompt_ids};
 use crate::generate::{self, Decoding, Sampling};
+use crate::identity::{Digest, ModelId};
 use crate::model::Llama;
 use crate::task::{self, Problem};
 use crate::tokenizer::Tokenizer;
@@ -15,7 +16,7 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The sampling settings recorded with every line.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -125,6 +126,7 @@ fn read_records(
     skip_bad: bool,
     cut: CutLine,
 ) -> Result<(Vec<(String, Sample)>, usize)> {
+    crate::io::refuse_device(path)?;
     let text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
     let text = String::from_utf8(text).map_err(|e| {
         anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())
@@ -162,23 +164,63 @@ fn read_records(
     Ok((out, skipped))
 }
 
-/// Samples `n` completions for each problem into `out` (JSONL), resuming an existing file.
-#[allow(clippy::too_many_arguments)]
+/// How a data set is sampled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleSettings {
+    /// Completions per prompt.
+    pub samples_per_prompt: usize,
+    /// A sampling distribution (greedy decoding is refused) and the token budget.
+    pub sampling: Sampling,
+    /// Each batch of prompts reseeds the generator with this plus the index of its first prompt.
+    pub seed: i64,
+    /// Prompts per generation batch (each with all its samples).
+    pub batch_prompts: usize,
+}
+
+/// What a data set was sampled from, recorded in `OUT.run.json` beside it: a rerun that would
+/// extend the file must match it field for field.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SampleRun {
+    /// μ: its directory, config hash and weight sizes.
+    pub model: ModelId,
+    /// The problems and their prompts (ids, questions, answers, prompt token ids): another task,
+    /// seed, size, data file or prompt style changes it.
+    pub prompts: Digest,
+    pub problems: usize,
+    pub samples_per_prompt: usize,
+    pub batch_prompts: usize,
+    pub sampling: SamplingRecord,
+}
+
+/// The file beside a data set `out` that records how it was sampled.
+pub fn run_file(out: &Path) -> PathBuf {
+    crate::io::with_suffix(out, ".run.json")
+}
+
+/// Samples `settings.samples_per_prompt` completions for each problem into `out` (JSONL) with
+/// the model loaded from `model_dir`, resuming an existing file sampled with the same model,
+/// problems and settings (any other is refused, listing what differs). `out` is locked
+/// (`OUT.lock`) while this runs; every write is checked, so a full disk stops it at once.
 pub fn sample_dataset(
     model: &Llama,
     tok: &Tokenizer,
+    model_dir: &Path,
     problems: &[Problem],
     style: &PromptStyle,
-    n: usize,
-    s: &Sampling,
-    seed: i64,
-    batch_prompts: usize,
+    settings: &SampleSettings,
     out: &Path,
 ) -> Result<usize> {
+    let SampleSettings { samples_per_prompt: n, sampling: s, seed, batch_prompts } = *settings;
     s.check()?;
     let Decoding::Sample(params) = s.decoding else {
         bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
     };
+    if n == 0 {
+        bail!("the number of samples per prompt must be >= 1, got 0");
+    }
+    crate::io::refuse_special(out)?;
+    crate::io::refuse_overlap(model_dir, out, "output file")?;
+    let _lock = crate::io::Lock::file(out)?;
     let record = SamplingRecord {
         temperature: params.temperature,
         top_p: params.top_p,
@@ -186,6 +228,18 @@ pub fn sample_dataset(
         max_new_tokens: s.max_new_tokens,
         seed,
     };
+    let all_prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+    let run = SampleRun {
+        model: ModelId::of(model_dir)?,
+        prompts: Digest::of_records(
+            problems.iter().zip(&all_prompts).map(|(p, ids)| (&p.id, &p.question, p.answer, ids)),
+        )?,
+        problems: problems.len(),
+        samples_per_prompt: n,
+        batch_prompts,
+        sampling: record.clone(),
+    };
+    check_run(out, &run)?;
     // Prompts are sampled in order, in batches of `batch_prompts`. What is there already is kept
     // up to the last whole batch whose prompts all have their `n` samples; the rest is redone, so
     // batches (and their seeds) are the same as in an uninterrupted run.
@@ -204,26 +258,21 @@ pub fn sample_dataset(
         let complete = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
         start = if complete == problems.len() { complete } else { complete - complete % batch_prompts };
         let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
-        let tmp = out.with_extension("jsonl.tmp");
-        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-        for (line, smp) in &existing {
-            if keep.contains(smp.id.as_str()) {
-                writeln!(w, "{line}")?;
+        crate::io::write_atomic(out, |w| {
+            for (line, smp) in &existing {
+                if keep.contains(smp.id.as_str()) {
+                    writeln!(w, "{line}")?;
+                }
             }
-        }
-        w.flush()?;
-        std::fs::rename(&tmp, out)?;
+            Ok(())
+        })?;
     }
     if start == problems.len() {
         eprintln!("{}: all {} prompts already sampled", out.display(), problems.len());
         return Ok(0);
     }
     let todo: Vec<(usize, &Problem)> = problems.iter().enumerate().skip(start).collect();
-    let mut w = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(out)
-        .with_context(|| format!("opening {}", out.display()))?;
+    let mut w = crate::io::Append::open(out)?;
     let pb = indicatif::ProgressBar::new((problems.len() * n) as u64);
     pb.set_style(
         indicatif::ProgressStyle::with_template("sample [{bar:30}] {pos}/{len} completions {per_sec} ETA {eta}")
@@ -234,10 +283,11 @@ pub fn sample_dataset(
     for chunk in todo.chunks(batch_prompts) {
         // Seeded by the position of its first problem: a resumed run reseeds as the original did.
         tch::manual_seed(seed.wrapping_add(chunk[0].0 as i64));
-        let prompts: Vec<Vec<i64>> = chunk.iter().map(|(_, p)| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+        let prompts: Vec<&Vec<i64>> = chunk.iter().map(|(i, _)| &all_prompts[*i]).collect();
         let rows: Vec<(usize, usize)> = (0..chunk.len()).flat_map(|i| (0..n).map(move |k| (i, k))).collect();
         let ids: Vec<Vec<i64>> = rows.iter().map(|(i, _)| prompts[*i].clone()).collect();
-        let completions = generate::generate(model, &ids, s, &tok.eos_ids, tok.pad_id)?;
+        // One batch is buffered (bounded), then written and flushed: a failed write stops here.
+        let completions = generate::generate(model, &ids, &s, &tok.eos_ids, tok.pad_id)?;
         let mut buf = String::new();
         for ((i, k), c) in rows.iter().zip(completions) {
             let p = chunk[*i].1;
@@ -267,12 +317,42 @@ pub fn sample_dataset(
             buf.push('\n');
             written += 1;
         }
-        w.write_all(buf.as_bytes())?;
-        w.flush()?;
+        w.write(buf.as_bytes())?;
         pb.inc(rows.len() as u64);
     }
     pb.finish_and_clear();
     Ok(written)
+}
+
+/// Refuses to extend `out` when it was sampled otherwise than `run` (or its record is missing);
+/// records `run` beside a new (or empty) `out`.
+fn check_run(out: &Path, run: &SampleRun) -> Result<()> {
+    let file = run_file(out);
+    let started = std::fs::metadata(out).is_ok_and(|m| m.len() > 0);
+    if started {
+        let text = std::fs::read_to_string(&file).with_context(|| {
+            format!(
+                "{} exists, and {} that records how it was sampled cannot be read (an older version, or another command, wrote it): use a new output file",
+                out.display(),
+                file.display()
+            )
+        })?;
+        let saved: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+        let mut differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &[]);
+        if differences.iter().any(|d| d.starts_with("prompts.")) {
+            differences.push("(the problems or their prompts differ: another task, task seed, size, data file, prompt style or tokenizer)".into());
+        }
+        if !differences.is_empty() {
+            bail!(crate::Refusal::ChangedSettings {
+                dir: out.to_path_buf(),
+                differences,
+                run: crate::Resumable::Sampling
+            });
+        }
+        return Ok(());
+    }
+    crate::io::write_file(&file, serde_json::to_string_pretty(run)?)
 }
 
 /// Writes the worked solutions of `problems` as a data set in the same format, for supervised
@@ -294,11 +374,21 @@ pub fn write_solutions(
     if !(0.0..=1.0).contains(&slip_rate) {
         bail!("the slip rate must lie in [0, 1], got {slip_rate}");
     }
+    crate::io::write_atomic(out, |w| write_solution_lines(w, tok, problems, style, slip_rate, seed))?;
+    Ok(problems.len())
+}
+
+fn write_solution_lines(
+    w: &mut impl Write,
+    tok: &Tokenizer,
+    problems: &[Problem],
+    style: &PromptStyle,
+    slip_rate: f64,
+    seed: u64,
+) -> Result<()> {
     let mut rng = task::Rng::new(seed.wrapping_add(0x5EED));
     let eos = *tok.eos_ids.first().context("the tokenizer has no EOS id")?;
     let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
-    let mut w =
-        std::io::BufWriter::new(std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?);
     for p in problems {
         let slip = slip_rate > 0.0 && rng.uniform() < slip_rate;
         let text = match slip {
@@ -330,6 +420,5 @@ pub fn write_solutions(
         };
         writeln!(w, "{}", serde_json::to_string(&smp)?)?;
     }
-    w.flush()?;
-    Ok(problems.len())
+    Ok(())
 }

@@ -107,6 +107,7 @@ struct Gsm8kLine {
 /// A malformed line is an error naming the file and line, unless `skip_bad` is set: then it is
 /// skipped and counted in the second return value.
 pub fn load_gsm8k(path: &Path, skip_bad: bool) -> Result<(Vec<Problem>, usize)> {
+    crate::io::refuse_device(path)?;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut problems = vec![];
     let mut skipped = 0;
@@ -254,7 +255,8 @@ pub fn synthetic_problems(seed: u64, n: usize, difficulty: usize) -> Vec<Problem
 }
 
 /// Where a task's problems come from.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Source {
     /// A GSM8K JSONL file (the public release's layout).
     Gsm8k(PathBuf),
@@ -263,7 +265,8 @@ pub enum Source {
 }
 
 /// How problems become prompts.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Prompting {
     /// The model's chat template.
     Chat,
@@ -273,7 +276,8 @@ pub enum Prompting {
 }
 
 /// A task: its problems and how they are prompted.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub struct TaskSpec {
     pub source: Source,
     /// The seed of the synthetic problems, and of the worked examples and held-out problems

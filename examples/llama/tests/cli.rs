@@ -572,3 +572,318 @@ fn bad_models_are_refused_naming_file_and_field() {
     std::fs::write(m.join("generation_config.json"), r#"{"eos_token_id": 70000}"#).unwrap();
     refused(&["generate", "--model", s(&m), "--prompt", "hi"], &["generation_config.json", "eos_token_id 70000"]);
 }
+
+/// Runs `llama args`, returning (success, stderr).
+fn attempt(args: &[&str]) -> (bool, String) {
+    let out = Command::new(llama()).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// `args` and `extra` as one argument list.
+fn with(args: &[&str], extra: &[&str]) -> Vec<String> {
+    args.iter().chain(extra).map(|x| x.to_string()).collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// This machine's host name as the lock files record it.
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default()
+}
+
+/// A lock file naming `pid` as its holder.
+fn lock_for(path: &Path, pid: u32) {
+    let holder = serde_json::json!({"pid": pid, "host": host(), "command": "llama train --out elsewhere"});
+    std::fs::write(path, holder.to_string()).unwrap();
+}
+
+/// The pid of a process that has exited (and been waited for).
+fn gone_pid() -> u32 {
+    let mut child = Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+/// Outputs are written whole or not at all: a write that fails leaves no destination file and
+/// ends the command with one line naming the path; outputs that are not regular files (devices)
+/// are refused before anything runs, so `sample --out /dev/full` stops at once.
+#[test]
+fn failed_writes_leave_no_file_and_name_the_path() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_writes", "1");
+    let task = ["--task", "synthetic", "--synthetic-n", "2", "--max-new-tokens", "2"];
+    refused(
+        &with(&["sample", "--model", s(&m0), "--out", "/dev/full"], &task)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+        &["/dev/full", "not a regular file"],
+    );
+    refused(
+        &strs(&with(&["eval", "--model", s(&m0), "--out", "/dev/full"], &task)),
+        &["/dev/full", "not a regular file"],
+    );
+    refused(&["sft-data", "--model", s(&m0), "--out", "/dev/null"], &["/dev/null", "not a regular file"]);
+    // Nor is a device read as a data file (it would be read without end).
+    let x = dir.join("x");
+    refused(&["train", "--model", s(&m0), "--data", "/dev/zero", "--out", s(&x)], &["/dev/zero", "device"]);
+
+    // A write that fails half-way (the file size limit, which binds root too: `ulimit -f`, with
+    // SIGXFSZ ignored so that the write returns EFBIG instead of killing the process).
+    let limited = |args: &[&str]| -> (bool, String) {
+        let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+        let script = format!("trap '' XFSZ; ulimit -f 4; exec '{}' {}", llama().display(), quoted.join(" "));
+        let out = Command::new("sh").arg("-c").arg(script).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let full = dir.join("full");
+    std::fs::create_dir_all(&full).unwrap();
+    let q = full.join("q.jsonl");
+    let many = ["--synthetic-n", "40", "--max-new-tokens", "4"];
+    let (ok, err) = limited(&strs(&with(&["eval", "--model", s(&m0), "--out", s(&q)], &many)));
+    let last = err.lines().last().unwrap_or_default();
+    assert!(!ok && last.starts_with("error: writing ") && last.contains(s(&q)), "{err}");
+    assert_eq!(std::fs::read_dir(&full).unwrap().count(), 0, "a failed eval --out left a file behind");
+    // sample stops at the first failed write, naming its file (what was written is kept: it
+    // resumes).
+    let d = full.join("d.jsonl");
+    let (ok, err) = limited(&strs(&with(&["sample", "--model", s(&m0), "--out", s(&d)], &many)));
+    let last = err.lines().last().unwrap_or_default();
+    assert!(!ok && last.starts_with("error: writing ") && last.contains(s(&d)), "{err}");
+    assert!(std::fs::metadata(&d).unwrap().len() <= 4096 && !full.join("d.jsonl.lock").exists());
+
+    let ro = dir.join("read-only");
+    std::fs::create_dir_all(&ro).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if std::fs::File::create(ro.join("probe")).is_ok() {
+        eprintln!("skipped: this user (root?) writes into a read-only directory");
+        return;
+    }
+    let sft = ro.join("sft.jsonl");
+    refused(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--synthetic-n", "2"], &[s(&sft)]);
+    let q = ro.join("questions.jsonl");
+    refused(&strs(&with(&["eval", "--model", s(&m0), "--out", s(&q)], &task)), &[s(&q)]);
+    refused(&["init", "--out", s(&ro.join("m"))], &[s(&ro.join("m"))]);
+    assert_eq!(std::fs::read_dir(&ro).unwrap().count(), 0, "a failed write left a file behind");
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    // A successful eval --out writes the whole file and leaves no lock or temporary file.
+    let ok = dir.join("ok");
+    std::fs::create_dir_all(&ok).unwrap();
+    run(&strs(&with(&["eval", "--model", s(&m0), "--out", s(&ok.join("q.jsonl"))], &task)));
+    let names: Vec<String> =
+        std::fs::read_dir(&ok).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["q.jsonl"]);
+    assert_eq!(std::fs::read_to_string(ok.join("q.jsonl")).unwrap().lines().count(), 2);
+}
+
+/// No command writes into its own input model: an output that is the model directory, lies
+/// inside it or contains it is refused before anything is written; `train` refuses an output
+/// directory holding a finished model, `init` and `convert` one holding any model.
+#[test]
+fn a_run_never_writes_into_its_own_model() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_own_model", "1");
+    let sft = dir.join("sft.jsonl");
+    run(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--synthetic-n", "4"]);
+    let before = std::fs::read(m0.join("model.safetensors")).unwrap();
+    let train = |out: &Path| -> Vec<String> {
+        with(
+            &["train", "--model", s(&m0), "--data", s(&sft), "--objective", "sft", "--batch-size", "4"],
+            &["--out", s(out)],
+        )
+    };
+    let inside = m0.join("sub");
+    let same = dir.join("x/../m0");
+    for out in [&m0, &inside, &dir, &same] {
+        refused(&strs(&train(out)), &["input model directory"]);
+    }
+    assert!(!inside.exists());
+    let task = ["--synthetic-n", "2", "--max-new-tokens", "2"];
+    refused(
+        &strs(&with(&["iterate", "--model", s(&m0), "--work", s(&m0.join("w"))], &task)),
+        &["input model directory"],
+    );
+    refused(
+        &strs(&with(&["sample", "--model", s(&m0), "--out", s(&m0.join("d.jsonl"))], &task)),
+        &["input model directory"],
+    );
+    refused(
+        &strs(&with(&["eval", "--model", s(&m0), "--out", s(&m0.join("q.jsonl"))], &task)),
+        &["input model directory"],
+    );
+    refused(&["sft-data", "--model", s(&m0), "--out", s(&m0.join("sft.jsonl"))], &["input model directory"]);
+    refused(&["convert", "--model", s(&m0), "--out", s(&m0)], &["input model directory"]);
+    refused(&["init", "--out", s(&m0)], &["holds a model already"]);
+    assert_eq!(std::fs::read(m0.join("model.safetensors")).unwrap(), before, "the input model changed");
+
+    // A finished model is not overwritten, with or without --resume; no lock is left behind.
+    let m1 = dir.join("m1");
+    run(&strs(&train(&m1)));
+    let trained = std::fs::read(m1.join("model.safetensors")).unwrap();
+    refused(&strs(&train(&m1)), &["holds a finished model", "another --out"]);
+    refused(&strs(&with(&strs(&train(&m1)), &["--resume"])), &["holds a finished model"]);
+    refused(&["convert", "--model", s(&m0), "--out", s(&m1)], &["holds a model already"]);
+    assert_eq!(std::fs::read(m1.join("model.safetensors")).unwrap(), trained);
+    assert!(!m1.join("LOCK").exists(), "the lock outlived the refused run");
+}
+
+/// A directory in use is locked: a second run on it is refused naming the holder's pid and
+/// command; a lock whose process has exited is taken over with a note.
+#[test]
+fn locked_outputs_refuse_a_second_run_and_stale_locks_are_taken_over() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_locks", "1");
+    let sft = dir.join("sft.jsonl");
+    run(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--synthetic-n", "4"]);
+    let me = std::process::id();
+    let pid = format!("process {me}");
+
+    let out = dir.join("m1");
+    std::fs::create_dir_all(&out).unwrap();
+    lock_for(&out.join("LOCK"), me);
+    let train =
+        ["train", "--model", s(&m0), "--data", s(&sft), "--out", s(&out), "--objective", "sft", "--batch-size", "4"];
+    refused(&train, &[&pid, "llama train --out elsewhere"]);
+    assert!(!out.join("model.safetensors").exists());
+    // The holder exited: its lock is taken over, and removed at the end of the run.
+    lock_for(&out.join("LOCK"), gone_pid());
+    let (ok, err) = attempt(&train);
+    assert!(ok && err.contains("taking over"), "{err}");
+    assert!(out.join("model.safetensors").exists() && !out.join("LOCK").exists());
+
+    let task = ["--synthetic-n", "2", "--max-new-tokens", "2"];
+    let data = dir.join("d.jsonl");
+    lock_for(&dir.join("d.jsonl.lock"), me);
+    refused(&strs(&with(&["sample", "--model", s(&m0), "--out", s(&data)], &task)), &[&pid]);
+    assert!(!data.exists());
+    let q = dir.join("q.jsonl");
+    lock_for(&dir.join("q.jsonl.lock"), me);
+    refused(&strs(&with(&["eval", "--model", s(&m0), "--out", s(&q)], &task)), &[&pid]);
+    let work = dir.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    lock_for(&work.join("LOCK"), me);
+    refused(&strs(&with(&["iterate", "--model", s(&m0), "--work", s(&work)], &task)), &[&pid]);
+    let demo = dir.join("demo");
+    std::fs::create_dir_all(&demo).unwrap();
+    lock_for(&demo.join("LOCK"), me);
+    refused(&["demo", "--quick", "--work", s(&demo)], &[&pid]);
+}
+
+/// `sample` extends an existing data set only with the same model, task and settings: another
+/// task is refused, naming what differs, and the file is left as it was.
+#[test]
+fn sampling_more_into_a_data_set_of_another_task_is_refused() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_sample_resume", "1");
+    let data = dir.join("d.jsonl");
+    let sample = |extra: &[&str]| {
+        with(
+            &["sample", "--model", s(&m0), "--out", s(&data), "--samples-per-prompt", "1", "--max-new-tokens", "2"],
+            extra,
+        )
+    };
+    run(&strs(&sample(&["--synthetic-n", "2"])));
+    let before = std::fs::read_to_string(&data).unwrap();
+    refused(&strs(&sample(&["--synthetic-n", "2", "--task-seed", "2"])), &["d.jsonl", "prompts.hash", "another --out"]);
+    refused(&strs(&sample(&["--synthetic-n", "3"])), &["problems 2 → 3"]);
+    refused(&strs(&sample(&["--synthetic-n", "2", "--temperature", "0.5"])), &["sampling.temperature 1.0 → 0.5"]);
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), before);
+    assert!(!dir.join("d.jsonl.lock").exists());
+    // The same settings: nothing to add.
+    run(&strs(&sample(&["--synthetic-n", "2"])));
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), before);
+}
+
+/// A killed training run resumed with another setting is refused, listing each difference; the
+/// state is kept, so the run still resumes with its own settings.
+#[test]
+fn a_training_run_resumed_with_other_settings_is_refused_listing_them() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_train_resume", "1");
+    let sft = dir.join("sft.jsonl");
+    run(&["sft-data", "--model", s(&m0), "--out", s(&sft), "--synthetic-n", "20"]);
+    let out = dir.join("m1");
+    let train = |extra: &[&str]| {
+        with(
+            &["train", "--model", s(&m0), "--data", s(&sft), "--out", s(&out)],
+            &[&["--batch-size", "2", "--micro-batch-size", "1", "--epochs", "30"], extra].concat(),
+        )
+    };
+    #[allow(clippy::zombie_processes)] // killed and waited for below, also on failure
+    let mut child = Command::new(llama())
+        .args(train(&["--lr", "1e-3", "--objective", "sft"]))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !out.join("state/progress.json").exists() && start.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let _ = child.kill();
+    child.wait().unwrap();
+    assert!(out.join("state").exists() && !out.join("model.safetensors").exists(), "killed too late");
+    refused(
+        &strs(&train(&["--lr", "2e-3", "--resume", "--objective", "sft"])),
+        &["--resume: settings differ", "lr 1e-3 → 2e-3", "another --out"],
+    );
+    refused(
+        &strs(&train(&["--lr", "1e-3", "--resume", "--objective", "tis", "--train-seed", "3"])),
+        &["objective sft → tis", "seed 0 → 3"],
+    );
+    let other = dir.join("other.jsonl");
+    let text = std::fs::read_to_string(&sft).unwrap();
+    std::fs::write(&other, text.lines().skip(1).collect::<Vec<_>>().join("\n") + "\n").unwrap();
+    let mut a = train(&["--lr", "1e-3", "--resume", "--objective", "sft"]);
+    a[4] = s(&other).to_string();
+    refused(&strs(&a), &["data.path", "records.hash"]);
+    assert!(out.join("state").exists(), "a refused resume removed the state");
+}
+
+/// `iterate --resume` refuses another objective, naming it; a smaller `--iterations` keeps the
+/// rows of later iterations in iterations.jsonl, which carries each row's settings.
+#[test]
+fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_iterate_resume", "1");
+    let work = dir.join("work");
+    let iterate = |extra: &[&str]| {
+        with(
+            &[
+                "iterate",
+                "--model",
+                s(&m0),
+                "--work",
+                s(&work),
+                "--synthetic-n",
+                "4",
+                "--difficulty",
+                "1",
+                "--samples-per-prompt",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--batch-size",
+                "8",
+                "--eval-n",
+                "2",
+            ],
+            extra,
+        )
+    };
+    run(&strs(&iterate(&["--iterations", "2"])));
+    let rows = std::fs::read_to_string(work.join("iterations.jsonl")).unwrap();
+    assert_eq!(rows.lines().count(), 3, "{rows}");
+    for line in rows.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(v["settings"]["train"]["objective"], "topr", "{v}");
+        assert_eq!(v["settings"]["iterations"], 2, "{v}");
+    }
+    let table = run(&strs(&iterate(&["--iterations", "1", "--resume"])));
+    assert_eq!(std::fs::read_to_string(work.join("iterations.jsonl")).unwrap(), rows, "rows were rewritten");
+    assert_eq!(table.lines().count(), 4, "the table shows every row of the run:\n{table}");
+    refused(
+        &strs(&iterate(&["--iterations", "2", "--resume", "--objective", "tis"])),
+        &["train.objective topr → tis", "another --work"],
+    );
+    refused(&strs(&iterate(&["--iterations", "2", "--resume", "--task-seed", "5"])), &["task.seed 1 → 5"]);
+    assert!(!work.join("LOCK").exists());
+}

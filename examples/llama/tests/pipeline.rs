@@ -28,24 +28,33 @@ fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
     let params = SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 50 };
     let s = generate::Sampling::sample(params, 10);
     let style = eval::PromptStyle::Chat;
-    let full = dir.join("full.jsonl");
-    let n = sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &full).unwrap();
+    // Outputs never go into the model's own directory.
+    let data = dir.with_extension("data");
+    let _ = std::fs::remove_dir_all(&data);
+    std::fs::create_dir_all(&data).unwrap();
+    let full = data.join("full.jsonl");
+    let settings = |sampling| sample::SampleSettings { samples_per_prompt: 3, sampling, seed: 42, batch_prompts: 2 };
+    let n = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &full).unwrap();
     assert_eq!(n, 21);
-    // A run killed during its third batch: the first two batches are written, the third cut short.
-    let killed = dir.join("killed.jsonl");
-    sample::sample_dataset(&m, &tok, &problems[..4], &style, 3, &s, 42, 2, &killed).unwrap();
+    // A run killed during its third batch: the first two batches are written, the third cut short
+    // (the record of how it was sampled is written before the first line).
+    let killed = data.join("killed.jsonl");
     let text = std::fs::read_to_string(&full).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let partial = format!("{}\n{}\n{}", lines[..12].join("\n"), lines[12], &lines[13][..20]);
     std::fs::write(&killed, partial).unwrap();
-    let n2 = sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &killed).unwrap();
+    std::fs::copy(sample::run_file(&full), sample::run_file(&killed)).unwrap();
+    let n2 = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &killed).unwrap();
     assert_eq!(n2, 9, "the incomplete batch is redone, nothing before it");
     assert_eq!(std::fs::read_to_string(&killed).unwrap(), text, "same seed, same data set");
     // A complete file is never regenerated.
-    assert_eq!(sample::sample_dataset(&m, &tok, &problems, &style, 3, &s, 42, 2, &full).unwrap(), 0);
-    // Other settings on an existing file are refused.
+    assert_eq!(sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &full).unwrap(), 0);
+    // Other settings or other problems on an existing file are refused, naming what differs.
     let other = generate::Sampling::sample(SamplingParams { temperature: 0.7, ..params }, 10);
-    assert!(sample::sample_dataset(&m, &tok, &problems, &style, 3, &other, 42, 2, &full).is_err());
+    let err = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(other), &full).unwrap_err();
+    assert!(err.to_string().contains("sampling.temperature 1.0 → 0.7"), "{err}");
+    let err = sample::sample_dataset(&m, &tok, &dir, &problems[1..], &style, &settings(s), &full).unwrap_err();
+    assert!(err.to_string().contains("problems 7 → 6") && err.to_string().contains("prompts.hash"), "{err}");
 
     // Every record is consistent: μ's sequence log-prob is the sum of its token log-probs, the
     // token log-probs are those the model assigns (teacher-forced), rewards match correctness.
@@ -107,8 +116,11 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
     let (m, tok, dir) = setup("pipeline_accumulate");
     let problems = task::synthetic_problems(13, 3, 1);
     let s = generate::Sampling::sample(SamplingParams::default(), 9);
-    let path = dir.join("data.jsonl");
-    sample::sample_dataset(&m, &tok, &problems, &eval::PromptStyle::Chat, 2, &s, 3, 3, &path).unwrap();
+    let path = dir.with_extension("data.jsonl");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(sample::run_file(&path));
+    let settings = sample::SampleSettings { samples_per_prompt: 2, sampling: s, seed: 3, batch_prompts: 3 };
+    sample::sample_dataset(&m, &tok, &dir, &problems, &eval::PromptStyle::Chat, &settings, &path).unwrap();
     let (mut data, _) = sample::read_dataset(&path, false).unwrap();
     // Mixed rewards and lengths, so that every branch and the padding are exercised.
     for (i, d) in data.iter_mut().enumerate() {

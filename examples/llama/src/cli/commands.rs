@@ -7,7 +7,7 @@ use std::path::Path;
 use topr_llama::eval::{self, EvalSettings};
 use topr_llama::model::Llama;
 use topr_llama::tokenizer::Tokenizer;
-use topr_llama::{checkpoint, config, generate, init as new_model, plot, sample as sampling, train as training};
+use topr_llama::{checkpoint, config, generate, init as new_model, io, plot, sample as sampling, train as training};
 
 /// The model and tokenizer of `--model`, on `--device` in `--dtype`.
 pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {
@@ -42,21 +42,27 @@ pub fn eval(
     seed: i64,
     out: Option<&Path>,
 ) -> Result<()> {
+    // Everything that can be refused is, before the model is loaded.
     let spec = task.spec()?;
-    let (m, tok) = load(model)?;
     let (problems, style) = spec.load()?;
-    tch::manual_seed(seed);
     sampling.sampling().check()?;
-    let settings =
-        EvalSettings { max_new_tokens: sampling.max_new_tokens, samples, sampling: sampling.params(), batch_size };
-    let mut file = match out {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
+    let _lock = match out {
+        Some(p) => {
+            io::refuse_special(p)?;
+            io::refuse_overlap(&model.model, p, "output file")?;
+            Some(io::Lock::file(p)?)
+        }
         None => None,
     };
-    let sink = file.as_mut().map(|f| f as &mut dyn std::io::Write);
-    let s = eval::evaluate(&m, &tok, &problems, &style, &settings, sink)?;
+    let (m, tok) = load(model)?;
+    tch::manual_seed(seed);
+    let settings =
+        EvalSettings { max_new_tokens: sampling.max_new_tokens, samples, sampling: sampling.params(), batch_size };
+    // The per-question file appears (whole) only once the evaluation has finished.
+    let s = match out {
+        Some(p) => io::write_atomic(p, |w| eval::evaluate(&m, &tok, &problems, &style, &settings, Some(w)))?,
+        None => eval::evaluate(&m, &tok, &problems, &style, &settings, None)?,
+    };
     println!("{}", serde_json::to_string(&s)?);
     Ok(())
 }
@@ -71,10 +77,14 @@ pub fn sample(
     seed: i64,
 ) -> Result<()> {
     let spec = task.spec()?;
-    let (m, tok) = load(model)?;
     let (problems, style) = spec.load()?;
     let s = sampling.sampling();
-    let n = sampling::sample_dataset(&m, &tok, &problems, &style, samples_per_prompt, &s, seed, batch_prompts, out)?;
+    s.check()?;
+    io::refuse_special(out)?;
+    io::refuse_overlap(&model.model, out, "output file")?;
+    let (m, tok) = load(model)?;
+    let settings = sampling::SampleSettings { samples_per_prompt, sampling: s, seed, batch_prompts };
+    let n = sampling::sample_dataset(&m, &tok, &model.model, &problems, &style, &settings, out)?;
     let (all, _) = sampling::read_dataset(out, false)?;
     let correct = all.iter().filter(|x| x.correct).count();
     let invalid = all.iter().filter(|x| x.invalid).count();
@@ -105,6 +115,7 @@ pub fn init(out: &Path, size: &SizeArgs, vocab_size: Option<i64>, seed: i64) -> 
 
 pub fn sft_data(model: &ModelArgs, task: &TaskArgs, out: &Path, slip_rate: f64) -> Result<()> {
     let spec = task.spec()?;
+    io::refuse_overlap(&model.model, out, "output file")?;
     let cfg = config::LlamaConfig::load(&model.model)?;
     let tok = Tokenizer::load(&model.model, &cfg)?;
     let (problems, style) = spec.load()?;
@@ -126,7 +137,13 @@ pub fn plot(dir: &Path) -> Result<()> {
 }
 
 pub fn convert(model: &ModelArgs, out: &Path) -> Result<()> {
+    io::refuse_overlap(&model.model, out, "output directory")?;
+    if io::holds_model(out) {
+        bail!("{} holds a model already: choose another --out, or remove it", out.display());
+    }
     let (m, _) = load(model)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let _lock = io::Lock::dir(out)?;
     checkpoint::save(&m, &model.model, out)?;
     eprintln!("saved {}", out.display());
     Ok(())

@@ -339,6 +339,17 @@ fn refusal(r: &Refusal) -> String {
         Refusal::EarlierDemo(work) => {
             format!("{} holds an earlier demo: pass --resume to continue it, or choose another --work", work.display())
         }
+        Refusal::FinishedModel(out) => {
+            format!("{} holds a finished model: choose another --out, or remove it to train again", out.display())
+        }
+        Refusal::ChangedSettings { dir, differences, run } => {
+            let (what, remedy) = match run {
+                topr_llama::Resumable::Training => ("--resume: settings differ from the saved run in", "--out"),
+                topr_llama::Resumable::Sampling => ("settings differ from those that sampled", "--out"),
+                topr_llama::Resumable::Iterations => ("--resume: settings differ from the saved run in", "--work"),
+            };
+            format!("{what} {}: {} (use another {remedy} to start a new run)", dir.display(), differences.join(", "))
+        }
         Refusal::RecordTooLong { path, record, id, tokens, context } => format!(
             "{}: record {record} ({id}) has {tokens} tokens, more than the model's context of {context} (--skip-bad-records skips such records)",
             path.display()

@@ -24,6 +24,7 @@ pub use objective::{Baseline, Loss, Objective, Unit, p_tilde, resolve_baseline, 
 
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
+use crate::identity::{Digest, FileId, ModelId};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::{Optimizer, OptimizerConfig};
@@ -35,11 +36,16 @@ use std::path::Path;
 use tch::Tensor;
 
 /// Everything [`run`] needs besides the model and the data.
-#[derive(Debug, Clone)]
+///
+/// Serialised, it is the record of a run's settings that a resumed run must match (see
+/// [`crate::identity`]): every field but `save_every` and `resume`, which do not change the
+/// result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainSettings {
     pub objective: Objective,
     pub baseline: Baseline,
     /// The ratio level of the TOPR family (the paper's is `Sequence`).
+    #[serde(with = "ratio_level")]
     pub ratio: topr_loss::RatioLevel,
     pub optimizer: OptimizerConfig,
     pub lr: f64,
@@ -61,9 +67,36 @@ pub struct TrainSettings {
     /// of refusing the data set.
     pub skip_bad_records: bool,
     /// Save the training state every this many steps (0: never; a kill then restarts the stage).
+    #[serde(skip)]
     pub save_every: usize,
     /// Continue from the saved state of an interrupted run in the same output directory.
+    #[serde(skip)]
     pub resume: bool,
+}
+
+/// `topr_loss::RatioLevel` (which has no serde support) as `sequence`, `sequence_mean` or
+/// `token`.
+mod ratio_level {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+    use topr_loss::RatioLevel;
+
+    pub fn serialize<S: Serializer>(r: &RatioLevel, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match r {
+            RatioLevel::Sequence => "sequence",
+            RatioLevel::SequenceMean => "sequence_mean",
+            RatioLevel::Token => "token",
+            _ => "other",
+        })
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<RatioLevel, D::Error> {
+        match String::deserialize(d)?.as_str() {
+            "sequence" => Ok(RatioLevel::Sequence),
+            "sequence_mean" => Ok(RatioLevel::SequenceMean),
+            "token" => Ok(RatioLevel::Token),
+            other => Err(D::Error::custom(format!("unknown ratio level {other:?}"))),
+        }
+    }
 }
 
 impl TrainSettings {
@@ -95,6 +128,33 @@ impl TrainSettings {
             }
             _ => Ok(()),
         }
+    }
+}
+
+/// What a training run is made from, recorded with its saved state: a resumed run must match it
+/// field for field (the refusal lists what differs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The model trained (its directory, config hash and weight sizes).
+    pub model: ModelId,
+    /// The data file read.
+    pub data: FileId,
+    /// The records trained on (after skipping bad records and any curation).
+    pub records: Digest,
+    /// The settings, as fields of the record (`lr`, `objective`, ...).
+    #[serde(flatten)]
+    pub settings: TrainSettings,
+}
+
+impl RunRecord {
+    /// The record of training the model of `model_dir` on `samples`, read from `data`.
+    pub fn new(model_dir: &Path, data: &Path, samples: &[Sample], o: &TrainSettings) -> Result<Self> {
+        Ok(Self {
+            model: ModelId::of(model_dir)?,
+            data: FileId::of(data)?,
+            records: Digest::of_records(samples)?,
+            settings: o.clone(),
+        })
     }
 }
 
@@ -224,15 +284,17 @@ fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
 
 /// Trains `model` in place on `samples`: micro-batching, clipping, schedule; one JSON line of
 /// metrics per optimiser step to `dir/metrics.jsonl`; the training state in `dir/state` every
-/// `save_every` steps (removed when the run finishes).
-pub fn run(model: &Llama, samples: &[Sample], o: &TrainSettings, dir: &Path) -> Result<Summary> {
+/// `save_every` steps (removed when the run finishes), with `record`, which a resumed run must
+/// match. The caller holds `dir` (see [`crate::io::Lock`]).
+pub fn run(model: &Llama, samples: &[Sample], o: &TrainSettings, record: &RunRecord, dir: &Path) -> Result<Summary> {
     o.check()?;
-    let plan = Plan::new(samples, o)?;
-    std::fs::create_dir_all(dir)?;
     let state = StateDir { dir: dir.to_path_buf() };
+    state.check(record, o)?;
+    let plan = Plan::new(samples, o)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let named: Vec<(String, Tensor)> = model.vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
     let mut opt = Optimizer::new(o.optimizer, named);
-    let mut progress: Progress = state.resume(model, &mut opt, samples, o)?;
+    let mut progress: Progress = state.resume(model, &mut opt, record, o)?;
     let mut metrics = MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?;
     let pb = progress_bar(plan.total, progress.step);
     let vars: Vec<Tensor> = model.vs.trainable_variables();
@@ -276,15 +338,28 @@ pub fn finish(dir: &Path) {
 /// `train` from directory to directory: loads the model of `model_dir` and the data set, trains,
 /// saves the model (Hugging Face layout) with `metrics.jsonl` and `training.png` in `out`, and
 /// removes the training state.
+///
+/// Refused before anything is loaded or written: an `out` that is, contains or lies inside
+/// `model_dir`; an `out` in use by another run (it is locked while this one runs); an `out`
+/// holding a finished model ([`Refusal::FinishedModel`]) or the state of another run.
 pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings, out: &Path) -> Result<Summary> {
     o.check()?;
+    crate::io::refuse_overlap(model_dir, out, "output directory")?;
     // The data is checked against the model's config before the weights are loaded (and before
     // `out` is created): a bad record is reported at once.
     let cfg =
         crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
     let samples = load_data(data, cfg.max_position_embeddings as usize, cfg.vocab_size, o.skip_bad_records)?;
+    let record = RunRecord::new(model_dir, data, &samples, o)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let _lock = crate::io::Lock::dir(out)?;
+    let state = StateDir { dir: out.to_path_buf() };
+    if crate::io::holds_model(out) && !state.exists() {
+        bail!(Refusal::FinishedModel(out.to_path_buf()));
+    }
+    state.check(&record, o)?;
     let (m, _) = checkpoint::open(model_dir, at)?;
-    let summary = run(&m, &samples, o, out)?;
+    let summary = run(&m, &samples, o, &record, out)?;
     checkpoint::save(&m, model_dir, out)?;
     finish(out);
     crate::plot::report("training", || crate::plot::plot_training(out));

@@ -16,7 +16,8 @@ use topr_loss::{
 };
 
 /// The objectives `train` offers.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Objective {
     Topr,
     Tis,
@@ -51,7 +52,8 @@ impl Objective {
 }
 
 /// The baseline `c` subtracted from rewards (TOPR family, PPO).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Baseline {
     /// `c = 0`.
     #[default]

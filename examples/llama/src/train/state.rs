@@ -1,16 +1,15 @@
 //! A training run's saved state and its resumption: `dir/state` (model, optimiser, progress),
-//! the fingerprint that ties it to its data and settings, and the per-step metrics file, whose
-//! lines past the resumed step are dropped.
+//! the record of the inputs and settings that ties it to its run, and the per-step metrics file,
+//! whose lines past the resumed step are dropped.
 
-use super::TrainSettings;
-use crate::Refusal;
+use super::{RunRecord, TrainSettings};
+use crate::io::Append;
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::Optimizer;
-use crate::sample::Sample;
+use crate::{Refusal, Resumable};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 
@@ -20,8 +19,10 @@ pub(super) struct Progress {
     pub step: usize,
     pub last_loss: f64,
     pub truncated_sum: f64,
-    /// A fingerprint of the data and settings, so that a state is not resumed on other data.
-    pub fingerprint: String,
+    /// What the run was made from, so that a state is not resumed on other inputs or settings
+    /// (absent in states written before it was recorded, which cannot be resumed).
+    #[serde(default)]
+    pub run: Option<RunRecord>,
 }
 
 /// The training state of a run: `dir/state` (model, optimiser, progress). Written to
@@ -44,71 +45,88 @@ impl StateDir {
     pub fn save(&self, model: &Llama, opt: &Optimizer, progress: &Progress) -> Result<()> {
         let tmp = self.dir.join("state.tmp");
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)?;
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         crate::checkpoint::write_safetensors(&crate::checkpoint::weights(model), &tmp.join("model.safetensors"))?;
         crate::checkpoint::write_safetensors(&opt.state(), &tmp.join("optimizer.safetensors"))?;
-        std::fs::write(tmp.join("progress.json"), serde_json::to_string(progress)?)?;
+        crate::io::write_file(&tmp.join("progress.json"), serde_json::to_string(progress)?)?;
         let old = self.dir.join("state.old");
         let _ = std::fs::remove_dir_all(&old);
+        let rename = |from: &Path, to: &Path| {
+            std::fs::rename(from, to).with_context(|| format!("renaming {} to {}", from.display(), to.display()))
+        };
         if self.path().exists() {
-            std::fs::rename(self.path(), &old)?;
+            rename(&self.path(), &old)?;
         }
-        std::fs::rename(&tmp, self.path())?;
+        rename(&tmp, &self.path())?;
         let _ = std::fs::remove_dir_all(&old);
         Ok(())
     }
 
-    /// The saved state, if any (after a kill between the two renames, the previous one).
-    fn load(&self, model: &Llama, opt: &mut Optimizer) -> Result<Option<Progress>> {
+    /// The progress of the saved state, if any (after a kill between the two renames, the
+    /// previous one).
+    fn progress(&self) -> Result<Option<Progress>> {
         let old = self.dir.join("state.old");
         if !self.path().exists() && old.exists() {
-            std::fs::rename(&old, self.path())?;
+            std::fs::rename(&old, self.path())
+                .with_context(|| format!("renaming {} to {}", old.display(), self.path().display()))?;
         }
         let dir = self.path();
         if !dir.exists() {
             return Ok(None);
         }
+        let file = dir.join("progress.json");
+        let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+        Ok(Some(serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?))
+    }
+
+    /// Loads the saved model and optimiser state into `model` and `opt`.
+    fn load(&self, model: &Llama, opt: &mut Optimizer) -> Result<()> {
+        let dir = self.path();
         let ctx = || format!("resuming from {}", dir.display());
-        let progress: Progress =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("progress.json")).with_context(ctx)?)
-                .with_context(ctx)?;
         crate::checkpoint::read_weights(model, &[dir.join("model.safetensors")], &dir).with_context(ctx)?;
         let state = Tensor::read_safetensors(dir.join("optimizer.safetensors")).with_context(ctx)?;
         opt.load_state(state.into_iter().collect()).with_context(ctx)?;
-        Ok(Some(progress))
+        Ok(())
     }
 
     pub fn remove(&self) {
         let _ = std::fs::remove_dir_all(self.path());
     }
 
-    /// Where the run starts: from the saved state of an interrupted run (loaded into `model` and
-    /// `opt`) when `o.resume` is set, else from the beginning. A saved state without `resume`, or
-    /// one made with other data or settings, is refused.
-    pub fn resume(
-        &self,
-        model: &Llama,
-        opt: &mut Optimizer,
-        samples: &[Sample],
-        o: &TrainSettings,
-    ) -> Result<Progress> {
-        let fp = fingerprint(samples, o);
-        let fresh = Progress { fingerprint: fp.clone(), last_loss: f64::NAN, ..Default::default() };
+    /// The saved state a run with `run` and `o` would resume (`None`: it starts afresh),
+    /// without loading it. A saved state without `o.resume`, or one made with other inputs or
+    /// settings, is refused, listing what differs.
+    pub fn check(&self, run: &RunRecord, o: &TrainSettings) -> Result<Option<Progress>> {
         if !self.exists() {
-            return Ok(fresh);
+            return Ok(None);
         }
         if !o.resume {
             bail!(Refusal::InterruptedTraining { dir: self.dir.clone(), state: self.path() });
         }
-        let Some(saved) = self.load(model, opt)? else {
-            return Ok(fresh);
+        let Some(saved) = self.progress()? else {
+            return Ok(None);
         };
-        if saved.fingerprint != fp {
+        let Some(saved_run) = &saved.run else {
             bail!(
-                "{}: the saved state was made with other data or settings (objective, batch size, epochs, seed, optimizer); remove it to start afresh",
+                "{}: the saved state records neither its inputs nor its settings (an older version wrote it), so resuming it cannot be checked; remove it to start afresh",
                 self.path().display()
             );
+        };
+        let differences =
+            crate::identity::differences(&serde_json::to_value(saved_run)?, &serde_json::to_value(run)?, &[]);
+        if !differences.is_empty() {
+            bail!(Refusal::ChangedSettings { dir: self.dir.clone(), differences, run: Resumable::Training });
         }
+        Ok(Some(saved))
+    }
+
+    /// Where the run starts: from the saved state of an interrupted run (loaded into `model` and
+    /// `opt`) when `o.resume` is set, else from the beginning (see [`Self::check`]).
+    pub fn resume(&self, model: &Llama, opt: &mut Optimizer, run: &RunRecord, o: &TrainSettings) -> Result<Progress> {
+        let Some(saved) = self.check(run, o)? else {
+            return Ok(Progress { run: Some(run.clone()), last_loss: f64::NAN, ..Default::default() });
+        };
+        self.load(model, opt)?;
         if opt.steps() as usize != saved.step {
             bail!(
                 "{}: the optimiser state is at step {}, the progress at {}",
@@ -122,35 +140,22 @@ impl StateDir {
     }
 }
 
-/// A short fingerprint of the data and the settings that shape the steps.
-fn fingerprint(samples: &[Sample], o: &TrainSettings) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for s in samples {
-        (&s.id, s.sample, &s.completion_ids, s.reward.to_bits()).hash(&mut h);
-    }
-    format!("{:?}|{}|{}|{}|{:?}|{:016x}", o.objective, o.batch_size, o.epochs, o.seed, o.optimizer, h.finish())
-}
-
-/// `metrics.jsonl`: one [`StepRecord`] per line, flushed after each.
+/// `metrics.jsonl`: one [`StepRecord`] per line, each write checked and flushed.
 pub(super) struct MetricsLog {
-    file: std::io::BufWriter<std::fs::File>,
+    file: Append,
 }
 
 impl MetricsLog {
     /// Opens `path` keeping the lines of steps `1..=step` (a resumed run drops those of steps it
-    /// will redo).
+    /// will redo; the kept lines are rewritten atomically).
     pub fn open(path: &Path, step: usize) -> Result<Self> {
         let kept = keep_metrics(path, step);
-        let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
-        file.write_all(kept.as_bytes())?;
-        Ok(Self { file })
+        crate::io::write_file(path, kept)?;
+        Ok(Self { file: Append::open(path)? })
     }
 
     pub fn write(&mut self, record: &StepRecord) -> Result<()> {
-        writeln!(self.file, "{}", serde_json::to_string(record)?)?;
-        self.file.flush()?;
-        Ok(())
+        self.file.line(&serde_json::to_string(record)?)
     }
 }
 

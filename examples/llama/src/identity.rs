@@ -1,0 +1,181 @@
+//! What a resumable run was made from, recorded when it starts and compared when it resumes: the
+//! input model ([`ModelId`]), the data ([`Digest`] of a file or of records) and the settings
+//! (serialised from their typed structs). [`differences`] lists, field by field, what changed,
+//! so that a resume with another setting is refused saying which.
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// A 64-bit FNV-1a hash: stable across builds, platforms and Rust versions (unlike `std`'s
+/// `DefaultHasher`), so that a state saved by one build is recognised by the next.
+#[derive(Clone, Copy)]
+pub struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    pub fn bytes(&mut self, bytes: &[u8]) -> &mut Self {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self
+    }
+
+    pub fn hex(&self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
+/// The size and hash of some bytes: a file's, or a set of records'.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Digest {
+    pub bytes: u64,
+    pub hash: String,
+}
+
+impl Digest {
+    /// Of the file at `path`, read in blocks.
+    pub fn of_file(path: &Path) -> Result<Self> {
+        let ctx = || format!("reading {}", path.display());
+        let mut f = std::fs::File::open(path).with_context(ctx)?;
+        let (mut h, mut n, mut buf) = (Fnv::default(), 0u64, vec![0u8; 1 << 16]);
+        loop {
+            let k = f.read(&mut buf).with_context(ctx)?;
+            if k == 0 {
+                break;
+            }
+            h.bytes(&buf[..k]);
+            n += k as u64;
+        }
+        Ok(Self { bytes: n, hash: h.hex() })
+    }
+
+    /// Of a sequence of records, each serialised as JSON.
+    pub fn of_records<T: Serialize>(records: impl IntoIterator<Item = T>) -> Result<Self> {
+        let (mut h, mut n) = (Fnv::default(), 0u64);
+        for r in records {
+            let s = serde_json::to_vec(&r)?;
+            h.bytes(&s).bytes(b"\n");
+            n += s.len() as u64 + 1;
+        }
+        Ok(Self { bytes: n, hash: h.hex() })
+    }
+}
+
+/// A data file: where it is, its size and hash.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FileId {
+    pub path: PathBuf,
+    #[serde(flatten)]
+    pub digest: Digest,
+}
+
+impl FileId {
+    pub fn of(path: &Path) -> Result<Self> {
+        Ok(Self { path: crate::io::canonical(path)?, digest: Digest::of_file(path)? })
+    }
+}
+
+/// A model directory: its canonical path, the hash of its `config.json` and the sizes of its
+/// weight files (hashing gigabytes of weights at every start would cost more than it finds).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelId {
+    pub path: PathBuf,
+    pub config: String,
+    pub weights: BTreeMap<String, u64>,
+}
+
+impl ModelId {
+    pub fn of(dir: &Path) -> Result<Self> {
+        let config = Digest::of_file(&dir.join("config.json"))?.hash;
+        let mut weights = BTreeMap::new();
+        for f in crate::checkpoint::weight_files(dir)? {
+            let size = std::fs::metadata(&f).with_context(|| format!("reading {}", f.display()))?.len();
+            let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            weights.insert(name, size);
+        }
+        Ok(Self { path: crate::io::canonical(dir)?, config, weights })
+    }
+}
+
+/// A value as a message shows it: strings without quotes, `(none)` for null or missing.
+fn show(v: Option<&Value>) -> String {
+    match v {
+        None | Some(Value::Null) => "(none)".into(),
+        Some(Value::String(s)) => s.clone(),
+        // Learning rates and the like as `1e-5`, not `0.00001`: the shorter of the two forms.
+        Some(Value::Number(n)) if n.is_f64() => {
+            let plain = n.to_string();
+            match n.as_f64().map(|x| format!("{x:e}")) {
+                Some(e) if e.len() < plain.len() => e,
+                _ => plain,
+            }
+        }
+        Some(other) => other.to_string(),
+    }
+}
+
+fn diff(path: &str, a: Option<&Value>, b: Option<&Value>, out: &mut Vec<String>) {
+    match (a, b) {
+        (Some(Value::Object(x)), Some(Value::Object(y))) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                diff(&p, x.get(k), y.get(k), out);
+            }
+        }
+        _ if a == b => {}
+        _ => out.push(format!("{path} {} → {}", show(a), show(b))),
+    }
+}
+
+/// What differs between a saved record and the current one, field by field (nested fields
+/// dotted: `model.config`, `optimizer.adamw.weight_decay`), each as `field saved → now`; the
+/// fields in `ignore` (dotted paths) are not compared.
+pub fn differences(saved: &Value, now: &Value, ignore: &[&str]) -> Vec<String> {
+    let strip = |v: &Value| -> Value {
+        let mut v = v.clone();
+        for path in ignore {
+            let mut parts: Vec<&str> = path.split('.').collect();
+            let Some(last) = parts.pop() else { continue };
+            let mut at = Some(&mut v);
+            for p in parts {
+                at = at.and_then(|x| x.get_mut(p));
+            }
+            if let Some(o) = at.and_then(|x| x.as_object_mut()) {
+                o.remove(last);
+            }
+        }
+        v
+    };
+    let mut out = vec![];
+    diff("", Some(&strip(saved)), Some(&strip(now)), &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn differences_name_each_changed_field() {
+        let a = serde_json::json!({"lr": 1e-5, "objective": "topr", "seed": 0, "opt": {"wd": 0.0}, "iterations": 3});
+        let b = serde_json::json!({"lr": 2e-5, "objective": "ppo", "seed": 0, "opt": {"wd": 0.1}, "iterations": 1});
+        assert_eq!(
+            differences(&a, &b, &["iterations"]),
+            ["lr 1e-5 → 2e-5", "objective topr → ppo", "opt.wd 0.0 → 0.1"].map(String::from)
+        );
+        assert!(differences(&a, &a, &[]).is_empty());
+        assert_eq!(differences(&a, &b, &["iterations", "lr", "objective", "opt.wd"]), Vec::<String>::new());
+        assert_eq!(Fnv::default().bytes(b"a").hex(), "af63dc4c8601ec8c");
+    }
+}
