@@ -128,3 +128,20 @@ fn peak_and_bench_report_what_the_mfu_needs() {
         assert!((x["share_of_peak"].as_f64().unwrap() - achieved / peak).abs() <= 1e-9, "{x}");
     }
 }
+
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    // `llama check losses | head -1`: the reader is gone before the first line is written. The
+    // command must end as a Unix tool does (SIGPIPE), not panic in `println!`.
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_llama"))
+        .args(["check", "losses", "--device", "cpu", "--batch", "64", "--len", "64", "--iters", "20"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+}
