@@ -122,7 +122,10 @@ stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
 stage bench 240 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}"
 stage parity 240 "$bin" check parity --model "$W/big" "${dev[@]}" "${parity[@]}"
 stage losses 120 "$bin" check losses "${dev[@]}" "${losses[@]}"
-stage losses-pytorch 120 "$PY" "$here/losses_torch.py" --device "${device/cuda:*/cuda}" "${losses[@]}"
+# The PyTorch side gets the allocator settings the llama binary gives itself (main.rs,
+# keep_freed_memory), so that on the CPU both sides allocate alike.
+stage losses-pytorch 120 env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 \
+    MALLOC_TOP_PAD_=67108864 "$PY" "$here/losses_torch.py" --device "${device/cuda:*/cuda}" "${losses[@]}"
 
 # Every objective a few steps, with AdamW and with Adafactor, on the small model's graded samples.
 # A random model answers nothing right: the first completion of every question is marked correct,
