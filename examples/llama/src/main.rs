@@ -50,6 +50,10 @@ fn main() {
 /// allows) from the heap and keep up to 1 GiB of freed heap for reuse. Memory is not used for
 /// longer than the tensors hold it; the process's resident size stays near its peak.
 fn keep_freed_memory() {
+    // TOPR_MALLOC=default keeps glibc's own behaviour (for A/B measurements).
+    if std::env::var_os("TOPR_MALLOC").is_some_and(|v| v == "default") {
+        return;
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; called before any allocation-heavy work.
     unsafe {
