@@ -101,15 +101,11 @@ fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()
         nll.backward();
     };
     let flops = flops_per_token(m, train_len);
-    step();
-    sync(m.device());
     let iters = 3;
-    let t0 = Instant::now();
-    for _ in 0..iters {
+    let secs = seconds_per_call(m.device(), iters, || {
         step();
-    }
-    sync(m.device());
-    let secs = t0.elapsed().as_secs_f64() / iters as f64;
+        Ok(())
+    })?;
     println!(
         "{}",
         with(
@@ -127,14 +123,7 @@ fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()
         })?;
         Ok(())
     };
-    fused_step()?;
-    sync(m.device());
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        fused_step()?;
-    }
-    sync(m.device());
-    let secs = t0.elapsed().as_secs_f64() / iters as f64;
+    let secs = seconds_per_call(m.device(), iters, fused_step)?;
     println!(
         "{}",
         with(
@@ -143,4 +132,17 @@ fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()
         )
     );
     Ok(())
+}
+
+/// Mean seconds of `iters` calls of `f` after one warm-up call, the device's queue drained
+/// before and after the timed calls.
+fn seconds_per_call(device: tch::Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    sync(device);
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    sync(device);
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
 }
