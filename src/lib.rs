@@ -68,6 +68,13 @@
 //! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, k2, k3 estimators as a loss
 //!   term (`src/kl.rs`).
 //!
+//! Correcting for the sampler–trainer mismatch (`src/rollout_correction.rs`):
+//! - [`rollout_weights`] with [`RolloutCorrection`] (token or sequence level, truncated (TIS) or
+//!   masked (MIS / IcePop)) and [`RolloutDiagnostics`] (incl. the effective sample size);
+//! - [`rollout_rejection_mask`] with [`Rejection`] (k1/k2/k3 statistics per token or sequence),
+//!   [`off_policy_sequence_mask`] (DeepSeek-V3.2), [`effective_sample_size`];
+//! - [`apply_token_weights`] — per-token weights on the `terms` of any loss, then its aggregation.
+//!
 //! Shared pieces:
 //! - [`LossOutput`], [`OnDevice`], [`Diagnostics`] — what the `…_output` functions return: the
 //!   loss, its unreduced terms and its diagnostics from the same pass (`src/output.rs`).
@@ -142,6 +149,7 @@ mod kl;
 mod logprobs;
 mod output;
 mod ppo;
+mod rollout_correction;
 mod taper;
 mod token_inputs;
 mod topr;
@@ -167,6 +175,11 @@ pub use output::{Diagnostics, LossOutput, OnDevice};
 pub use ppo::{
     PpoConfig, PpoDiagnostics, cispo_loss, cispo_loss_output, gspo_loss, gspo_loss_output, ppo_clip_loss,
     ppo_clip_loss_output,
+};
+pub use rollout_correction::{
+    CorrectionLevel, Divergence, Rejection, RejectionScope, RolloutCorrection, RolloutDiagnostics, RolloutWeights,
+    WeightRule, apply_token_weights, effective_sample_size, off_policy_sequence_mask, rollout_rejection_mask,
+    rollout_weights,
 };
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use topr::{TieRule, ToprConfig, topr_loss, topr_loss_output};

@@ -106,6 +106,17 @@ def out(**values):
     return res
 
 
+def verl_actor_config(**fields):
+    """verl's own `ActorConfig` with the fields its policy-loss functions read (clip ratios, …),
+    for one process (`global_batch_info` empty: the micro-batch's own counts). The batch-size
+    fields are required by its checks and unused by the losses."""
+    from verl.workers.config import ActorConfig
+
+    base = dict(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1)
+    base.update(fields)
+    return ActorConfig(**base)
+
+
 def _load():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
