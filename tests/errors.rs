@@ -144,6 +144,28 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The rollout-correction functions on arbitrary tensors and bounds: an error or a result, never
+    /// a panic; weights, when returned, are finite.
+    #[test]
+    fn rollout_correction_never_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), p in arbitrary_limit(), q in arbitrary_limit()) {
+        let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
+        for cfg in [RolloutCorrection::token_tis(q).with_bounds(p, q), RolloutCorrection::sequence_mis(p, q).with_batch_normalize(true), RolloutCorrection::default().with_max_log_ratio(p)] {
+            let r = no_panic("rollout_weights", || rollout_weights(&a, &b, &m, &cfg).map(|w| (w.weights, w.diagnostics.read())));
+            if let Ok((w, _)) = &r { prop_assert!(vec1(w).iter().all(|x| x.is_finite())); }
+        }
+        for rule in [Rejection::k1(RejectionScope::SequenceSum, p, q), Rejection::k2(RejectionScope::SequenceMax, q), Rejection::k3(RejectionScope::Token, p)] {
+            let _ = no_panic("rollout_rejection_mask", || rollout_rejection_mask(&a, &b, &m, &rule));
+        }
+        let _ = no_panic("off_policy_sequence_mask", || off_policy_sequence_mask(&a, &b, &c, &m, p));
+        let _ = no_panic("effective_sample_size", || effective_sample_size(&a, &m));
+        let _ = no_panic("apply_token_weights", || apply_token_weights(&a, &c, &m, AggregationMode::SeqMeanTokenMean, &Normalizer::local()));
+        let _ = no_panic("apply_token_weights", || apply_token_weights(&a, &b, &m, AggregationMode::DrGrpo { length: p }, &Normalizer::tokens(q)));
+    }
+}
+
 fn ok_inputs() -> (Tensor, Tensor, Tensor) {
     (t1(&[-1.0, -2.0]), t1(&[-1.5, -2.5]), t1(&[1.0, -1.0]))
 }
