@@ -659,9 +659,10 @@ impl Rejection {
                 return Err(LossError::InvalidConfig {
                     field: "scope",
                     value: f64::NAN,
-                    reason: "the largest k1 of a sequence is not a divergence bound (k1 can be negative); use K2 or K3 \
+                    reason:
+                        "the largest k1 of a sequence is not a divergence bound (k1 can be negative); use K2 or K3 \
                              with SequenceMax, as verl does"
-                        .into(),
+                            .into(),
                 });
             }
         }

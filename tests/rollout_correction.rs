@@ -8,10 +8,10 @@ use proptest::prelude::*;
 use serde_json::json;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, CorrectionLevel, Divergence, KlConfig, LossError, Normalizer, PpoConfig, Rejection, RejectionScope,
-    RolloutCorrection, ToprTokenConfig, WeightRule, apply_token_weights, cispo_loss_output, effective_sample_size,
-    gspo_loss_output, kl_penalty_output, off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask,
-    rollout_weights, topr_token_loss_output,
+    AggregationMode, CorrectionLevel, Divergence, KlConfig, LossError, Normalizer, PpoConfig, Rejection,
+    RejectionScope, RolloutCorrection, ToprTokenConfig, WeightRule, apply_token_weights, cispo_loss_output,
+    effective_sample_size, gspo_loss_output, kl_penalty_output, off_policy_sequence_mask, ppo_clip_loss_output,
+    rollout_rejection_mask, rollout_weights, topr_token_loss_output,
 };
 
 fn batch() -> impl Strategy<Value = TokenBatch> {
@@ -54,10 +54,8 @@ fn ref_weights(b: &TokenBatch, cfg: &RolloutCorrection) -> Vec<Vec<f64>> {
     let mut w: Vec<Vec<f64>> = Vec::new();
     let mut samples = Vec::new();
     for i in 0..b.logp.len() {
-        let deltas: Vec<f64> = (0..b.logp[i].len())
-            .filter(|&t| b.mask[i][t])
-            .map(|t| b.logp[i][t] - b.other[i][t])
-            .collect();
+        let deltas: Vec<f64> =
+            (0..b.logp[i].len()).filter(|&t| b.mask[i][t]).map(|t| b.logp[i][t] - b.other[i][t]).collect();
         let row: Vec<f64> = match cfg.level {
             CorrectionLevel::Token => (0..b.logp[i].len())
                 .map(|t| if b.mask[i][t] { limit(b.logp[i][t] - b.other[i][t]) } else { 0.0 })
@@ -114,10 +112,8 @@ fn ref_rejection(b: &TokenBatch, rule: &Rejection) -> Vec<Vec<bool>> {
     };
     (0..b.logp.len())
         .map(|i| {
-            let s: Vec<f64> = (0..b.logp[i].len())
-                .filter(|&t| b.mask[i][t])
-                .map(|t| stat(b.logp[i][t] - b.other[i][t]))
-                .collect();
+            let s: Vec<f64> =
+                (0..b.logp[i].len()).filter(|&t| b.mask[i][t]).map(|t| stat(b.logp[i][t] - b.other[i][t])).collect();
             let seq = match rule.scope {
                 RejectionScope::Token => None,
                 RejectionScope::SequenceSum => Some(s.iter().sum::<f64>()),
@@ -149,15 +145,39 @@ fn rules() -> Vec<Rejection> {
 const LOSSES: [&str; 5] = ["ppo", "gspo", "cispo", "topr", "kl"];
 
 /// A token-level loss's value and terms under `mode`, with this call's counts.
-fn loss_and_terms(name: &str, lp: &Tensor, old: &Tensor, adv: &Tensor, m: &Tensor, mode: AggregationMode) -> (Tensor, Tensor) {
+fn loss_and_terms(
+    name: &str,
+    lp: &Tensor,
+    old: &Tensor,
+    adv: &Tensor,
+    m: &Tensor,
+    mode: AggregationMode,
+) -> (Tensor, Tensor) {
     let norm = Normalizer::local();
     let ppo = PpoConfig::ppo().with_aggregation(mode);
     match name {
-        "ppo" => { let o = ppo_clip_loss_output(lp, old, adv, m, &ppo, &norm).unwrap(); (o.loss, o.terms) }
-        "gspo" => { let o = gspo_loss_output(lp, old, adv, m, &ppo, &norm).unwrap(); (o.loss, o.terms) }
-        "cispo" => { let o = cispo_loss_output(lp, old, adv, m, &ppo, &norm).unwrap(); (o.loss, o.terms) }
-        "topr" => { let o = topr_token_loss_output(lp, old, adv, m, &ToprTokenConfig::trinity().with_aggregation(mode), &norm).unwrap(); (o.loss, o.terms) }
-        _ => { let o = kl_penalty_output(lp, old, m, &KlConfig::k3().with_coef(1.0).with_aggregation(mode), &norm).unwrap(); (o.loss, o.terms) }
+        "ppo" => {
+            let o = ppo_clip_loss_output(lp, old, adv, m, &ppo, &norm).unwrap();
+            (o.loss, o.terms)
+        }
+        "gspo" => {
+            let o = gspo_loss_output(lp, old, adv, m, &ppo, &norm).unwrap();
+            (o.loss, o.terms)
+        }
+        "cispo" => {
+            let o = cispo_loss_output(lp, old, adv, m, &ppo, &norm).unwrap();
+            (o.loss, o.terms)
+        }
+        "topr" => {
+            let o = topr_token_loss_output(lp, old, adv, m, &ToprTokenConfig::trinity().with_aggregation(mode), &norm)
+                .unwrap();
+            (o.loss, o.terms)
+        }
+        _ => {
+            let o =
+                kl_penalty_output(lp, old, m, &KlConfig::k3().with_coef(1.0).with_aggregation(mode), &norm).unwrap();
+            (o.loss, o.terms)
+        }
     }
 }
 
@@ -350,13 +370,31 @@ fn bad_inputs_are_errors_naming_the_argument() {
     named(rollout_weights(&lp, &lp, &m, &RolloutCorrection::token_mis(f64::NAN, 2.0)).unwrap_err(), "min");
     named(rollout_weights(&lp, &lp, &m, &RolloutCorrection::token_mis(1.0, 1.0)).unwrap_err(), "max");
     named(rollout_rejection_mask(&lp, &lp, &m, &Rejection::k3(RejectionScope::Token, 0.0)).unwrap_err(), "max");
-    named(rollout_rejection_mask(&lp, &lp, &m, &Rejection::k1(RejectionScope::SequenceMax, 0.5, 2.0)).unwrap_err(), "scope");
-    named(rollout_rejection_mask(&lp, &t2(&[vec![f64::NAN, 0.0]]), &m, &Rejection::k2(RejectionScope::Token, 1.0)).unwrap_err(), "logp_rollout");
+    named(
+        rollout_rejection_mask(&lp, &lp, &m, &Rejection::k1(RejectionScope::SequenceMax, 0.5, 2.0)).unwrap_err(),
+        "scope",
+    );
+    named(
+        rollout_rejection_mask(&lp, &t2(&[vec![f64::NAN, 0.0]]), &m, &Rejection::k2(RejectionScope::Token, 1.0))
+            .unwrap_err(),
+        "logp_rollout",
+    );
     named(off_policy_sequence_mask(&lp, &lp, &t1(&[1.0, 2.0]), &m, 0.1).unwrap_err(), "advantages");
     named(off_policy_sequence_mask(&lp, &lp, &t1(&[1.0]), &m, f64::INFINITY).unwrap_err(), "threshold");
-    named(apply_token_weights(&lp, &t1(&[1.0, 2.0]), &m, AggregationMode::TokenMean, &Normalizer::local()).unwrap_err(), "weights");
-    named(apply_token_weights(&lp, &t2(&[vec![f64::NAN, 1.0]]), &m, AggregationMode::TokenMean, &Normalizer::local()).unwrap_err(), "weights");
-    named(apply_token_weights(&t1(&[1.0]), &t1(&[1.0]), &m, AggregationMode::TokenMean, &Normalizer::local()).unwrap_err(), "terms");
+    named(
+        apply_token_weights(&lp, &t1(&[1.0, 2.0]), &m, AggregationMode::TokenMean, &Normalizer::local()).unwrap_err(),
+        "weights",
+    );
+    named(
+        apply_token_weights(&lp, &t2(&[vec![f64::NAN, 1.0]]), &m, AggregationMode::TokenMean, &Normalizer::local())
+            .unwrap_err(),
+        "weights",
+    );
+    named(
+        apply_token_weights(&t1(&[1.0]), &t1(&[1.0]), &m, AggregationMode::TokenMean, &Normalizer::local())
+            .unwrap_err(),
+        "terms",
+    );
     named(effective_sample_size(&t1(&[1.0]), &t1(&[1.0, 1.0])).unwrap_err(), "mask");
 }
 
@@ -417,12 +455,19 @@ fn matches_verl_and_trl() {
         (RolloutCorrection::sequence_mis(0.1, 3.0), "sequence_mask", 0.1, 3.0),
     ];
     // The policy losses with rollout weights: verl's vanilla PPO (dual clip 3) and GSPO.
-    let logp_new: Vec<Vec<f64>> = logp.iter().map(|r| r.iter().enumerate().map(|(j, x)| x + 0.15 * ((j % 3) as f64 - 1.0)).collect()).collect();
+    let logp_new: Vec<Vec<f64>> =
+        logp.iter().map(|r| r.iter().enumerate().map(|(j, x)| x + 0.15 * ((j % 3) as f64 - 1.0)).collect()).collect();
     let tis = rollout_weights(&lp, &lr, &m, &RolloutCorrection::token_tis(2.0)).unwrap().weights;
     let seq_tis = rollout_weights(&lp, &lr, &m, &RolloutCorrection::sequence_tis(2.0)).unwrap().weights;
     let loss_cases: Vec<(&str, &str, AggregationMode, PpoConfig, &Tensor)> = vec![
         ("vanilla", "token-mean", AggregationMode::TokenMean, PpoConfig::ppo().with_dual_clip(Some(3.0)), &tis),
-        ("vanilla", "seq-mean-token-sum", AggregationMode::SeqMeanTokenSum, PpoConfig::dapo().with_dual_clip(Some(3.0)), &seq_tis),
+        (
+            "vanilla",
+            "seq-mean-token-sum",
+            AggregationMode::SeqMeanTokenSum,
+            PpoConfig::dapo().with_dual_clip(Some(3.0)),
+            &seq_tis,
+        ),
         // GSPO with sequence-level weights: verl's GSPO-token gives each token its own weight in the
         // gradient, this crate's GSPO spreads a sequence's loss over its tokens; the two agree when
         // the weight is constant over each sequence (see `apply_token_weights`).
@@ -464,7 +509,8 @@ fn matches_verl_and_trl() {
         // verl's rollout_is_mean is the mean over tokens (sequence weights counted once per token)
         // before normalisation, and its masked_mean divides by (count + 1e-8).
         let raw = vec1(&rollout_weights(&lp, &lr, &m, &cfg.with_batch_normalize(false)).unwrap().weights);
-        let token_mean = raw.iter().zip(mask.concat()).map(|(w, m)| w * m).sum::<f64>() / mask.concat().iter().sum::<f64>();
+        let token_mean =
+            raw.iter().zip(mask.concat()).map(|(w, m)| w * m).sum::<f64>() / mask.concat().iter().sum::<f64>();
         assert_close(&[token_mean], &[json_f64(&r["mean"])[0]], 1e-8, &format!("verl mean {cfg:?}"));
         if cfg.level == CorrectionLevel::Token {
             assert_close(&[d.weight_mean], &[token_mean], 1e-12, "weight_mean");
@@ -472,13 +518,22 @@ fn matches_verl_and_trl() {
     }
     let r = it.next().unwrap();
     let d = rollout_weights(&lp, &lr, &m, &RolloutCorrection::default()).unwrap().diagnostics.read().unwrap();
-    assert_close(&[d.kl, d.k3_kl, d.chi2], &[json_f64(&r["kl"])[0], json_f64(&r["k3_kl"])[0], json_f64(&r["chi2"])[0]], 1e-8, "verl off-policy metrics (masked_mean: count + 1e-8)");
+    assert_close(
+        &[d.kl, d.k3_kl, d.chi2],
+        &[json_f64(&r["kl"])[0], json_f64(&r["k3_kl"])[0], json_f64(&r["chi2"])[0]],
+        1e-8,
+        "verl off-policy metrics (masked_mean: count + 1e-8)",
+    );
     for (rule, opt, _) in &rs_cases {
         let r = it.next().unwrap();
         let kept = rollout_rejection_mask(&lp, &lr, &m, rule).unwrap();
         let want: Vec<bool> = json_f64(&r["mask"]).iter().map(|x| *x != 0.0).collect();
         assert_eq!(bools(&kept), want, "verl rejection {opt}");
-        assert!(want.iter().filter(|k| !**k).count() > mask.concat().iter().filter(|x| **x == 0.0).count() || *opt == "seq_mean_k1", "{opt} rejects nothing: a weak case");
+        assert!(
+            want.iter().filter(|k| !**k).count() > mask.concat().iter().filter(|x| **x == 0.0).count()
+                || *opt == "seq_mean_k1",
+            "{opt} rejects nothing: a weak case"
+        );
     }
     for (cfg, mode, _, _) in &trl_cases {
         let r = it.next().unwrap();

@@ -122,6 +122,7 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
         lr_decay: false,
         seed: 0,
         dpo_beta: 0.1,
+        rollout_correction: None,
         skip_bad_records: false,
         save_every: 4,
         resume: true,

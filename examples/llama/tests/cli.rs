@@ -132,7 +132,14 @@ fn a_ci_sized_run_of_every_command() {
         })
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
-    for (objective, optimizer) in [("ppo", "adamw"), ("grpo", "adamw"), ("dpo", "adafactor"), ("topr", "adafactor")] {
+    for (objective, optimizer, correction) in [
+        ("ppo", "adamw", "none"),
+        ("grpo", "adamw", "token-tis:2"),
+        ("dpo", "adafactor", "none"),
+        ("topr", "adafactor", "sequence-mis:0.5:2"),
+        ("gspo", "adamw", "sequence-tis:1.5"),
+        ("cispo", "adafactor", "token-mis:0.2:5"),
+    ] {
         let out = dir.join(format!("m-{objective}-{optimizer}"));
         let summary: Value = serde_json::from_str(
             run(&[
@@ -153,6 +160,8 @@ fn a_ci_sized_run_of_every_command() {
                 "8",
                 "--micro-batch-size",
                 "3",
+                "--rollout-correction",
+                correction,
             ])
             .trim(),
         )
@@ -165,7 +174,7 @@ fn a_ci_sized_run_of_every_command() {
         assert!(last["stats"]["loss"].as_f64().unwrap().is_finite(), "{objective}: {last}");
         match objective {
             "dpo" => assert!(last["stats"]["dpo_accuracy"].is_number(), "{last}"),
-            "ppo" | "grpo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
+            "ppo" | "grpo" | "gspo" | "cispo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
             _ => assert!(last["stats"]["topr"]["truncated_fraction_neg"].is_number(), "{last}"),
         }
         assert!(out.join("model.safetensors").exists() && !out.join("state").exists());
@@ -389,6 +398,10 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (train(&["--lr", "-1e-5"]), "--lr"),
         (train(&["--lr", "0"]), "--lr"),
         (train(&["--weight-decay", "-0.1"]), "--weight-decay"),
+        (train(&["--rollout-correction", "token-tis"]), "--rollout-correction"),
+        (train(&["--rollout-correction", "token-mis:2:1"]), "--rollout-correction"),
+        (train(&["--rollout-correction", "sequence-tis:-1"]), "--rollout-correction"),
+        (train(&["--objective", "dpo", "--rollout-correction", "token-tis:2"]), "--rollout-correction"),
         (train(&["--max-grad-norm", "0"]), "--max-grad-norm"),
         (train(&["--max-grad-norm", "-1"]), "--max-grad-norm"),
         (train(&["--max-grad-norm", "NaN"]), "--max-grad-norm"),

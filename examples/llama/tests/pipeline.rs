@@ -170,7 +170,7 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
                     let _ = g.zero_();
                 }
             }
-            let st = train::accumulate(&m, &units, micro, &loss).unwrap();
+            let st = train::accumulate(&m, &units, micro, &loss, None).unwrap();
             assert_eq!(st.sequences, completions);
             losses.push(st.loss);
             grads.push(tch::Tensor::cat(&vars.iter().map(|v| v.grad().flatten(0, -1)).collect::<Vec<_>>(), 0));

@@ -112,6 +112,27 @@ pub fn parse_grad_norm(s: &str) -> Result<GradNorm, String> {
     parse_positive(s).map(|v| GradNorm(Some(v))).map_err(|e| format!("expected none or a number > 0: {e}"))
 }
 
+/// `--rollout-correction`: `token-tis:MAX`, `sequence-tis:MAX`, `token-mis:MIN:MAX` or
+/// `sequence-mis:MIN:MAX` (the bounds of the importance ratio π/μ), or `none`.
+#[derive(Clone, Copy, Debug)]
+pub struct CorrectionArg(pub Option<topr_loss::RolloutCorrection>);
+
+pub fn parse_rollout_correction(s: &str) -> Result<CorrectionArg, String> {
+    use topr_loss::RolloutCorrection as R;
+    let usage = "expected none, token-tis:MAX, sequence-tis:MAX, token-mis:MIN:MAX or sequence-mis:MIN:MAX";
+    let parts: Vec<&str> = s.trim().split(':').collect();
+    let c = match parts.as_slice() {
+        ["none"] => return Ok(CorrectionArg(None)),
+        ["token-tis", max] => R::token_tis(parse_positive(max)?),
+        ["sequence-tis", max] => R::sequence_tis(parse_positive(max)?),
+        ["token-mis", min, max] => R::token_mis(parse_positive(min)?, parse_positive(max)?),
+        ["sequence-mis", min, max] => R::sequence_mis(parse_positive(min)?, parse_positive(max)?),
+        _ => return Err(format!("{usage}, got {s:?}")),
+    };
+    c.validate().map_err(|e| format!("{usage}: {e}"))?;
+    Ok(CorrectionArg(Some(c.with_checks(topr_loss::Checks::Shapes))))
+}
+
 /// Upper bounds of the sizes (far above any use, low enough that a typo fails at once rather than
 /// after allocating for it).
 const MAX_TOKENS: i64 = 1 << 20;
@@ -175,6 +196,10 @@ pub enum ObjectiveArg {
     Grpo,
     /// DPO on (correct, incorrect) pairs.
     Dpo,
+    /// GSPO (sequence-level ratio) with GRPO's group advantages.
+    Gspo,
+    /// CISPO (clipped stop-gradient ratio on REINFORCE) with GRPO's group advantages.
+    Cispo,
 }
 
 impl From<ObjectiveArg> for Objective {
@@ -188,6 +213,8 @@ impl From<ObjectiveArg> for Objective {
             ObjectiveArg::Ppo => Objective::Ppo,
             ObjectiveArg::Grpo => Objective::Grpo,
             ObjectiveArg::Dpo => Objective::Dpo,
+            ObjectiveArg::Gspo => Objective::Gspo,
+            ObjectiveArg::Cispo => Objective::Cispo,
         }
     }
 }
@@ -238,6 +265,11 @@ pub struct ObjectiveArgs {
     /// DPO's β (strength of the implicit KL constraint to μ; > 0).
     #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = parse_positive)]
     pub dpo_beta: f64,
+    /// Weight every token-level loss's terms by importance weights of π against μ, truncated
+    /// (TIS) or masked outside a band (MIS/IcePop), per token or per sequence:
+    /// `token-tis:2`, `sequence-tis:2`, `token-mis:0.5:2`, `sequence-mis:0.5:2`, or `none`.
+    #[arg(long, default_value = "none", value_parser = parse_rollout_correction)]
+    pub rollout_correction: CorrectionArg,
 }
 
 /// The optimiser and its schedule.
@@ -332,6 +364,12 @@ impl TrainArgs {
             lr_decay: opt.lr_decay,
             seed: batches.train_seed,
             dpo_beta: obj.dpo_beta,
+            rollout_correction: match (obj.objective, obj.rollout_correction.0) {
+                (ObjectiveArg::Dpo, Some(_)) => {
+                    anyhow::bail!("--rollout-correction applies to the token-level losses, not to DPO's pairs")
+                }
+                (_, c) => c,
+            },
             skip_bad_records: run.skip_bad_records,
             save_every: run.save_every,
             resume: run.resume,

@@ -8,7 +8,7 @@ use crate::model::Llama;
 use crate::sample::Sample;
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
-use topr_loss::{LogProbConfig, Normalizer, backward_through_logprobs};
+use topr_loss::{LogProbConfig, Normalizer, RolloutCorrection, backward_through_logprobs};
 
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
 /// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
@@ -81,8 +81,15 @@ fn micro_batches(batch: &[Unit], micro: usize, device: tch::Device) -> Result<Ve
 
 /// Accumulates the gradient of one optimiser step over micro-batches of about `micro`
 /// completions (does not step). The loss uses the counts of the whole step, so the sum over
-/// micro-batches is the full-batch loss and its gradient.
-pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> Result<StepStats> {
+/// micro-batches is the full-batch loss and its gradient. With a `correction`, each token-level
+/// loss's terms are weighted by its importance weights of π against μ (`topr_loss::rollout_weights`).
+pub fn accumulate(
+    model: &Llama,
+    batch: &[Unit],
+    micro: usize,
+    loss: &Loss,
+    correction: Option<&RolloutCorrection>,
+) -> Result<StepStats> {
     let parts = micro_batches(batch, micro, model.device())?;
     let masks: Vec<&Tensor> = parts.iter().map(|p| &p.mask).collect();
     let normalizer = Normalizer::from_masks(&masks)?;
@@ -95,7 +102,7 @@ pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> R
         let logits = model.logits(&p.ids, &p.attn);
         let l = p.ids.size()[1];
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
-            loss.micro_batch(lp, p, normalizer, pairs_in_step, &mut tally)
+            loss.micro_batch(lp, p, normalizer, pairs_in_step, correction, &mut tally)
         })?;
         values.push(value.detach());
         tokens.push(p.mask.sum(Kind::Int64));
@@ -109,7 +116,9 @@ pub fn accumulate(model: &Llama, batch: &[Unit], micro: usize, loss: &Loss) -> R
     stats.log_ratio_mean = tally.log_ratio / stats.tokens.max(1) as f64;
     match loss {
         Loss::Topr(_) => stats.topr = Some(topr_stats(&tally.diags)),
-        Loss::Ppo(_) => stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64),
+        Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => {
+            stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64)
+        }
         Loss::Dpo(_) => {
             stats.dpo_accuracy = Some(tally.dpo_accuracy / pairs_in_step);
             stats.dpo_margin = Some(tally.dpo_margin / pairs_in_step);

@@ -63,6 +63,10 @@ pub struct TrainSettings {
     pub seed: u64,
     /// DPO's β.
     pub dpo_beta: f64,
+    /// Importance weights of π against μ on the token-level losses' terms (`None`: off). Absent
+    /// from run records written before it existed, which then read as off.
+    #[serde(default, with = "correction_setting")]
+    pub rollout_correction: Option<topr_loss::RolloutCorrection>,
     /// Skip malformed data-set records and completions longer than the context (counted) instead
     /// of refusing the data set.
     pub skip_bad_records: bool,
@@ -72,6 +76,45 @@ pub struct TrainSettings {
     /// Continue from the saved state of an interrupted run in the same output directory.
     #[serde(skip)]
     pub resume: bool,
+}
+
+/// `Option<topr_loss::RolloutCorrection>` (which has no serde support) as `null` or
+/// `{"level": "token"|"sequence", "rule": "truncate"|"mask", "min": lo, "max": hi}` (`max` may be
+/// `null` for no upper bound).
+mod correction_setting {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error};
+    use topr_loss::{CorrectionLevel, RolloutCorrection, WeightRule};
+
+    #[derive(Serialize, Deserialize)]
+    struct Setting {
+        level: String,
+        rule: String,
+        min: f64,
+        max: Option<f64>,
+    }
+
+    pub fn serialize<S: Serializer>(c: &Option<RolloutCorrection>, s: S) -> Result<S::Ok, S::Error> {
+        c.map(|c| Setting {
+            level: if c.level == CorrectionLevel::Sequence { "sequence" } else { "token" }.into(),
+            rule: if c.rule == WeightRule::Mask { "mask" } else { "truncate" }.into(),
+            min: c.min,
+            max: c.max.is_finite().then_some(c.max),
+        })
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<RolloutCorrection>, D::Error> {
+        let Some(v) = Option::<Setting>::deserialize(d)? else { return Ok(None) };
+        let max = v.max.unwrap_or(f64::INFINITY);
+        let c = match (v.level.as_str(), v.rule.as_str()) {
+            ("token", "truncate") => RolloutCorrection::token_tis(max),
+            ("sequence", "truncate") => RolloutCorrection::sequence_tis(max),
+            ("token", "mask") => RolloutCorrection::token_mis(v.min, max),
+            ("sequence", "mask") => RolloutCorrection::sequence_mis(v.min, max),
+            (l, r) => return Err(D::Error::custom(format!("unknown rollout correction {l}/{r}"))),
+        };
+        Ok(Some(c.with_bounds(v.min, max).with_checks(topr_loss::Checks::Shapes)))
+    }
 }
 
 /// `topr_loss::RatioLevel` (which has no serde support) as `sequence`, `sequence_mean` or
@@ -262,7 +305,7 @@ fn optimizer_step(
     batch: &[Unit],
 ) -> Result<StepRecord> {
     opt.zero_grad();
-    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss)?;
+    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, o.rollout_correction.as_ref())?;
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }

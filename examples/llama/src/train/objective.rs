@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
     AggregationMode, Checks, DpoConfig, DpoDiagnostics, GroupAdvantage, LossError, Normalizer, OnDevice, PpoConfig,
-    RatioLevel, SequenceReduce, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
-    baseline_for_effective_proportion, dpo_loss_output, group_advantages, ppo_clip_loss_output, sequence_logprobs,
-    topr_token_loss_output,
+    RatioLevel, RolloutCorrection, SequenceReduce, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
+    apply_token_weights, baseline_for_effective_proportion, cispo_loss_output, dpo_loss_output, group_advantages,
+    gspo_loss_output, ppo_clip_loss_output, rollout_weights, sequence_logprobs, topr_token_loss_output,
 };
 
 /// The objectives `train` offers.
@@ -30,6 +30,12 @@ pub enum Objective {
     Grpo,
     /// DPO (sigmoid) on (correct, incorrect) pairs of the same prompt, μ as the reference.
     Dpo,
+    /// GSPO (sequence ratio `exp(mean_t δ)`, ε = 3e-4/4e-4, sequence mean) with GRPO's group
+    /// advantages.
+    Gspo,
+    /// CISPO (clipped, stop-gradient ratio on REINFORCE; ε_high = 0.28) with GRPO's group
+    /// advantages.
+    Cispo,
 }
 
 impl Objective {
@@ -41,7 +47,7 @@ impl Objective {
             Self::Sft => ToprConfig::sft(),
             Self::Reinforce => ToprConfig::naive_reinforce(),
             Self::Is => ToprConfig::importance_sampling(),
-            Self::Ppo | Self::Grpo | Self::Dpo => return None,
+            Self::Ppo | Self::Grpo | Self::Dpo | Self::Gspo | Self::Cispo => return None,
         })
     }
 
@@ -93,7 +99,7 @@ pub fn resolve_baseline(data: &[Sample], baseline: Baseline) -> Result<(f64, f64
 pub fn p_tilde(objective: Objective, p: f64, c: f64) -> Result<Option<f64>> {
     Ok(match objective {
         Objective::Sft => Some(1.0),
-        Objective::Grpo | Objective::Dpo => None,
+        Objective::Grpo | Objective::Dpo | Objective::Gspo | Objective::Cispo => None,
         _ => Some(topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?),
     })
 }
@@ -105,6 +111,10 @@ pub enum Loss {
     Topr(ToprTokenConfig),
     /// PPO-clip on per-sequence advantages.
     Ppo(PpoConfig),
+    /// GSPO on per-sequence advantages.
+    Gspo(PpoConfig),
+    /// CISPO on per-sequence advantages.
+    Cispo(PpoConfig),
     /// DPO on pairs.
     Dpo(DpoConfig),
 }
@@ -124,6 +134,8 @@ impl Loss {
                 Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean).with_checks(fast))
             }
             Objective::Dpo => Loss::Dpo(DpoConfig::dpo().with_beta(dpo_beta).with_checks(fast)),
+            Objective::Gspo => Loss::Gspo(PpoConfig::gspo().with_checks(fast)),
+            Objective::Cispo => Loss::Cispo(PpoConfig::cispo().with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
@@ -140,6 +152,7 @@ impl Loss {
         p: &MicroBatch,
         normalizer: Normalizer,
         pairs_in_step: f64,
+        correction: Option<&RolloutCorrection>,
         tally: &mut Tally,
     ) -> Result<Tensor, LossError> {
         let delta = &lp.logp.detach() - &p.logp_mu;
@@ -149,13 +162,19 @@ impl Loss {
                 // The loss and its diagnostics from one pass, with the step's counts.
                 let out = topr_token_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?;
                 tally.diags.push(out.diagnostics);
-                Ok(out.loss)
+                self.corrected(out.loss, &out.terms, lp, p, cfg.aggregation, &normalizer, correction)
             }
-            Loss::Ppo(cfg) => {
+            Loss::Ppo(cfg) | Loss::Gspo(cfg) | Loss::Cispo(cfg) => {
                 let ratio = delta.exp();
                 let outside = ratio.lt(1.0 - cfg.clip_low).logical_or(&ratio.gt(1.0 + cfg.clip_high));
                 tally.clipped.push(masked_sum(&outside, &lp.mask));
-                Ok(ppo_clip_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?.loss)
+                let (logp, mu, adv, mask) = (&lp.logp, &p.logp_mu, &p.values, &lp.mask);
+                let out = match self {
+                    Loss::Gspo(_) => gspo_loss_output(logp, mu, adv, mask, cfg, &normalizer)?,
+                    Loss::Cispo(_) => cispo_loss_output(logp, mu, adv, mask, cfg, &normalizer)?,
+                    _ => ppo_clip_loss_output(logp, mu, adv, mask, cfg, &normalizer)?,
+                };
+                self.corrected(out.loss, &out.terms, lp, p, cfg.aggregation, &normalizer, correction)
             }
             Loss::Dpo(cfg) => {
                 let n = lp.logp.size()[0] / 2;
@@ -169,6 +188,27 @@ impl Loss {
                 Ok(out.loss)
             }
         }
+    }
+}
+
+impl Loss {
+    /// `loss`, or, with a rollout correction, the loss's per-token `terms` weighted by the
+    /// correction's importance weights of π (detached) against μ and reduced the same way
+    /// (verl's "bypass mode": the current policy stands for the trainer's π_old).
+    #[allow(clippy::too_many_arguments)]
+    fn corrected(
+        &self,
+        loss: Tensor,
+        terms: &Tensor,
+        lp: &TokenLogProbs,
+        p: &MicroBatch,
+        mode: AggregationMode,
+        normalizer: &Normalizer,
+        correction: Option<&RolloutCorrection>,
+    ) -> Result<Tensor, LossError> {
+        let Some(rc) = correction else { return Ok(loss) };
+        let w = rollout_weights(&lp.logp, &p.logp_mu, &lp.mask, rc)?;
+        apply_token_weights(terms, &w.weights, &lp.mask, mode, normalizer)
     }
 }
 
@@ -273,7 +313,7 @@ fn groups(samples: &[Sample]) -> Vec<Vec<&Sample>> {
 pub fn units(samples: &[Sample], objective: Objective, c: f64) -> Result<Vec<Unit<'_>>> {
     Ok(match objective {
         Objective::Ppo => samples.iter().map(|s| Unit::Single(s, (s.reward - c) as f32)).collect(),
-        Objective::Grpo => {
+        Objective::Grpo | Objective::Gspo | Objective::Cispo => {
             let mut out = vec![];
             for g in groups(samples) {
                 let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
