@@ -561,6 +561,17 @@ fn check_pairs(
 /// // Δ = 1 − (−1) = 2, h = 0.2: loss = −log σ(0.2)
 /// let want = (1.0 + (-0.2f64).exp()).ln();
 /// assert!((loss.double_value(&[]) - want).abs() < 1e-12);
+///
+/// // Robust DPO with ε = 0.1: [−0.9 log σ(0.2) + 0.1 log σ(−0.2)] / 0.8
+/// let robust = dpo_loss(&pc, &pr, &rc, &rr, &DpoConfig::robust(0.1))?.double_value(&[]);
+/// let log_sigmoid = |x: f64| -(1.0 + (-x).exp()).ln();
+/// assert!((robust - (-0.9 * log_sigmoid(0.2) + 0.1 * log_sigmoid(-0.2)) / 0.8).abs() < 1e-12);
+///
+/// // DiscoPOP stays finite where e^{−h} overflows: h = −2000 gives ≈ −log σ(h) = 2000.
+/// let far = Tensor::from_slice(&[-20_000.0f64]);
+/// let z = Tensor::from_slice(&[0.0f64]);
+/// let disco = dpo_loss(&far, &z, &z, &z, &DpoConfig::discopop())?.double_value(&[]);
+/// assert!((disco - 2000.0).abs() < 1e-9);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn dpo_loss(
