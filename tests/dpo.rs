@@ -4,12 +4,12 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
+use serde_json::json;
 use tch::{Kind, Tensor};
 use topr_loss::{
     Checks, DpoConfig, DpoMix, DpoVariant, LossError, Normalizer, dpo_loss, dpo_loss_output, dpo_mix_loss,
     dpo_mix_loss_output, dpo_rewards,
 };
-use serde_json::json;
 
 /// log σ(x) by cases, stable for large |x|.
 fn log_sigmoid(x: f64) -> f64 {
@@ -573,8 +573,16 @@ fn batch(seed: u64) -> Batch {
     let n = 8;
     let lc: Vec<f64> = spread(seed + 4, n, 3.0, 40.0).iter().map(|x| x.floor()).collect();
     let lr: Vec<f64> = spread(seed + 5, n, 3.0, 40.0).iter().map(|x| x.floor()).collect();
-    let scaled = |s: u64, l: &[f64]| -> Vec<f64> { spread(s, n, -2.0, -0.2).iter().zip(l).map(|(x, l)| x * l).collect() };
-    Batch { pc: scaled(seed, &lc), pr: scaled(seed + 1, &lr), rc: scaled(seed + 2, &lc), rr: scaled(seed + 3, &lr), lc, lr }
+    let scaled =
+        |s: u64, l: &[f64]| -> Vec<f64> { spread(s, n, -2.0, -0.2).iter().zip(l).map(|(x, l)| x * l).collect() };
+    Batch {
+        pc: scaled(seed, &lc),
+        pr: scaled(seed + 1, &lr),
+        rc: scaled(seed + 2, &lc),
+        rr: scaled(seed + 3, &lr),
+        lc,
+        lr,
+    }
 }
 
 /// TRL's `ipo` and `sigmoid_norm` average the summed log-ratios over the completion's tokens; the
@@ -593,9 +601,8 @@ fn crate_mix(x: &Batch, mix: &DpoMix) -> (f64, Vec<f64>, Vec<f64>) {
     let (c, r) = (leaf(&t1(&per(&x.pc, &x.lc))), leaf(&t1(&per(&x.pr, &x.lr))));
     let loss = dpo_mix_loss(&c, &r, &t1(&per(&x.rc, &x.lc)), &t1(&per(&x.rr, &x.lr)), mix).unwrap();
     loss.backward();
-    let back = |g: Vec<f64>, l: &[f64]| -> Vec<f64> {
-        if avg { g.iter().zip(l).map(|(g, l)| g / l).collect() } else { g }
-    };
+    let back =
+        |g: Vec<f64>, l: &[f64]| -> Vec<f64> { if avg { g.iter().zip(l).map(|(g, l)| g / l).collect() } else { g } };
     (scalar(&loss), back(vec1(&c.grad()), &x.lc), back(vec1(&r.grad()), &x.lr))
 }
 
@@ -665,9 +672,12 @@ fn every_variant_matches_trl_1_16() {
 #[test]
 fn mixtures_match_trl_1_16() {
     let x: Vec<Batch> = (0..3).map(|k| batch(101 + 10 * k)).collect();
-    let cfg = |v: DpoVariant, beta: f64, eps: f64| DpoConfig::dpo().with_variant(v).with_beta(beta).with_label_smoothing(eps);
+    let cfg =
+        |v: DpoVariant, beta: f64, eps: f64| DpoConfig::dpo().with_variant(v).with_beta(beta).with_label_smoothing(eps);
     use DpoVariant as V;
-    let mixes: Vec<(Vec<(DpoVariant, f64)>, f64, f64)> = vec![
+    // (terms with their weights, β, the shared ε)
+    type Mix = (Vec<(DpoVariant, f64)>, f64, f64);
+    let mixes: Vec<Mix> = vec![
         (vec![(V::Sigmoid, 0.8), (V::BcoPair, 0.2)], 0.1, 0.0), // MPO's preference part
         (vec![(V::Robust, 1.0), (V::ExoPair, 0.5), (V::Aot, 2.0)], 0.3, 0.2),
         (vec![(V::ApoZero, 1.0), (V::Discopop, 0.25), (V::SppoHard, 0.1), (V::NcaPair, 3.0)], 0.2, 0.0),
@@ -677,7 +687,8 @@ fn mixtures_match_trl_1_16() {
     ];
     let mut cases = vec![];
     for (k, (terms, beta, eps)) in mixes.iter().enumerate() {
-        let eps_of = |v: DpoVariant| if matches!(v, V::Robust | V::ExoPair | V::Aot | V::AotUnpaired) { *eps } else { 0.0 };
+        let eps_of =
+            |v: DpoVariant| if matches!(v, V::Robust | V::ExoPair | V::Aot | V::AotUnpaired) { *eps } else { 0.0 };
         let mut mix = DpoMix::of(cfg(terms[0].0, *beta, eps_of(terms[0].0)), terms[0].1);
         for &(v, w) in &terms[1..] {
             mix = mix.with_term(cfg(v, *beta, eps_of(v)), w);
