@@ -678,7 +678,8 @@ fn discopop(h: &Tensor, tau: f64) -> Result<Tensor, LossError> {
 /// ```
 ///
 /// With `norm = Normalizer::sequences(S)` for the `S` pairs of a whole optimiser batch, the
-/// losses of its micro-batches sum to the loss of the batch.
+/// losses of its micro-batches sum to the loss of the batch, except for the AOT variants, which
+/// sort within the call (their `terms[k]` is the loss of rank `k`, not of pair `k`).
 ///
 /// Reference: as [`dpo_loss`]; the diagnostics are TRL's `rewards/*` metrics.
 ///
