@@ -12,7 +12,8 @@
 
 use crate::aggregate::Normalizer;
 use crate::checks::Checks;
-use crate::dpo::{DpoConfig, DpoDiagnostics, Inputs, check_inputs, dpo_diagnostics, per_pair_loss};
+use crate::dpo::{DpoConfig, DpoDiagnostics, dpo_diagnostics};
+use crate::dpo_pairs::{Inputs, check_inputs, per_pair_loss};
 use crate::error::LossError;
 use crate::output::LossOutput;
 use crate::validate;

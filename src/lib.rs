@@ -63,7 +63,8 @@
 //!   PPO-clip (dual clip, clip-higher), GSPO, CISPO (`src/ppo.rs`).
 //! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] and [`DpoDiagnostics`] — DPO, cDPO, IPO,
 //!   hinge, reference-free, and TRL's other pairwise losses: robust DPO, EXO, NCA, BCO, SPPO, AOT,
-//!   APO, DiscoPOP, length-normalised DPO ([`DpoVariant`], `src/dpo.rs`).
+//!   APO, DiscoPOP, length-normalised DPO ([`DpoVariant`], `src/dpo.rs`; the per-pair formulas in
+//!   `src/dpo_pairs.rs`).
 //! - [`dpo_mix_loss`] with [`DpoMix`] — a weighted sum of DPO-family losses, TRL's
 //!   `loss_type=[..]` with `loss_weights` (`src/dpo_mix.rs`).
 //! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE) and [`whiten`]
@@ -142,6 +143,7 @@ mod checks;
 mod diagnostics;
 mod dpo;
 mod dpo_mix;
+mod dpo_pairs;
 mod error;
 mod kl;
 mod logprobs;
