@@ -2,27 +2,45 @@
 //! and a rejected completion per prompt.
 //!
 //! ```text
-//! Δ = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))      h = β Δ
+//! ρ_w = log π(y_w) − log π_ref(y_w)     ρ_l = log π(y_l) − log π_ref(y_l)     Δ = ρ_w − ρ_l     h = β Δ
 //!
-//! Sigmoid (DPO, cDPO)   ℓ = −(1 − ε) log σ(h) − ε log σ(−h)       (ε: cDPO's label smoothing)
-//! Ipo                   ℓ = (Δ − 1/(2β))²
+//! Sigmoid (DPO, cDPO)   ℓ = −(1 − ε) log σ(h) − ε log σ(−h)            (ε: cDPO's label smoothing)
+//! SigmoidNorm           the sigmoid loss on per-token averaged log-probs
+//! Ipo                   ℓ = (Δ − 1/(2β))²                               (per-token averaged log-probs)
 //! Hinge (RSO)           ℓ = max(0, 1 − h)
+//! Robust (rDPO)         ℓ = [−(1 − ε) log σ(h) + ε log σ(−h)] / (1 − 2ε)
+//! ExoPair (EXO)         ℓ = σ(h) [log σ(h) − log(1 − ε)] + σ(−h) [log σ(−h) − log ε]
+//! NcaPair (NCA)         ℓ = −log σ(βρ_w) − ½ log σ(−βρ_w) − ½ log σ(−βρ_l)
+//! BcoPair (BCO)         ℓ = −log σ(βρ_w) − log σ(−βρ_l)
+//! SppoHard (SPPO)       ℓ = (ρ_w − 1/(2β))² + (ρ_l + 1/(2β))²
+//! ApoZero (APO)         ℓ = σ(−βρ_w) + σ(βρ_l)
+//! ApoDown (APO)         ℓ = σ(βρ_w) + σ(−h)
+//! Discopop (DiscoPOP)   ℓ = −log σ(h) · σ(−h/τ) + e^{−h} · σ(h/τ)
+//! Aot (AOT, paired)     the sigmoid loss on h_k = β (sort(m)_k − sort(m_ref)_k),  m = log π(y_w) − log π(y_l)
+//! AotUnpaired           the sigmoid loss on h_k = β (sort(ρ_w)_k − sort(ρ_l)_k)
 //! reference-free        log π_ref ≡ 0
 //! ```
 //!
 //! `log σ` is computed as `log_sigmoid`, never `log(sigmoid(·))`, in f32 or wider, so margins of
-//! `±1e4` give finite values and gradients.
+//! `±1e4` give finite values and gradients. DiscoPOP's `e^{−h} σ(h/τ)` is computed as
+//! `exp(log σ(h/τ) − h)`, whose exponent is bounded above for `τ ≤ 1`.
 //!
-//! Label smoothing `ε` is conservative DPO (cDPO, Mitchell 2023), TRL's `loss_type="sigmoid"` with
-//! `label_smoothing`. TRL's `loss_type="robust"` is a different loss (Chowdhury et al., *Provably
-//! Robust DPO*, arXiv 2403.00409: the cDPO terms with `+ε`, divided by `1 − 2ε`); it is not
-//! implemented here.
+//! Label smoothing `ε` is conservative DPO (cDPO, Mitchell 2023) in the sigmoid loss. TRL's
+//! `loss_type="robust"` is a different loss ([`DpoVariant::Robust`], Chowdhury et al., arXiv
+//! 2403.00409: the cDPO terms with the sign of the flipped term reversed, divided by `1 − 2ε`, an
+//! unbiased estimate of the clean DPO loss under label noise).
+//!
+//! The two AOT variants sort margins across the batch: pair `i`'s loss depends on the other
+//! pairs, so they are not split-invariant (micro-batches sort separately), and their per-pair
+//! `terms` belong to ranks, not to pairs. Several losses can be combined with weights
+//! (TRL's `loss_type=[..]`, `loss_weights=[..]`) by [`crate::DpoMix`].
 
 use crate::aggregate::Normalizer;
 use crate::checks::Checks;
+use crate::dpo_pairs::{Inputs, Pairs, check_inputs, per_pair_loss};
 use crate::error::LossError;
 use crate::output::{LossOutput, OnDevice, diagnostics_struct};
-use crate::validate::{self, FiniteCheck};
+use crate::validate;
 use tch::{Kind, Tensor};
 
 /// The DPO loss family.
@@ -44,6 +62,47 @@ pub enum DpoVariant {
     Ipo,
     /// `max(0, 1 − β Δ)`: the hinge loss of SLiC / RSO (Liu et al., arXiv 2309.06657).
     Hinge,
+    /// `[−(1 − ε) log σ(h) + ε log σ(−h)] / (1 − 2ε)`: robust DPO (Chowdhury et al., arXiv
+    /// 2403.00409; TRL's `robust`), the unbiased estimate of the DPO loss when a share `ε` of the
+    /// labels is flipped. `ε ∈ [0, 0.5)`; with `ε = 0` it is DPO. Not cDPO: the flipped term has
+    /// the opposite sign, and the loss is unbounded below as `h → +∞` when `ε > 0`.
+    Robust,
+    /// `σ(h) [log σ(h) − log(1 − ε)] + σ(−h) [log σ(−h) − log ε]`: EXO on pairs (Ji et al.,
+    /// arXiv 2402.00856, eq. 16; TRL's `exo_pair`), the reverse KL from the policy's pairwise
+    /// preference `σ(h)` to the smoothed label `(1 − ε, ε)`. Needs `ε ∈ (0, 1)` (the paper uses
+    /// `1e-3`): at `ε = 0`, `log ε = −∞`.
+    ExoPair,
+    /// `−log σ(βρ_w) − ½ log σ(−βρ_w) − ½ log σ(−βρ_l)`: NCA on pairs (Chen et al., arXiv
+    /// 2402.05369; TRL's `nca_pair`), on each completion's own reward rather than the margin.
+    NcaPair,
+    /// `−log σ(βρ_w) − log σ(−βρ_l)`: BCO on pairs (Jung et al., arXiv 2404.04656; TRL's
+    /// `bco_pair`) *without* the paper's reward shift δ (a running mean of the rewards), as TRL.
+    BcoPair,
+    /// `(ρ_w − 1/(2β))² + (ρ_l + 1/(2β))²`: SPPO with hard preference probabilities 1 and 0 (Wu et
+    /// al., arXiv 2405.00675, eq. 4.7; TRL's `sppo_hard`).
+    SppoHard,
+    /// The sigmoid loss (with label smoothing `ε`, as cDPO) on `h_k = β (sort(m)_k − sort(m_ref)_k)`,
+    /// `m = log π(y_w) − log π(y_l)` and `m_ref` the same under the reference, each sorted across
+    /// the batch: AOT, paired (Melnyk et al., arXiv 2406.05882; TRL's `aot`). Couples the pairs of
+    /// a batch: not split-invariant.
+    Aot,
+    /// The sigmoid loss (with label smoothing `ε`) on `h_k = β (sort(ρ_w)_k − sort(ρ_l)_k)`: AOT
+    /// for unpaired data (Melnyk et al., arXiv 2406.05882; TRL's `aot_unpaired`). Couples the pairs
+    /// of a batch: not split-invariant.
+    AotUnpaired,
+    /// `σ(−βρ_w) + σ(βρ_l)`: APO-zero (D'Oosterlinck et al., arXiv 2408.06266, eq. 7; TRL's
+    /// `apo_zero`): raise the chosen likelihood, lower the rejected one.
+    ApoZero,
+    /// `σ(βρ_w) + σ(−h)`: APO-down (D'Oosterlinck et al., arXiv 2408.06266, eq. 8; TRL's
+    /// `apo_down`): lower both likelihoods, the rejected one more.
+    ApoDown,
+    /// `−log σ(h) · σ(−h/τ) + e^{−h} · σ(h/τ)`: DiscoPOP, the log-ratio modulated loss (Chris Lu et
+    /// al., arXiv 2406.08414, eq. 5; TRL's `discopop`), with `τ` = [`DpoConfig::discopop_tau`].
+    Discopop,
+    /// `−(1 − ε) log σ(h) − ε log σ(−h)` on log-probs *averaged* over each completion's tokens
+    /// (TRL's `sigmoid_norm`): the same formula as `Sigmoid`; pass
+    /// `sequence_logprobs(.., SequenceReduce::Mean)` for policy and reference, as for IPO.
+    SigmoidNorm,
 }
 
 /// Configuration of [`dpo_loss`] and [`dpo_rewards`].
@@ -66,10 +125,15 @@ pub enum DpoVariant {
 pub struct DpoConfig {
     /// `β > 0`: the strength of the implicit KL constraint.
     pub beta: f64,
-    /// `ε ∈ [0, 0.5]`: the assumed share of flipped preference labels (sigmoid variant only).
+    /// `ε`: the assumed share of flipped preference labels: `[0, 0.5]` for `Sigmoid`,
+    /// `SigmoidNorm`, `Aot`, `AotUnpaired` (cDPO), `[0, 0.5)` for `Robust`; EXO's smoothing
+    /// `(0, 1)` for `ExoPair`; 0 for the other variants.
     pub label_smoothing: f64,
     /// Which loss.
     pub variant: DpoVariant,
+    /// `τ > 0`: DiscoPOP's temperature ([`DpoVariant::Discopop`] only; TRL's `discopop_tau`,
+    /// default 0.05). `τ ≤ 1` keeps the loss finite for every finite margin.
+    pub discopop_tau: f64,
     /// Ignore the reference log-probs (`log π_ref ≡ 0`); the `logp_ref_*` arguments may then be
     /// undefined tensors (`Tensor::new()`).
     pub reference_free: bool,
@@ -94,6 +158,7 @@ impl DpoConfig {
             beta: 0.1,
             label_smoothing: 0.0,
             variant: DpoVariant::Sigmoid,
+            discopop_tau: 0.05,
             reference_free: false,
             checks: Checks::Full,
         }
@@ -125,6 +190,127 @@ impl DpoConfig {
     /// ```
     pub const fn hinge() -> Self {
         Self::dpo().with_variant(DpoVariant::Hinge)
+    }
+
+    /// Robust DPO with the share `ε ∈ [0, 0.5)` of flipped labels. Chowdhury et al., arXiv
+    /// 2403.00409; TRL's `loss_type="robust"` with `label_smoothing`.
+    ///
+    /// ```
+    /// use topr_loss::{DpoConfig, DpoVariant};
+    /// assert_eq!(DpoConfig::robust(0.1).variant, DpoVariant::Robust);
+    /// assert!(DpoConfig::robust(0.5).validate().is_err()); // 1 − 2ε = 0
+    /// ```
+    pub const fn robust(label_smoothing: f64) -> Self {
+        Self::dpo().with_variant(DpoVariant::Robust).with_label_smoothing(label_smoothing)
+    }
+
+    /// EXO on pairs with label smoothing `ε ∈ (0, 1)` (the paper uses `1e-3`). Ji et al., arXiv
+    /// 2402.00856; TRL's `loss_type="exo_pair"` with `label_smoothing`.
+    ///
+    /// ```
+    /// use topr_loss::DpoConfig;
+    /// assert!(DpoConfig::exo_pair(1e-3).validate().is_ok());
+    /// assert!(DpoConfig::exo_pair(0.0).validate().is_err()); // log ε = −∞
+    /// ```
+    pub const fn exo_pair(label_smoothing: f64) -> Self {
+        Self::dpo().with_variant(DpoVariant::ExoPair).with_label_smoothing(label_smoothing)
+    }
+
+    /// NCA on pairs, `β = 0.1`. Chen et al., arXiv 2402.05369; TRL's `loss_type="nca_pair"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::nca_pair().variant, topr_loss::DpoVariant::NcaPair);
+    /// ```
+    pub const fn nca_pair() -> Self {
+        Self::dpo().with_variant(DpoVariant::NcaPair)
+    }
+
+    /// BCO on pairs without the reward shift δ, `β = 0.1`. Jung et al., arXiv 2404.04656; TRL's
+    /// `loss_type="bco_pair"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::bco_pair().variant, topr_loss::DpoVariant::BcoPair);
+    /// ```
+    pub const fn bco_pair() -> Self {
+        Self::dpo().with_variant(DpoVariant::BcoPair)
+    }
+
+    /// SPPO with hard probabilities, `β = 0.1`. Wu et al., arXiv 2405.00675; TRL's
+    /// `loss_type="sppo_hard"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::sppo_hard().variant, topr_loss::DpoVariant::SppoHard);
+    /// ```
+    pub const fn sppo_hard() -> Self {
+        Self::dpo().with_variant(DpoVariant::SppoHard)
+    }
+
+    /// AOT, paired, `β = 0.1`, no label smoothing. Melnyk et al., arXiv 2406.05882; TRL's
+    /// `loss_type="aot"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::aot().variant, topr_loss::DpoVariant::Aot);
+    /// ```
+    pub const fn aot() -> Self {
+        Self::dpo().with_variant(DpoVariant::Aot)
+    }
+
+    /// AOT for unpaired data, `β = 0.1`, no label smoothing. Melnyk et al., arXiv 2406.05882;
+    /// TRL's `loss_type="aot_unpaired"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::aot_unpaired().variant, topr_loss::DpoVariant::AotUnpaired);
+    /// ```
+    pub const fn aot_unpaired() -> Self {
+        Self::dpo().with_variant(DpoVariant::AotUnpaired)
+    }
+
+    /// APO-zero, `β = 0.1`. D'Oosterlinck et al., arXiv 2408.06266; TRL's `loss_type="apo_zero"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::apo_zero().variant, topr_loss::DpoVariant::ApoZero);
+    /// ```
+    pub const fn apo_zero() -> Self {
+        Self::dpo().with_variant(DpoVariant::ApoZero)
+    }
+
+    /// APO-down, `β = 0.1`. D'Oosterlinck et al., arXiv 2408.06266; TRL's `loss_type="apo_down"`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::apo_down().variant, topr_loss::DpoVariant::ApoDown);
+    /// ```
+    pub const fn apo_down() -> Self {
+        Self::dpo().with_variant(DpoVariant::ApoDown)
+    }
+
+    /// DiscoPOP, `β = 0.1`, `τ = 0.05`. Chris Lu et al., arXiv 2406.08414; TRL's
+    /// `loss_type="discopop"` with `discopop_tau`.
+    ///
+    /// ```
+    /// let cfg = topr_loss::DpoConfig::discopop();
+    /// assert_eq!((cfg.variant, cfg.discopop_tau), (topr_loss::DpoVariant::Discopop, 0.05));
+    /// ```
+    pub const fn discopop() -> Self {
+        Self::dpo().with_variant(DpoVariant::Discopop)
+    }
+
+    /// DPO on per-token averaged log-probs, `β = 0.1`: TRL's `loss_type="sigmoid_norm"`. Pass
+    /// `sequence_logprobs(.., SequenceReduce::Mean)` for policy and reference.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::sigmoid_norm().variant, topr_loss::DpoVariant::SigmoidNorm);
+    /// ```
+    pub const fn sigmoid_norm() -> Self {
+        Self::dpo().with_variant(DpoVariant::SigmoidNorm)
+    }
+
+    /// The same config with DiscoPOP's temperature `τ`.
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::DpoConfig::discopop().with_discopop_tau(0.1).discopop_tau, 0.1);
+    /// ```
+    pub const fn with_discopop_tau(self, discopop_tau: f64) -> Self {
+        Self { discopop_tau, ..self }
     }
 
     /// The same config with another `β`.
@@ -177,13 +363,16 @@ impl DpoConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// [`LossError::InvalidConfig`]: `β` not finite and `> 0`; `ε ∉ [0, 0.5]`; `ε > 0` with a
-    /// variant other than `Sigmoid` (where it has no meaning).
+    /// [`LossError::InvalidConfig`]: `β` not finite and `> 0`; `ε` outside its variant's range
+    /// (`[0, 0.5]` for the cDPO-smoothed `Sigmoid`, `SigmoidNorm`, `Aot`, `AotUnpaired`;
+    /// `[0, 0.5)` for `Robust`; `(0, 1)` for `ExoPair`; `ε > 0` with a variant that has no label
+    /// smoothing); DiscoPOP's `τ` not finite and `> 0`.
     ///
     /// ```
     /// use topr_loss::DpoConfig;
     /// let bad = DpoConfig::ipo().with_label_smoothing(0.1);
     /// assert!(bad.validate().is_err());
+    /// assert!(DpoConfig::discopop().with_discopop_tau(0.0).validate().is_err());
     /// ```
     pub fn validate(&self) -> Result<(), LossError> {
         if !(self.beta.is_finite() && self.beta > 0.0) {
@@ -193,29 +382,41 @@ impl DpoConfig {
                 reason: "β must be finite and > 0".into(),
             });
         }
-        let eps = self.label_smoothing;
-        if !(0.0..=0.5).contains(&eps) {
+        if !(self.discopop_tau.is_finite() && self.discopop_tau > 0.0) {
             return Err(LossError::InvalidConfig {
-                field: "label_smoothing",
-                value: eps,
-                reason: "the share of flipped labels must lie in [0, 0.5]".into(),
+                field: "discopop_tau",
+                value: self.discopop_tau,
+                reason: "DiscoPOP's temperature τ must be finite and > 0".into(),
             });
         }
-        if eps > 0.0 && self.variant != DpoVariant::Sigmoid {
-            return Err(LossError::InvalidConfig {
-                field: "label_smoothing",
-                value: eps,
-                reason: format!("label smoothing applies to the sigmoid loss only, not {:?}", self.variant),
-            });
+        let eps = self.label_smoothing;
+        let bad = |reason: String| Err(LossError::InvalidConfig { field: "label_smoothing", value: eps, reason });
+        match self.variant {
+            DpoVariant::ExoPair if !(eps > 0.0 && eps < 1.0) => {
+                return bad("EXO's label smoothing must lie in (0, 1): log ε and log(1 − ε) must be finite".into());
+            }
+            DpoVariant::ExoPair => {}
+            _ if !(0.0..=0.5).contains(&eps) => {
+                return bad("the share of flipped labels must lie in [0, 0.5]".into());
+            }
+            DpoVariant::Robust if eps >= 0.5 => {
+                return bad("robust DPO divides by 1 − 2ε: the share of flipped labels must lie in [0, 0.5)".into());
+            }
+            DpoVariant::Sigmoid
+            | DpoVariant::SigmoidNorm
+            | DpoVariant::Robust
+            | DpoVariant::Aot
+            | DpoVariant::AotUnpaired => {}
+            other if eps > 0.0 => {
+                return bad(format!(
+                    "label smoothing applies to the Sigmoid, SigmoidNorm, Robust, ExoPair, Aot and AotUnpaired \
+                     losses only, not {other:?}"
+                ));
+            }
+            _ => {}
         }
         Ok(())
     }
-}
-
-/// Checked inputs: the per-pair log-ratios of chosen and rejected, `[B]` each, in the compute dtype.
-struct Pairs {
-    chosen: Tensor,
-    rejected: Tensor,
 }
 
 fn check_pairs(
@@ -224,52 +425,40 @@ fn check_pairs(
     logp_ref_chosen: &Tensor,
     logp_ref_rejected: &Tensor,
     cfg: &DpoConfig,
-) -> Result<Pairs, LossError> {
+) -> Result<Inputs, LossError> {
     cfg.validate()?;
-    let mut args = vec![(logp_chosen, "logp_chosen"), (logp_rejected, "logp_rejected")];
-    if !cfg.reference_free {
-        args.push((logp_ref_chosen, "logp_ref_chosen"));
-        args.push((logp_ref_rejected, "logp_ref_rejected"));
-    }
-    let mut kinds = vec![];
-    for (t, name) in &args {
-        kinds.push(validate::float_tensor(t, name)?);
-    }
-    let shape = validate::rank(logp_chosen, "logp_chosen", 1, "[B] sequence log-probabilities")?;
-    validate::non_empty(&shape, "logp_chosen", "preference pair")?;
-    let device = logp_chosen.device();
-    for (t, name) in &args[1..] {
-        validate::same_shape(t, name, &shape, "the shape of `logp_chosen`")?;
-        validate::same_device(t, name, device, "logp_chosen")?;
-    }
-    if cfg.checks.values() {
-        let checks: Vec<FiniteCheck> =
-            args.iter().map(|&(t, argument)| FiniteCheck { clean: t, original: t, argument, valid: None }).collect();
-        validate::all_finite(&checks)?;
-    }
-    let kind = validate::compute_kind(&kinds);
-    let log_ratio = |policy: &Tensor, reference: &Tensor| -> Result<Tensor, LossError> {
-        let p = policy.f_to_kind(kind)?;
-        Ok(if cfg.reference_free { p } else { p.f_sub(&reference.f_detach()?.f_to_kind(kind)?)? })
-    };
-    Ok(Pairs {
-        chosen: log_ratio(logp_chosen, logp_ref_chosen)?,
-        rejected: log_ratio(logp_rejected, logp_ref_rejected)?,
-    })
+    check_inputs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, !cfg.reference_free, cfg.checks)
 }
 
-/// The DPO loss (sigmoid, cDPO, IPO, hinge; with or without a reference), averaged over pairs.
+/// The DPO loss (every [`DpoVariant`]; with or without a reference), averaged over pairs.
 ///
 /// ```text
-/// Δ_i = (π_w − ref_w) − (π_l − ref_l)        h_i = β Δ_i     (log-probs; ref ≡ 0 if reference-free)
-/// Sigmoid: ℓ_i = −(1 − ε) log σ(h_i) − ε log σ(−h_i)
-/// Ipo:     ℓ_i = (Δ_i − 1/(2β))²
-/// Hinge:   ℓ_i = max(0, 1 − h_i)
+/// ρ_w = π_w − ref_w    ρ_l = π_l − ref_l    Δ_i = ρ_w − ρ_l    h_i = β Δ_i   (log-probs; ref ≡ 0 if reference-free)
+/// Sigmoid, SigmoidNorm: ℓ_i = −(1 − ε) log σ(h_i) − ε log σ(−h_i)
+/// Ipo:         ℓ_i = (Δ_i − 1/(2β))²
+/// Hinge:       ℓ_i = max(0, 1 − h_i)
+/// Robust:      ℓ_i = [−(1 − ε) log σ(h_i) + ε log σ(−h_i)] / (1 − 2ε)
+/// ExoPair:     ℓ_i = σ(h_i) [log σ(h_i) − log(1 − ε)] + σ(−h_i) [log σ(−h_i) − log ε]
+/// NcaPair:     ℓ_i = −log σ(βρ_w) − ½ log σ(−βρ_w) − ½ log σ(−βρ_l)
+/// BcoPair:     ℓ_i = −log σ(βρ_w) − log σ(−βρ_l)
+/// SppoHard:    ℓ_i = (ρ_w − 1/(2β))² + (ρ_l + 1/(2β))²
+/// ApoZero:     ℓ_i = σ(−βρ_w) + σ(βρ_l)
+/// ApoDown:     ℓ_i = σ(βρ_w) + σ(−h_i)
+/// Discopop:    ℓ_i = −log σ(h_i) σ(−h_i/τ) + exp(log σ(h_i/τ) − h_i)      (= … + e^{−h_i} σ(h_i/τ))
+/// Aot:         ℓ_k = −(1 − ε) log σ(g_k) − ε log σ(−g_k),  g_k = β (sort(π_w − π_l)_k − sort(ref_w − ref_l)_k)
+/// AotUnpaired: the same with g_k = β (sort(ρ_w)_k − sort(ρ_l)_k)
 /// loss = (1/B) Σ_i ℓ_i
 /// ```
 ///
 /// Reference: Rafailov et al., arXiv 2305.18290 (DPO); Mitchell, *A note on DPO with noisy
-/// preferences* (cDPO); Azar et al., arXiv 2310.12036 (IPO); Liu et al., arXiv 2309.06657 (RSO).
+/// preferences* (cDPO); Azar et al., arXiv 2310.12036 (IPO); Liu et al., arXiv 2309.06657 (RSO);
+/// Chowdhury et al., arXiv 2403.00409 (robust); Ji et al., arXiv 2402.00856 (EXO); Chen et al.,
+/// arXiv 2402.05369 (NCA); Jung et al., arXiv 2404.04656 (BCO); Wu et al., arXiv 2405.00675
+/// (SPPO); Melnyk et al., arXiv 2406.05882 (AOT); D'Oosterlinck et al., arXiv 2408.06266 (APO);
+/// Lu et al., arXiv 2406.08414 (DiscoPOP); TRL 1.16's `DPOTrainer` `loss_type` of the same names.
+///
+/// The AOT variants sort across the batch, so a pair's loss depends on the other pairs of the
+/// call; the gradient flows through the sort to the pair each sorted value came from.
 ///
 /// # Arguments
 /// * `logp_chosen`, `logp_rejected` — `[B]` sequence log-probs of the preferred and
@@ -279,7 +468,9 @@ fn check_pairs(
 ///   ignored when `cfg.reference_free`).
 ///
 /// # Errors
-/// [`LossError::InvalidConfig`] for a bad config, and the tensor checks of [`LossError`].
+/// [`LossError::InvalidConfig`] for a bad config, and the tensor checks of [`LossError`];
+/// [`LossError::NonFiniteLoss`] (under [`Checks::Full`]) if the loss overflows, which only
+/// DiscoPOP with `τ > 1` and a margin `h ≪ 0` can do.
 ///
 /// # Example
 /// ```
@@ -293,6 +484,17 @@ fn check_pairs(
 /// // Δ = 1 − (−1) = 2, h = 0.2: loss = −log σ(0.2)
 /// let want = (1.0 + (-0.2f64).exp()).ln();
 /// assert!((loss.double_value(&[]) - want).abs() < 1e-12);
+///
+/// // Robust DPO with ε = 0.1: [−0.9 log σ(0.2) + 0.1 log σ(−0.2)] / 0.8
+/// let robust = dpo_loss(&pc, &pr, &rc, &rr, &DpoConfig::robust(0.1))?.double_value(&[]);
+/// let log_sigmoid = |x: f64| -(1.0 + (-x).exp()).ln();
+/// assert!((robust - (-0.9 * log_sigmoid(0.2) + 0.1 * log_sigmoid(-0.2)) / 0.8).abs() < 1e-12);
+///
+/// // DiscoPOP stays finite where e^{−h} overflows: h = −2000 gives ≈ −log σ(h) = 2000.
+/// let far = Tensor::from_slice(&[-20_000.0f64]);
+/// let z = Tensor::from_slice(&[0.0f64]);
+/// let disco = dpo_loss(&far, &z, &z, &z, &DpoConfig::discopop())?.double_value(&[]);
+/// assert!((disco - 2000.0).abs() < 1e-9);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn dpo_loss(
@@ -302,23 +504,9 @@ pub fn dpo_loss(
     logp_ref_rejected: &Tensor,
     cfg: &DpoConfig,
 ) -> Result<Tensor, LossError> {
-    let p = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
+    let inputs = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
+    let p = inputs.pairs(cfg.reference_free)?;
     validate::finite_loss(per_pair_loss(&p, cfg)?.f_mean(None::<Kind>)?, cfg.checks)
-}
-
-/// `ℓ_i` of each pair.
-fn per_pair_loss(p: &Pairs, cfg: &DpoConfig) -> Result<Tensor, LossError> {
-    let delta = p.chosen.f_sub(&p.rejected)?;
-    Ok(match cfg.variant {
-        DpoVariant::Sigmoid => {
-            let h = delta.f_mul_scalar(cfg.beta)?;
-            let eps = cfg.label_smoothing;
-            let agree = h.f_log_sigmoid()?.f_mul_scalar(-(1.0 - eps))?;
-            if eps > 0.0 { agree.f_sub(&h.f_neg()?.f_log_sigmoid()?.f_mul_scalar(eps)?)? } else { agree }
-        }
-        DpoVariant::Ipo => delta.f_sub_scalar(1.0 / (2.0 * cfg.beta))?.f_square()?,
-        DpoVariant::Hinge => delta.f_mul_scalar(-cfg.beta)?.f_add_scalar(1.0)?.f_relu()?,
-    })
 }
 
 /// [`dpo_loss`] with the number of pairs `S` from `norm` (`norm.sequences`, else `B`), its
@@ -329,7 +517,8 @@ fn per_pair_loss(p: &Pairs, cfg: &DpoConfig) -> Result<Tensor, LossError> {
 /// ```
 ///
 /// With `norm = Normalizer::sequences(S)` for the `S` pairs of a whole optimiser batch, the
-/// losses of its micro-batches sum to the loss of the batch.
+/// losses of its micro-batches sum to the loss of the batch, except for the AOT variants, which
+/// sort within the call (their `terms[k]` is the loss of rank `k`, not of pair `k`).
 ///
 /// Reference: as [`dpo_loss`]; the diagnostics are TRL's `rewards/*` metrics.
 ///
@@ -361,21 +550,26 @@ pub fn dpo_loss_output(
     cfg: &DpoConfig,
     norm: &Normalizer,
 ) -> Result<LossOutput<DpoDiagnostics>, LossError> {
-    let p = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
+    let inputs = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
+    let p = inputs.pairs(cfg.reference_free)?;
     let pairs = norm.sequences_or(p.chosen.size()[0] as f64)?;
     let terms = per_pair_loss(&p, cfg)?;
     let loss = validate::finite_loss(terms.f_sum(None::<Kind>)?.f_div_scalar(pairs)?, cfg.checks)?;
-    let chosen = p.chosen.f_detach()?.f_mul_scalar(cfg.beta)?;
-    let rejected = p.rejected.f_detach()?.f_mul_scalar(cfg.beta)?;
+    Ok(LossOutput { loss, terms, diagnostics: dpo_diagnostics(&p, cfg.beta)? })
+}
+
+/// [`DpoDiagnostics`] of the implicit rewards `β ρ`.
+pub(crate) fn dpo_diagnostics(p: &Pairs, beta: f64) -> Result<OnDevice<DpoDiagnostics>, LossError> {
+    let chosen = p.chosen.f_detach()?.f_mul_scalar(beta)?;
+    let rejected = p.rejected.f_detach()?.f_mul_scalar(beta)?;
     let mean = |t: &Tensor| t.f_mean(Kind::Double);
-    let diagnostics = OnDevice::new(&[
+    OnDevice::new(&[
         Tensor::f_scalar_tensor(chosen.size()[0] as f64, (Kind::Double, chosen.device()))?,
         mean(&chosen.f_gt_tensor(&rejected)?.f_to_kind(Kind::Double)?)?,
         mean(&chosen.f_sub(&rejected)?)?,
         mean(&chosen)?,
         mean(&rejected)?,
-    ])?;
-    Ok(LossOutput { loss, terms, diagnostics })
+    ])
 }
 
 /// What a DPO trainer logs, from the same pass as the loss ([`dpo_loss_output`]).
@@ -468,7 +662,8 @@ pub fn dpo_rewards(
     logp_ref_rejected: &Tensor,
     cfg: &DpoConfig,
 ) -> Result<DpoRewards, LossError> {
-    let p = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
+    let inputs = check_pairs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)?;
+    let p = inputs.pairs(cfg.reference_free)?;
     Ok(DpoRewards {
         chosen: p.chosen.f_detach()?.f_mul_scalar(cfg.beta)?,
         rejected: p.rejected.f_detach()?.f_mul_scalar(cfg.beta)?,

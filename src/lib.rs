@@ -62,7 +62,11 @@
 //! - [`ppo_clip_loss`], [`gspo_loss`], [`cispo_loss`] with [`PpoConfig`] and [`PpoDiagnostics`] —
 //!   PPO-clip (dual clip, clip-higher), GSPO, CISPO (`src/ppo.rs`).
 //! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] and [`DpoDiagnostics`] — DPO, cDPO, IPO,
-//!   hinge, reference-free (`src/dpo.rs`).
+//!   hinge, reference-free, and TRL's other pairwise losses: robust DPO, EXO, NCA, BCO, SPPO, AOT,
+//!   APO, DiscoPOP, length-normalised DPO ([`DpoVariant`], `src/dpo.rs`; the per-pair formulas in
+//!   `src/dpo_pairs.rs`).
+//! - [`dpo_mix_loss`] with [`DpoMix`] — a weighted sum of DPO-family losses, TRL's
+//!   `loss_type=[..]` with `loss_weights` (`src/dpo_mix.rs`).
 //! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE) and [`whiten`]
 //!   (`src/advantages.rs`).
 //! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, k2, k3 estimators as a loss
@@ -103,7 +107,8 @@
 //! | PPO-clip | `ppo_clip_loss(logp, logp_mu, advantages, mask, cfg)` | [`ppo_clip_loss_output`]`(.., cfg, norm)` | [`PpoConfig`]`::{ppo, dapo}` | [`PpoDiagnostics`] |
 //! | GSPO | `gspo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gspo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::gspo`] | [`PpoDiagnostics`] |
 //! | CISPO | `cispo_loss(logp, logp_mu, advantages, mask, cfg)` | [`cispo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::cispo`] | [`PpoDiagnostics`] |
-//! | DPO family | `dpo_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)` | [`dpo_loss_output`]`(.., cfg, norm)` | [`DpoConfig`]`::{dpo, cdpo, ipo, hinge}` | [`DpoDiagnostics`] |
+//! | DPO family | `dpo_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)` | [`dpo_loss_output`]`(.., cfg, norm)` | [`DpoConfig`]`::{dpo, cdpo, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm}` | [`DpoDiagnostics`] |
+//! | DPO mixture | `dpo_mix_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, mix)` | [`dpo_mix_loss_output`]`(.., mix, norm)` | [`DpoMix`]`::of(cfg, w).with_term(cfg, w)` | [`DpoDiagnostics`] |
 //! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3}` | [`KlDiagnostics`] |
 //!
 //! The conventions behind the table:
@@ -144,6 +149,8 @@ mod baseline;
 mod checks;
 mod diagnostics;
 mod dpo;
+mod dpo_mix;
+mod dpo_pairs;
 mod error;
 mod kl;
 mod logprobs;
@@ -165,6 +172,7 @@ pub use baseline::{
 pub use checks::{Checks, host_reads};
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
+pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
 pub use error::{LossError, TorchError};
 pub use kl::{KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_output};
 pub use logprobs::{

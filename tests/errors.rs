@@ -286,3 +286,60 @@ fn device_mismatch_is_an_error_when_a_gpu_is_present() {
     let e = topr_loss(&lp, &mu.to_device(tch::Device::Cuda(0)), &r, &ToprConfig::default()).unwrap_err();
     assert!(matches!(e, LossError::DeviceMismatch { argument: "logp_mu", .. }), "{e}");
 }
+
+/// Every variant of the DPO family (`DpoVariant` is non-exhaustive: this list grows with it).
+const DPO_VARIANTS: [DpoVariant; 14] = [
+    DpoVariant::Sigmoid,
+    DpoVariant::Ipo,
+    DpoVariant::Hinge,
+    DpoVariant::Robust,
+    DpoVariant::ExoPair,
+    DpoVariant::NcaPair,
+    DpoVariant::BcoPair,
+    DpoVariant::SppoHard,
+    DpoVariant::Aot,
+    DpoVariant::AotUnpaired,
+    DpoVariant::ApoZero,
+    DpoVariant::ApoDown,
+    DpoVariant::Discopop,
+    DpoVariant::SigmoidNorm,
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn no_dpo_family_function_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), p in arbitrary_limit(), q in arbitrary_limit(), w in arbitrary_limit()) {
+        let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
+        let norm = Normalizer::sequences(q);
+        for v in DPO_VARIANTS {
+            let base = DpoConfig::dpo().with_variant(v);
+            let odd = base.with_beta(p).with_label_smoothing(q).with_discopop_tau(w);
+            for cfg in [base, odd, base.with_reference_free(true), odd.with_checks(Checks::Shapes)] {
+                let r = no_panic("dpo_loss", || dpo_loss(&a, &b, &c, &m, &cfg));
+                if cfg.validate().is_err() { prop_assert!(r.is_err()); }
+                if let (Ok(loss), Checks::Full) = (&r, cfg.checks) { prop_assert!(scalar(loss).is_finite()); }
+                let _ = no_panic("dpo_rewards", || dpo_rewards(&a, &b, &c, &m, &cfg));
+                for n in [Normalizer::local(), norm] {
+                    let r = no_panic("dpo_loss_output", || dpo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+                    if let Ok(d) = r { prop_assert!(d.is_ok()); }
+                }
+            }
+            let mixes = [
+                DpoMix::of(base, p),
+                DpoMix::of(DpoConfig::dpo(), 1.0).with_term(odd, w),
+                DpoMix::of(base.with_reference_free(true), q).with_term(DpoConfig::aot(), 1.0),
+                (0..5).fold(DpoMix::of(base, 1.0), |mix, _| mix.with_term(odd, 1.0)),
+            ];
+            for mix in mixes {
+                let r = no_panic("dpo_mix_loss", || dpo_mix_loss(&a, &b, &c, &m, &mix));
+                if mix.validate().is_err() { prop_assert!(r.is_err()); }
+                if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+                for n in [Normalizer::local(), norm] {
+                    let r = no_panic("dpo_mix_loss_output", || dpo_mix_loss_output(&a, &b, &c, &m, &mix, &n).map(|o| o.diagnostics.read()));
+                    if let Ok(d) = r { prop_assert!(d.is_ok()); }
+                }
+            }
+        }
+    }
+}
