@@ -165,7 +165,9 @@ impl DpoConfig {
     }
 
     /// Conservative DPO: the sigmoid loss with label smoothing `ε` (the assumed share of flipped
-    /// labels). Mitchell, *A note on DPO with noisy preferences*, 2023; TRL's `label_smoothing`.
+    /// labels). Mitchell, *A note on DPO with noisy preferences*, 2023. TRL ≤ 1.x applied
+    /// `label_smoothing` to `loss_type="sigmoid"` this way; TRL 1.16's sigmoid loss ignores it
+    /// (its smoothed forms are `robust`, `exo_pair` and `aot`).
     ///
     /// ```
     /// assert_eq!(topr_loss::DpoConfig::cdpo(0.1).label_smoothing, 0.1);
