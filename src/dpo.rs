@@ -165,7 +165,7 @@ impl DpoConfig {
     }
 
     /// Conservative DPO: the sigmoid loss with label smoothing `ε` (the assumed share of flipped
-    /// labels). Mitchell, *A note on DPO with noisy preferences*, 2023. TRL ≤ 1.x applied
+    /// labels). Mitchell, *A note on DPO with noisy preferences*, 2023. Earlier TRL releases applied
     /// `label_smoothing` to `loss_type="sigmoid"` this way; TRL 1.16's sigmoid loss ignores it
     /// (its smoothed forms are `robust`, `exo_pair` and `aot`).
     ///
