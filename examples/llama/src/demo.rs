@@ -123,6 +123,8 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
         seed: 0,
         dpo_beta: 0.1,
         rollout_correction: None,
+        dpo_loss: Default::default(),
+        dpo_label_smoothing: 0.0,
         skip_bad_records: false,
         save_every: 4,
         resume: true,

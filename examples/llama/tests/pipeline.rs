@@ -149,7 +149,11 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
                 topr_loss::PpoConfig::ppo().with_aggregation(topr_loss::AggregationMode::SeqMeanTokenMean),
             ),
         ),
-        ("dpo", train::Objective::Dpo, train::Loss::Dpo(topr_loss::DpoConfig::default())),
+        (
+            "dpo",
+            train::Objective::Dpo,
+            train::Loss::Dpo(topr_loss::DpoConfig::default(), topr_loss::SequenceReduce::Sum),
+        ),
     ];
     // π ≠ μ, so that ratios differ from 1 and clipping and truncation are exercised.
     for d in data.iter_mut() {

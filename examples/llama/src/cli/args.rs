@@ -12,7 +12,7 @@ use topr_llama::init;
 use topr_llama::iterate::{Curation, IterateSettings};
 use topr_llama::optim::OptimizerConfig;
 use topr_llama::task::{Prompting, Source, TaskSpec};
-use topr_llama::train::{Baseline, Objective, TrainSettings};
+use topr_llama::train::{Baseline, DpoLoss, Objective, TrainSettings};
 
 /// Parses `--device` (cpu, cuda or cuda:N), refusing CUDA when this machine has none.
 pub fn parse_device(s: &str) -> Result<Device, String> {
@@ -219,6 +219,46 @@ impl From<ObjectiveArg> for Objective {
     }
 }
 
+/// The DPO family's losses, by TRL's `loss_type` names.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum DpoLossArg {
+    Sigmoid,
+    Ipo,
+    Hinge,
+    Robust,
+    ExoPair,
+    NcaPair,
+    BcoPair,
+    SppoHard,
+    Aot,
+    AotUnpaired,
+    ApoZero,
+    ApoDown,
+    Discopop,
+    SigmoidNorm,
+}
+
+impl From<DpoLossArg> for DpoLoss {
+    fn from(d: DpoLossArg) -> Self {
+        match d {
+            DpoLossArg::Sigmoid => Self::Sigmoid,
+            DpoLossArg::Ipo => Self::Ipo,
+            DpoLossArg::Hinge => Self::Hinge,
+            DpoLossArg::Robust => Self::Robust,
+            DpoLossArg::ExoPair => Self::ExoPair,
+            DpoLossArg::NcaPair => Self::NcaPair,
+            DpoLossArg::BcoPair => Self::BcoPair,
+            DpoLossArg::SppoHard => Self::SppoHard,
+            DpoLossArg::Aot => Self::Aot,
+            DpoLossArg::AotUnpaired => Self::AotUnpaired,
+            DpoLossArg::ApoZero => Self::ApoZero,
+            DpoLossArg::ApoDown => Self::ApoDown,
+            DpoLossArg::Discopop => Self::Discopop,
+            DpoLossArg::SigmoidNorm => Self::SigmoidNorm,
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 pub enum RatioArg {
     /// One ratio per sequence (the paper).
@@ -265,6 +305,13 @@ pub struct ObjectiveArgs {
     /// DPO's β (strength of the implicit KL constraint to μ; > 0).
     #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = parse_positive)]
     pub dpo_beta: f64,
+    /// Which loss of the DPO family (TRL's loss_type names).
+    #[arg(long, value_enum, default_value_t = DpoLossArg::Sigmoid)]
+    pub dpo_loss: DpoLossArg,
+    /// Label smoothing ε of the DPO losses that take it (sigmoid: cDPO, robust, exo-pair, aot,
+    /// aot-unpaired, sigmoid-norm); each loss checks its own range.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_unit_interval)]
+    pub dpo_label_smoothing: f64,
     /// Weight every token-level loss's terms by importance weights of π against μ, truncated
     /// (TIS) or masked outside a band (MIS/IcePop), per token or per sequence:
     /// `token-tis:2`, `sequence-tis:2`, `token-mis:0.5:2`, `sequence-mis:0.5:2`, or `none`.
@@ -369,6 +416,14 @@ impl TrainArgs {
                     anyhow::bail!("--rollout-correction applies to the token-level losses, not to DPO's pairs")
                 }
                 (_, c) => c,
+            },
+            dpo_loss: obj.dpo_loss.into(),
+            dpo_label_smoothing: {
+                let loss: DpoLoss = obj.dpo_loss.into();
+                loss.config(obj.dpo_beta, obj.dpo_label_smoothing)
+                    .validate()
+                    .map_err(|e| anyhow::anyhow!("--dpo-loss / --dpo-label-smoothing: {e}"))?;
+                obj.dpo_label_smoothing
             },
             skip_bad_records: run.skip_bad_records,
             save_every: run.save_every,

@@ -119,7 +119,7 @@ pub fn accumulate(
         Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => {
             stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64)
         }
-        Loss::Dpo(_) => {
+        Loss::Dpo(..) => {
             stats.dpo_accuracy = Some(tally.dpo_accuracy / pairs_in_step);
             stats.dpo_margin = Some(tally.dpo_margin / pairs_in_step);
         }

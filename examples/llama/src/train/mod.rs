@@ -20,7 +20,7 @@ mod state;
 
 pub use crate::metrics::{StepStats, ToprStats};
 pub use batch::{MicroBatch, accumulate, clip_grad_norm, learning_rate, micro_batch};
-pub use objective::{Baseline, Loss, Objective, Unit, p_tilde, resolve_baseline, units};
+pub use objective::{Baseline, DpoLoss, Loss, Objective, Unit, p_tilde, resolve_baseline, units};
 
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
@@ -63,6 +63,12 @@ pub struct TrainSettings {
     pub seed: u64,
     /// DPO's β.
     pub dpo_beta: f64,
+    /// Which DPO-family loss (absent from older run records: sigmoid).
+    #[serde(default)]
+    pub dpo_loss: DpoLoss,
+    /// Label smoothing ε of the DPO losses that take it (absent from older run records: 0).
+    #[serde(default)]
+    pub dpo_label_smoothing: f64,
     /// Importance weights of π against μ on the token-level losses' terms (`None`: off). Absent
     /// from run records written before it existed, which then read as off.
     #[serde(default, with = "correction_setting")]
@@ -270,7 +276,7 @@ impl<'a> Plan<'a> {
             100.0 * p,
             p_tilde.map(|v| format!(", effective positive proportion p~ = {v:.3}")).unwrap_or_default()
         );
-        let loss = Loss::new(o.objective, c, o.ratio, o.dpo_beta);
+        let loss = Loss::new(o, c);
         let units = units(samples, o.objective, c)?;
         let units_per_step = (o.batch_size / units[0].completions()).max(1);
         let steps_per_epoch = units.len().div_ceil(units_per_step);

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
     AggregationMode, Checks, DpoConfig, DpoDiagnostics, GroupAdvantage, LossError, Normalizer, OnDevice, PpoConfig,
-    RatioLevel, RolloutCorrection, SequenceReduce, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
+    RolloutCorrection, SequenceReduce, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
     apply_token_weights, baseline_for_effective_proportion, cispo_loss_output, dpo_loss_output, group_advantages,
     gspo_loss_output, ppo_clip_loss_output, rollout_weights, sequence_logprobs, topr_token_loss_output,
 };
@@ -54,6 +54,60 @@ impl Objective {
     /// The objective's name as summaries write it (`topr`, `ppo`, ...).
     pub fn name(self) -> String {
         format!("{self:?}").to_lowercase()
+    }
+}
+
+/// Which loss of the DPO family `--objective dpo` trains with (TRL's `loss_type` names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DpoLoss {
+    #[default]
+    Sigmoid,
+    Ipo,
+    Hinge,
+    Robust,
+    ExoPair,
+    NcaPair,
+    BcoPair,
+    SppoHard,
+    Aot,
+    AotUnpaired,
+    ApoZero,
+    ApoDown,
+    Discopop,
+    SigmoidNorm,
+}
+
+impl DpoLoss {
+    /// The crate's preset for this loss with `β` and label smoothing `ε` (the presets that take
+    /// none ignore `ε`).
+    pub fn config(self, beta: f64, eps: f64) -> DpoConfig {
+        let c = match self {
+            Self::Sigmoid => DpoConfig::cdpo(eps),
+            Self::Ipo => DpoConfig::ipo(),
+            Self::Hinge => DpoConfig::hinge(),
+            Self::Robust => DpoConfig::robust(eps),
+            Self::ExoPair => DpoConfig::exo_pair(eps),
+            Self::NcaPair => DpoConfig::nca_pair(),
+            Self::BcoPair => DpoConfig::bco_pair(),
+            Self::SppoHard => DpoConfig::sppo_hard(),
+            Self::Aot => DpoConfig::aot().with_label_smoothing(eps),
+            Self::AotUnpaired => DpoConfig::aot_unpaired().with_label_smoothing(eps),
+            Self::ApoZero => DpoConfig::apo_zero(),
+            Self::ApoDown => DpoConfig::apo_down(),
+            Self::Discopop => DpoConfig::discopop(),
+            Self::SigmoidNorm => DpoConfig::sigmoid_norm().with_label_smoothing(eps),
+        };
+        c.with_beta(beta)
+    }
+
+    /// How sequence log-probs are formed: per-token means for IPO and sigmoid-norm (their
+    /// published scale), sums otherwise.
+    pub fn reduce(self) -> SequenceReduce {
+        match self {
+            Self::Ipo | Self::SigmoidNorm => SequenceReduce::Mean,
+            _ => SequenceReduce::Sum,
+        }
     }
 }
 
@@ -115,8 +169,8 @@ pub enum Loss {
     Gspo(PpoConfig),
     /// CISPO on per-sequence advantages.
     Cispo(PpoConfig),
-    /// DPO on pairs.
-    Dpo(DpoConfig),
+    /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
+    Dpo(DpoConfig, SequenceReduce),
 }
 
 impl Loss {
@@ -126,20 +180,22 @@ impl Loss {
     /// inputs come from checked records and the model's own log-probs, and a non-finite loss
     /// is still refused once per optimiser step (`optimizer_step`), where the step's loss is read
     /// for its metrics anyway.
-    pub fn new(objective: Objective, c: f64, ratio: RatioLevel, dpo_beta: f64) -> Self {
+    pub fn new(o: &super::TrainSettings, c: f64) -> Self {
         let fast = Checks::Shapes;
-        match objective {
+        match o.objective {
             Objective::Ppo => Loss::Ppo(PpoConfig::ppo().with_checks(fast)),
             Objective::Grpo => {
                 Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean).with_checks(fast))
             }
-            Objective::Dpo => Loss::Dpo(DpoConfig::dpo().with_beta(dpo_beta).with_checks(fast)),
+            Objective::Dpo => {
+                Loss::Dpo(o.dpo_loss.config(o.dpo_beta, o.dpo_label_smoothing).with_checks(fast), o.dpo_loss.reduce())
+            }
             Objective::Gspo => Loss::Gspo(PpoConfig::gspo().with_checks(fast)),
             Objective::Cispo => Loss::Cispo(PpoConfig::cispo().with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
-                    .with_ratio(ratio),
+                    .with_ratio(o.ratio),
             ),
         }
     }
@@ -176,10 +232,10 @@ impl Loss {
                 };
                 self.corrected(out.loss, &out.terms, lp, p, cfg.aggregation, &normalizer, correction)
             }
-            Loss::Dpo(cfg) => {
+            Loss::Dpo(cfg, reduce) => {
                 let n = lp.logp.size()[0] / 2;
-                let seq = sequence_logprobs(&lp.logp, &lp.mask, SequenceReduce::Sum)?;
-                let mu = sequence_logprobs(&p.logp_mu, &lp.mask, SequenceReduce::Sum)?;
+                let seq = sequence_logprobs(&lp.logp, &lp.mask, *reduce)?;
+                let mu = sequence_logprobs(&p.logp_mu, &lp.mask, *reduce)?;
                 let (pw, pl) = (seq.narrow(0, 0, n), seq.narrow(0, n, n));
                 let (rw, rl) = (mu.narrow(0, 0, n), mu.narrow(0, n, n));
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
