@@ -138,17 +138,22 @@ mod checks;
 mod diagnostics;
 mod dpo;
 mod error;
+mod gae;
 mod kl;
+mod kl_control;
+mod kl_reward;
 mod logprobs;
 mod output;
 mod ppo;
 mod taper;
+mod token_advantages;
 mod token_inputs;
 mod topr;
 mod topr_token;
 mod validate;
+mod value;
 
-pub use advantages::{GroupAdvantage, group_advantages, whiten};
+pub use advantages::{GroupAdvantage, SingletonGroup, group_advantages, group_advantages_with, opo_advantages, whiten};
 pub use aggregate::{AggregationMode, BatchCounts, Normalizer, aggregate, sequence_weights};
 pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,
@@ -158,7 +163,13 @@ pub use checks::{Checks, host_reads};
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
 pub use error::{LossError, TorchError};
-pub use kl::{KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_output};
+pub use gae::gae_advantages;
+pub use kl::{
+    KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_corrected, kl_penalty_corrected_output,
+    kl_penalty_output,
+};
+pub use kl_control::{AdaptiveKlController, FixedKlController};
+pub use kl_reward::{KlRewards, kl_penalized_rewards};
 pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
     fused_token_logprobs, sequence_logprobs, token_logprobs,
@@ -169,5 +180,9 @@ pub use ppo::{
     ppo_clip_loss_output,
 };
 pub use taper::{taper, taper_scalar, truncated_weight};
+pub use token_advantages::{
+    TokenAdvantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,
+};
 pub use topr::{TieRule, ToprConfig, topr_loss, topr_loss_output};
 pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss, topr_token_loss_output};
+pub use value::{ValueDiagnostics, ValueLossConfig, value_loss, value_loss_output};
