@@ -10,7 +10,7 @@
 //! bootstrap).
 
 use crate::error::LossError;
-use crate::token_advantages::{TokenAdvantages, check_token_values, unit_interval};
+use crate::token_advantages::{TokenAdvantages, check_token_values, finite_results, unit_interval};
 use tch::Tensor;
 
 /// GAE advantages and returns (the critic's targets).
@@ -40,7 +40,8 @@ use tch::Tensor;
 ///
 /// # Errors
 /// The tensor checks of [`LossError`] naming `token_rewards`, `values` or `mask`;
-/// [`LossError::InvalidArgument`] for `gamma` or `lam` outside `[0, 1]`.
+/// [`LossError::InvalidArgument`] for `gamma` or `lam` outside `[0, 1]`;
+/// [`LossError::NonFiniteLoss`] when the advantages or returns overflow the compute dtype.
 ///
 /// # Example
 /// ```
@@ -65,7 +66,7 @@ pub fn gae_advantages(
 ) -> Result<TokenAdvantages, LossError> {
     unit_interval(gamma, "gamma")?;
     unit_interval(lam, "lam")?;
-    let (_, m, clean) = check_token_values(&[(token_rewards, "token_rewards"), (values, "values")], mask)?;
+    let (kind, m, clean) = check_token_values(&[(token_rewards, "token_rewards"), (values, "values")], mask)?;
     let (r, v) = (&clean[0], &clean[1]);
     let t_len = r.size()[1];
     let mut next_value = r.f_select(1, 0)?.f_zeros_like()?; // [B]
@@ -83,5 +84,6 @@ pub fn gae_advantages(
     columns.reverse();
     let advantages = Tensor::f_stack(&columns, 1)?;
     let returns = advantages.f_add(v)?; // v is 0 on padding, and so is A
+    finite_results(&[&advantages, &returns], kind)?;
     Ok(TokenAdvantages { advantages, returns })
 }

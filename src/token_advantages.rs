@@ -112,7 +112,8 @@ fn discounted_returns(r: &Tensor, m: &Tensor, gamma: f64) -> Result<Tensor, Loss
 /// # Errors
 /// The tensor checks of [`LossError`] naming `token_rewards` or `mask`;
 /// [`LossError::InvalidArgument`] for `gamma` outside `[0, 1]` or a bad `eps`;
-/// [`LossError::EmptyBatch`] with fewer than two unmasked tokens.
+/// [`LossError::EmptyBatch`] with fewer than two unmasked tokens; [`LossError::NonFiniteLoss`]
+/// when the returns overflow the compute dtype.
 ///
 /// # Example
 /// ```
@@ -133,9 +134,9 @@ pub fn reinforce_pp_advantages(
     eps: f64,
 ) -> Result<TokenAdvantages, LossError> {
     unit_interval(gamma, "gamma")?;
-    let (_, m, clean) = check_token_values(&[(token_rewards, "token_rewards")], mask)?;
+    let (kind, m, clean) = check_token_values(&[(token_rewards, "token_rewards")], mask)?;
     let returns = discounted_returns(&clean[0], &m, gamma)?;
-    let advantages = whiten(&returns, Some(&m), eps).map_err(|e| rename(e, "values", "token_rewards"))?;
+    let advantages = whiten(&returns, Some(&m), eps).map_err(|e| rename(e, "values", "token_rewards", kind))?;
     Ok(TokenAdvantages { advantages, returns })
 }
 
@@ -198,7 +199,7 @@ pub fn reinforce_pp_baseline_advantages(
     }
     validate::same_device(&m, "mask", rewards.device(), "rewards")?;
     let per_token = centred.f_unsqueeze(1)?.f_expand(m.size().as_slice(), false)?;
-    whiten(&per_token, Some(&m), eps).map_err(|e| rename(e, "values", "mask"))
+    whiten(&per_token, Some(&m), eps).map_err(|e| rename(e, "values", "mask", centred.kind()))
 }
 
 /// ReMax: the return minus the reward of the greedy completion of the same prompt.
@@ -222,7 +223,8 @@ pub fn reinforce_pp_baseline_advantages(
 /// [`TokenAdvantages`]: the advantages and the undiscounted returns `G` (0 on padding).
 ///
 /// # Errors
-/// The tensor checks of [`LossError`] naming `token_rewards`, `greedy_rewards` or `mask`.
+/// The tensor checks of [`LossError`] naming `token_rewards`, `greedy_rewards` or `mask`;
+/// [`LossError::NonFiniteLoss`] when the returns overflow the compute dtype.
 ///
 /// # Example
 /// ```
@@ -248,15 +250,34 @@ pub fn remax_advantages(
     let returns = discounted_returns(&clean[0].f_to_kind(k)?, &m, 1.0)?;
     let baseline = greedy_rewards.f_detach()?.f_to_kind(k)?.f_unsqueeze(1)?;
     let advantages = masked_fill_zero(&returns.f_sub(&baseline)?, &m)?;
+    finite_results(&[&advantages, &returns], k)?;
     Ok(TokenAdvantages { advantages, returns })
 }
 
-/// Renames the argument of an error from [`whiten`] to the caller's.
-fn rename(e: LossError, from: &'static str, to: &'static str) -> LossError {
+/// Renames the argument of an error from [`whiten`] to the caller's; a non-finite value there can
+/// only come from returns that overflowed the compute dtype.
+fn rename(e: LossError, from: &'static str, to: &'static str, kind: Kind) -> LossError {
     match e {
         LossError::EmptyBatch { argument, found, unit } if argument == from => {
             LossError::EmptyBatch { argument: to, found, unit }
         }
+        LossError::NonFinite { argument, .. } if argument == from => {
+            LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(kind) }
+        }
         other => other,
     }
+}
+
+/// [`LossError::NonFiniteLoss`] unless every entry of `results` is finite (one host read): finite
+/// rewards so large that their sums overflow the compute dtype.
+pub(crate) fn finite_results(results: &[&Tensor], kind: Kind) -> Result<(), LossError> {
+    let bad = results
+        .iter()
+        .map(|t| Ok(t.f_isfinite()?.f_logical_not()?.f_sum(Kind::Int64)?))
+        .collect::<Result<Vec<_>, LossError>>()?;
+    let bad = crate::checks::read_i64(&Tensor::f_stack(&bad, 0)?.f_sum(Kind::Int64)?, &[])?;
+    if bad > 0 {
+        return Err(LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(kind) });
+    }
+    Ok(())
 }
