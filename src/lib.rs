@@ -63,10 +63,21 @@
 //!   PPO-clip (dual clip, clip-higher), GSPO, CISPO (`src/ppo.rs`).
 //! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] and [`DpoDiagnostics`] — DPO, cDPO, IPO,
 //!   hinge, reference-free (`src/dpo.rs`).
-//! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE) and [`whiten`]
+//! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE, batch-std scaling),
+//!   [`group_advantages_with`] and [`SingletonGroup`] (what a group of one gets: 0, or verl's raw
+//!   reward), [`opo_advantages`] (OPO's length-weighted baseline) and [`whiten`]
 //!   (`src/advantages.rs`).
-//! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, k2, k3 estimators as a loss
-//!   term (`src/kl.rs`).
+//! - [`reinforce_pp_advantages`], [`reinforce_pp_baseline_advantages`], [`remax_advantages`] and
+//!   [`TokenAdvantages`] — REINFORCE++, REINFORCE++-baseline and ReMax from token-level rewards
+//!   (`src/token_advantages.rs`); [`gae_advantages`] — GAE (`src/gae.rs`).
+//! - [`value_loss`] with [`ValueLossConfig`] and [`ValueDiagnostics`] — PPO's clipped value loss
+//!   (`src/value.rs`).
+//! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, abs, k2, k3 estimators as a
+//!   loss term, with verl's clamp of the estimate and its straight-through `+` forms;
+//!   [`kl_penalty_corrected`] — TRL's importance-corrected KL (`src/kl.rs`).
+//! - [`kl_penalized_rewards`] and [`KlRewards`] — the KL penalty in the reward
+//!   (`src/kl_reward.rs`), with [`AdaptiveKlController`] and [`FixedKlController`] for its
+//!   coefficient (`src/kl_control.rs`).
 //!
 //! Shared pieces:
 //! - [`LossOutput`], [`OnDevice`], [`Diagnostics`] — what the `…_output` functions return: the
@@ -81,7 +92,8 @@
 //!   cost (`src/checks.rs`).
 //!
 //! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
-//! DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL): `docs/methods.md`.
+//! REINFORCE++, ReMax, OPO, GAE, DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL):
+//! `docs/methods.md`.
 //!
 //! ## One API for every loss
 //!
@@ -97,7 +109,21 @@
 //! | GSPO | `gspo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gspo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::gspo`] | [`PpoDiagnostics`] |
 //! | CISPO | `cispo_loss(logp, logp_mu, advantages, mask, cfg)` | [`cispo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::cispo`] | [`PpoDiagnostics`] |
 //! | DPO family | `dpo_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)` | [`dpo_loss_output`]`(.., cfg, norm)` | [`DpoConfig`]`::{dpo, cdpo, ipo, hinge}` | [`DpoDiagnostics`] |
-//! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3}` | [`KlDiagnostics`] |
+//! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3, abs, low_var_kl}` | [`KlDiagnostics`] |
+//! | importance-corrected KL | `kl_penalty_corrected(logp, logp_mu, logp_ref, mask, cfg)` | [`kl_penalty_corrected_output`]`(.., cfg, norm)` | [`KlConfig`] as above | [`KlDiagnostics`] |
+//! | clipped value loss | `value_loss(values, values_old, returns, mask, cfg)` | [`value_loss_output`]`(.., cfg, norm)` | [`ValueLossConfig`]`::{ppo, verl}` | [`ValueDiagnostics`] |
+//!
+//! Advantages are computed before the loss, detached, in f64 for f64 rewards and f32 otherwise:
+//!
+//! | estimator | call | returns |
+//! |---|---|---|
+//! | GRPO, Dr. GRPO, RLOO, AsymRE, batch std | [`group_advantages`]`(rewards [G, K], method)`, [`group_advantages_with`]`(.., singleton)` | `[G, K]` |
+//! | OPO | [`opo_advantages`]`(rewards [G, K], lengths [G, K], singleton)` | `[G, K]` |
+//! | REINFORCE++ | [`reinforce_pp_advantages`]`(token_rewards, mask, gamma, eps)` | [`TokenAdvantages`] |
+//! | REINFORCE++-baseline | [`reinforce_pp_baseline_advantages`]`(rewards [G, K], mask [G·K, T], eps, singleton)` | `[G·K, T]` |
+//! | ReMax | [`remax_advantages`]`(token_rewards, greedy_rewards, mask)` | [`TokenAdvantages`] |
+//! | GAE | [`gae_advantages`]`(token_rewards, values, mask, gamma, lam)` | [`TokenAdvantages`] |
+//! | KL in the reward | [`kl_penalized_rewards`]`(logp, logp_ref, token_scores, mask, cfg)` | [`KlRewards`] |
 //!
 //! The conventions behind the table:
 //!
