@@ -220,7 +220,8 @@ pub fn group_advantages_with(
             check_eps(eps)?;
             // Unbiased std of the raw rewards of the whole batch; 0 for a single reward (TRL).
             let n = r.numel() as f64;
-            let var = r.f_sub(&r.f_mean(None::<Kind>)?)?.f_square()?.f_sum(None::<Kind>)?.f_div_scalar((n - 1.0).max(1.0))?;
+            let var =
+                r.f_sub(&r.f_mean(None::<Kind>)?)?.f_square()?.f_sum(None::<Kind>)?.f_div_scalar((n - 1.0).max(1.0))?;
             centred.f_div(&var.f_sqrt()?.f_add_scalar(eps)?.f_clamp_min(f64::MIN_POSITIVE)?)?
         }
     })

@@ -239,7 +239,10 @@ fn opo_and_singleton_errors_name_the_argument() {
     // RLOO on groups of one: an error by default, the raw reward under verl's convention.
     let one = Tensor::from_slice2(&[[2.0f64], [1.0]]);
     assert!(group_advantages_with(&one, GroupAdvantage::Rloo, SingletonGroup::OwnMean).is_err());
-    assert_eq!(vec1(&group_advantages_with(&one, GroupAdvantage::Rloo, SingletonGroup::ZeroMeanUnitStd).unwrap()), vec![2.0, 1.0]);
+    assert_eq!(
+        vec1(&group_advantages_with(&one, GroupAdvantage::Rloo, SingletonGroup::ZeroMeanUnitStd).unwrap()),
+        vec![2.0, 1.0]
+    );
 }
 
 /// One completion per row with its reward on the last real token, as verl's outcome estimators take it.
@@ -261,7 +264,8 @@ fn fixed_groups(g: usize, k: usize, seed: u64) -> (Vec<Vec<f64>>, Vec<Vec<f64>>)
         s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (s >> 11) as f64 / (1u64 << 53) as f64
     };
-    let rows: Vec<Vec<f64>> = (0..g).map(|_| (0..k).map(|_| (next() * 4.0 - 2.0).round() / 2.0 + next() * 0.1).collect()).collect();
+    let rows: Vec<Vec<f64>> =
+        (0..g).map(|_| (0..k).map(|_| (next() * 4.0 - 2.0).round() / 2.0 + next() * 0.1).collect()).collect();
     let t = 5;
     let mask: Vec<Vec<f64>> = (0..g * k)
         .map(|_| {
@@ -298,8 +302,11 @@ fn group_advantages_match_verl_and_trl() {
         let index: Vec<usize> = (0..g * k).map(|i| i / k).collect();
         calls.push(json!({"fn": "verl.grpo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index, "epsilon": 1e-6, "norm_by_std": true}}));
         calls.push(json!({"fn": "verl.grpo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index, "epsilon": 1e-6, "norm_by_std": false}}));
-        calls.push(json!({"fn": "verl.rloo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index}}));
-        calls.push(json!({"fn": "verl.opo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index}}));
+        calls.push(
+            json!({"fn": "verl.rloo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index}}),
+        );
+        calls
+            .push(json!({"fn": "verl.opo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index}}));
         calls.push(json!({"fn": "trl.batch_std_advantage", "args": {"rewards": flat, "num_generations": k}}));
     }
     let Some(res) = peer(&calls) else { return };

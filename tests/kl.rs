@@ -108,7 +108,16 @@ use topr_loss::{kl_penalty_corrected, kl_penalty_corrected_output};
 /// The estimate and its derivative in `d` with the value clamp `C` and the straight-through form.
 fn k_full(d: f64, e: KlEstimator, clamp: Option<f64>, straight_through: bool) -> (f64, f64) {
     let (mut v, mut g) = match e {
-        KlEstimator::Abs => (d.abs(), if d > 0.0 { 1.0 } else if d < 0.0 { -1.0 } else { 0.0 }),
+        KlEstimator::Abs => (
+            d.abs(),
+            if d > 0.0 {
+                1.0
+            } else if d < 0.0 {
+                -1.0
+            } else {
+                0.0
+            },
+        ),
         other => k(d, other),
     };
     if let Some(c) = clamp {
@@ -168,10 +177,10 @@ proptest! {
             out.loss.backward();
             let (mut v, mut g, mut terms) = (0.0, vec![], vec![]);
             for i in 0..b.logp.len() {
-                for t in 0..b.logp[i].len() {
+                for (t, mu_t) in mu[i].iter().enumerate() {
                     if b.mask[i][t] {
                         let (kv, kg) = k_full(b.logp[i][t] - b.other[i][t], e, None, false);
-                        let w = (b.logp[i][t] - mu[i][t]).exp();
+                        let w = (b.logp[i][t] - mu_t).exp();
                         v += alpha[i] * 0.7 * w * kv;
                         // ∇(w k) = w k + w k' in log π.
                         g.push(alpha[i] * 0.7 * w * (kv + kg));
@@ -223,7 +232,11 @@ fn variants_are_finite_at_extremes_and_in_every_dtype() {
     for kind in [Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double] {
         for e in ALL_ESTIMATORS {
             for st in [false, true] {
-                let cfg = KlConfig::default().with_estimator(e).with_coef(1.0).with_straight_through(st).with_max_estimate(Some(10.0));
+                let cfg = KlConfig::default()
+                    .with_estimator(e)
+                    .with_coef(1.0)
+                    .with_straight_through(st)
+                    .with_max_estimate(Some(10.0));
                 let p = Tensor::from_slice2(&[[-1.0e4f64, 0.0, -3.0]]).to_kind(kind).set_requires_grad(true);
                 let r = Tensor::from_slice2(&[[0.0f64, -1.0e4, -3.0]]).to_kind(kind);
                 let mu = Tensor::from_slice2(&[[1.0e4f64, -1.0e4, 0.0]]).to_kind(kind);
@@ -294,11 +307,20 @@ fn variants_match_verl_and_trl() {
     }
     let m = Tensor::stack(&mask.iter().map(|r| Tensor::from_slice(r)).collect::<Vec<_>>(), 0);
     let p = leaf(&t2(&logp));
-    let out = kl_penalty_corrected_output(&p, &t2(&logp_mu), &t2(&logp_ref), &m, &KlConfig::k3().with_coef(1.0), &Normalizer::local()).unwrap();
+    let out = kl_penalty_corrected_output(
+        &p,
+        &t2(&logp_mu),
+        &t2(&logp_ref),
+        &m,
+        &KlConfig::k3().with_coef(1.0),
+        &Normalizer::local(),
+    )
+    .unwrap();
     out.loss.backward();
     let trl = &res[variants.len()];
     assert_close(&[scalar(&out.loss)], &[trl["value"].as_f64().unwrap()], 1e-12, "TRL corrected KL value");
     assert_close(&vec1(&p.grad()), &json_f64(&trl["grad"]), 1e-12, "TRL corrected KL grad");
-    let per_token: Vec<f64> = json_f64(&trl["per_token"]).iter().zip(mask.iter().flatten()).map(|(k, m)| k * m).collect();
+    let per_token: Vec<f64> =
+        json_f64(&trl["per_token"]).iter().zip(mask.iter().flatten()).map(|(k, m)| k * m).collect();
     assert_close(&vec1(&out.terms), &per_token, 1e-12, "TRL corrected KL per token");
 }

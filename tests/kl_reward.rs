@@ -7,9 +7,7 @@ use common::*;
 use proptest::prelude::*;
 use serde_json::json;
 use tch::{Kind, Tensor};
-use topr_loss::{
-    AdaptiveKlController, FixedKlController, KlConfig, KlEstimator, LossError, kl_penalized_rewards,
-};
+use topr_loss::{AdaptiveKlController, FixedKlController, KlConfig, KlEstimator, LossError, kl_penalized_rewards};
 
 fn estimate(d: f64, e: KlEstimator) -> f64 {
     match e {
@@ -37,12 +35,12 @@ proptest! {
             let out = kl_penalized_rewards(&lp, &lr, &s_t, &mask, &KlConfig::default().with_estimator(e).with_coef(beta)).unwrap();
             prop_assert!(!out.rewards.requires_grad());
             let (mut rewards, mut kl, mut seq_means) = (vec![], vec![], vec![]);
-            for i in 0..b.logp.len() {
+            for (i, si) in s.iter().enumerate() {
                 let (mut sum, mut n) = (0.0, 0.0);
-                for t in 0..b.logp[i].len() {
+                for (t, st) in si.iter().enumerate() {
                     if b.mask[i][t] {
                         let k = estimate(b.logp[i][t] - b.other[i][t], e);
-                        rewards.push(s[i][t] - beta * k);
+                        rewards.push(st - beta * k);
                         kl.push(k);
                         sum += k;
                         n += 1.0;
@@ -89,7 +87,9 @@ proptest! {
 
 #[test]
 fn controllers_and_rewards_reject_bad_input() {
-    for (args, name) in [((-0.1, 1.0, 1.0), "init_coef"), ((0.1, 0.0, 1.0), "target"), ((0.1, 1.0, f64::NAN), "horizon")] {
+    for (args, name) in
+        [((-0.1, 1.0, 1.0), "init_coef"), ((0.1, 0.0, 1.0), "target"), ((0.1, 1.0, f64::NAN), "horizon")]
+    {
         let e = AdaptiveKlController::new(args.0, args.1, args.2).unwrap_err();
         assert!(matches!(e, LossError::InvalidArgument { argument, .. } if argument == name), "{e}");
     }
@@ -130,8 +130,12 @@ fn matches_verl_apply_kl_penalty_and_controllers() {
     let logp_ref = vec![vec![-0.5, -1.2, -1.3, -0.1], vec![-1.1, -0.9, -0.2, -0.4], vec![-0.1, -1.4, -0.3, -0.2]];
     let scores = vec![vec![0.0, 0.0, 1.0, 0.0], vec![0.0, 0.0, 0.0, -1.0], vec![0.5, 0.0, 0.0, 0.0]];
     let mask = vec![vec![1.0, 1.0, 1.0, 0.0], vec![1.0, 1.0, 1.0, 1.0], vec![1.0, 0.0, 0.0, 0.0]];
-    let estimators: [(&str, KlConfig); 4] =
-        [("kl", KlConfig::k1()), ("abs", KlConfig::abs()), ("mse", KlConfig::k2()), ("low_var_kl", KlConfig::low_var_kl())];
+    let estimators: [(&str, KlConfig); 4] = [
+        ("kl", KlConfig::k1()),
+        ("abs", KlConfig::abs()),
+        ("mse", KlConfig::k2()),
+        ("low_var_kl", KlConfig::low_var_kl()),
+    ];
     let (beta, target, horizon) = (0.05, 0.2, 100.0);
     let mut calls: Vec<_> = estimators
         .iter()
@@ -144,10 +148,13 @@ fn matches_verl_apply_kl_penalty_and_controllers() {
     calls.push(json!({"fn": "verl.kl_controller", "args": {"init_coef": beta, "target": null, "horizon": null, "updates": updates}}));
     let Some(res) = peer(&calls) else { return };
     let m = Tensor::stack(&mask.iter().map(|r| Tensor::from_slice(r)).collect::<Vec<_>>(), 0);
-    let on_mask = |x: &[f64]| -> Vec<f64> { x.iter().zip(mask.iter().flatten()).map(|(x, m)| if *m > 0.0 { *x } else { 0.0 }).collect() };
+    let on_mask = |x: &[f64]| -> Vec<f64> {
+        x.iter().zip(mask.iter().flatten()).map(|(x, m)| if *m > 0.0 { *x } else { 0.0 }).collect()
+    };
     for (i, (name, cfg)) in estimators.iter().enumerate() {
         let mut ctrl = AdaptiveKlController::new(beta, target, horizon).unwrap();
-        let out = kl_penalized_rewards(&t2(&logp), &t2(&logp_ref), &t2(&scores), &m, &cfg.with_coef(ctrl.value)).unwrap();
+        let out =
+            kl_penalized_rewards(&t2(&logp), &t2(&logp_ref), &t2(&scores), &m, &cfg.with_coef(ctrl.value)).unwrap();
         // verl leaves the scores on padding; the crate zeroes it.
         assert_close(&vec1(&out.rewards), &on_mask(&json_f64(&res[i]["rewards"])), 1e-12, &format!("{name} rewards"));
         // verl's per-sequence mean divides by L_i + 1e-8.
@@ -158,12 +165,14 @@ fn matches_verl_apply_kl_penalty_and_controllers() {
         assert_close(&[ctrl.value], &[res[i]["coef_after"].as_f64().unwrap()], 1e-12, &format!("{name} β after"));
     }
     let fixed = &res[estimators.len()];
-    let out = kl_penalized_rewards(&t2(&logp), &t2(&logp_ref), &t2(&scores), &m, &KlConfig::k1().with_coef(beta)).unwrap();
+    let out =
+        kl_penalized_rewards(&t2(&logp), &t2(&logp_ref), &t2(&scores), &m, &KlConfig::k1().with_coef(beta)).unwrap();
     assert_close(&vec1(&out.rewards), &on_mask(&json_f64(&fixed["rewards"])), 1e-12, "fixed rewards");
     assert_eq!(fixed["coef_after"].as_f64().unwrap(), beta);
     // compute_rewards: K1 on every token, no mask.
     let all = Tensor::ones([3, 4], (Kind::Bool, tch::Device::Cpu));
-    let out = kl_penalized_rewards(&t2(&logp), &t2(&logp_ref), &t2(&scores), &all, &KlConfig::k1().with_coef(beta)).unwrap();
+    let out =
+        kl_penalized_rewards(&t2(&logp), &t2(&logp_ref), &t2(&scores), &all, &KlConfig::k1().with_coef(beta)).unwrap();
     assert_close(&vec1(&out.rewards), &json_f64(&res[estimators.len() + 1]["rewards"]), 1e-12, "compute_rewards");
     // The controllers, step by step.
     let mut adaptive = AdaptiveKlController::new(beta, target, 1000.0).unwrap();

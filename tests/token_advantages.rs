@@ -77,7 +77,11 @@ fn mask_tensor(m: &[Vec<bool>]) -> Tensor {
 
 /// `x` with `fill` written on the padding.
 fn padded(x: &Rows, m: &[Vec<bool>], fill: f64) -> Tensor {
-    t2(&x.iter().zip(m).map(|(x, m)| x.iter().zip(m).map(|(x, m)| if *m { *x } else { fill }).collect()).collect::<Rows>())
+    t2(&x
+        .iter()
+        .zip(m)
+        .map(|(x, m)| x.iter().zip(m).map(|(x, m)| if *m { *x } else { fill }).collect())
+        .collect::<Rows>())
 }
 
 /// Batches of 1–4 sequences of 2–7 tokens, rewards and values in ±2, at least two real tokens.
@@ -281,12 +285,17 @@ fn token_advantages_match_verl() {
     let tokens: Rows = (0..4).map(|i| (0..6).map(|t| if t == last[i] { outcome[i] } else { 0.0 }).collect()).collect();
     let mut calls = vec![];
     for gamma in [1.0, 0.9] {
-        calls.push(json!({"fn": "verl.reinforce_pp_advantage", "args": {"token_rewards": r, "mask": m, "gamma": gamma}}));
+        calls.push(
+            json!({"fn": "verl.reinforce_pp_advantage", "args": {"token_rewards": r, "mask": m, "gamma": gamma}}),
+        );
     }
     for (gamma, lam) in [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)] {
-        calls.push(json!({"fn": "verl.gae", "args": {"token_rewards": r, "values": v, "mask": m, "gamma": gamma, "lam": lam}}));
+        calls.push(
+            json!({"fn": "verl.gae", "args": {"token_rewards": r, "values": v, "mask": m, "gamma": gamma, "lam": lam}}),
+        );
     }
-    calls.push(json!({"fn": "verl.remax_advantage", "args": {"token_rewards": r, "greedy_rewards": greedy, "mask": m}}));
+    calls
+        .push(json!({"fn": "verl.remax_advantage", "args": {"token_rewards": r, "greedy_rewards": greedy, "mask": m}}));
     calls.push(json!({"fn": "verl.reinforce_pp_baseline_advantage", "args": {"token_rewards": tokens, "mask": m, "index": [0, 0, 1, 1]}}));
     calls.push(json!({"fn": "verl.reinforce_pp_baseline_advantage", "args": {"token_rewards": tokens, "mask": m, "index": [0, 1, 2, 3]}}));
     let Some(res) = peer(&calls) else { return };
@@ -303,11 +312,21 @@ fn token_advantages_match_verl() {
         // verl leaves on padding the next real token's advantage; compare the real tokens.
         assert_close(&on_mask(&vec1(&out.returns), &m), &on_mask(&json_f64(&p["returns"]), &m), 1e-12, "GAE returns");
         let w = whiten(&out.advantages, Some(&mask), 1e-8).unwrap();
-        assert_close(&on_mask(&vec1(&w), &m), &on_mask(&json_f64(&p["advantages"]), &m), whitened_tol, "GAE advantages");
+        assert_close(
+            &on_mask(&vec1(&w), &m),
+            &on_mask(&json_f64(&p["advantages"]), &m),
+            whitened_tol,
+            "GAE advantages",
+        );
     }
     let out = remax_advantages(&t2(&r), &t1(&greedy), &mask).unwrap();
     assert_close(&on_mask(&vec1(&out.advantages), &m), &on_mask(&json_f64(&res[5]["advantages"]), &m), 1e-12, "ReMax");
-    assert_close(&on_mask(&vec1(&out.returns), &m), &on_mask(&json_f64(&res[5]["returns"]), &m), 1e-12, "ReMax returns");
+    assert_close(
+        &on_mask(&vec1(&out.returns), &m),
+        &on_mask(&json_f64(&res[5]["returns"]), &m),
+        1e-12,
+        "ReMax returns",
+    );
     let verl = SingletonGroup::ZeroMeanUnitStd;
     let pairs = Tensor::from_slice2(&[[outcome[0], outcome[1]], [outcome[2], outcome[3]]]);
     let got = reinforce_pp_baseline_advantages(&pairs, &mask, 1e-8, verl).unwrap();

@@ -63,12 +63,12 @@ fn ref_token(v: f64, v_old: f64, ret: f64, eps: f64) -> (f64, f64, bool) {
 fn ref_value(b: &ValueBatch, eps: f64, mode: AggregationMode, global: Option<(f64, f64)>) -> (f64, Vec<f64>, f64) {
     let alpha = ref_alpha(&b.mask, mode, global);
     let (mut loss, mut grad, mut clipped, mut n) = (0.0, vec![], 0.0, 0.0);
-    for i in 0..b.v.len() {
+    for (i, a) in alpha.iter().enumerate() {
         for t in 0..b.v[i].len() {
             if b.mask[i][t] {
                 let (l, g, c) = ref_token(b.v[i][t], b.v_old[i][t], b.ret[i][t], eps);
-                loss += alpha[i] * l;
-                grad.push(alpha[i] * g);
+                loss += a * l;
+                grad.push(a * g);
                 clipped += if c { 1.0 } else { 0.0 };
                 n += 1.0;
             } else {
@@ -149,7 +149,15 @@ fn dtypes_and_extremes() {
     let mask = Tensor::from_slice2(&[[1i64, 1]]);
     for kind in [Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double] {
         let vk = v.to_kind(kind).set_requires_grad(true);
-        let out = value_loss_output(&vk, &v.zeros_like().to_kind(kind), &v.ones_like().to_kind(kind), &mask, &ValueLossConfig::ppo(), &Normalizer::local()).unwrap();
+        let out = value_loss_output(
+            &vk,
+            &v.zeros_like().to_kind(kind),
+            &v.ones_like().to_kind(kind),
+            &mask,
+            &ValueLossConfig::ppo(),
+            &Normalizer::local(),
+        )
+        .unwrap();
         assert_eq!(out.loss.kind(), if kind == Kind::Double { Kind::Double } else { Kind::Float }, "{kind:?}");
         out.loss.backward();
         assert_eq!(vk.grad().kind(), kind);
@@ -213,7 +221,12 @@ fn matches_verl_compute_value_loss() {
             out.loss.backward();
             // verl's seq-mean-token-mean divides each sequence's sum by L_i + 1e-8.
             let tol = if mode == AggregationMode::SeqMeanTokenMean { 1e-8 } else { 1e-12 };
-            assert_close(&[scalar(&out.loss)], &[res[i]["value"].as_f64().unwrap()], tol, &format!("{name} {clip} value"));
+            assert_close(
+                &[scalar(&out.loss)],
+                &[res[i]["value"].as_f64().unwrap()],
+                tol,
+                &format!("{name} {clip} value"),
+            );
             assert_close(&vec1(&p.grad()), &json_f64(&res[i]["grad"]), tol, &format!("{name} {clip} grad"));
             // verl's masked mean divides by N + 1e-8.
             let d = out.diagnostics.read().unwrap();
