@@ -44,7 +44,7 @@ pub struct KlRewards {
     /// `[B, T]`: the estimate `k_t`, 0 on padding (detached).
     pub kl: Tensor,
     /// 0-d: the mean over sequences of each sequence's mean `k_t` (a sequence with no token counts
-    /// as 0), verl's `current_kl`: what [`AdaptiveKlController::update`] takes (one host read).
+    /// as 0), verl's `current_kl`: what [`AdaptiveKlController::update`](crate::AdaptiveKlController::update) takes (one host read).
     pub kl_mean: Tensor,
 }
 
