@@ -324,3 +324,20 @@ fn variants_match_verl_and_trl() {
         json_f64(&trl["per_token"]).iter().zip(mask.iter().flatten()).map(|(k, m)| k * m).collect();
     assert_close(&vec1(&out.terms), &per_token, 1e-12, "TRL corrected KL per token");
 }
+
+proptest! {
+    #[test]
+    fn corrected_split_with_global_counts_sums_to_the_whole(b in token_batch(2.0, Just(0.0).boxed())) {
+        prop_assume!(b.logp.len() >= 2);
+        let (lp, lr, _, mask) = b.tensors(f64::NAN);
+        let mu = lp.where_self(&mask, &lp.zeros_like()) - 0.3;
+        let norm = Normalizer::from_masks(&[&mask]).unwrap();
+        prop_assume!(norm.tokens.unwrap() > 0.0);
+        let rows = b.logp.len() as i64;
+        for mode in ALL_MODES {
+            let cfg = KlConfig::low_var_kl().with_coef(1.0).with_straight_through(true).with_aggregation(mode);
+            let run = |s: i64, n: i64| scalar(&kl_penalty_corrected_output(&lp.narrow(0, s, n), &mu.narrow(0, s, n), &lr.narrow(0, s, n), &mask.narrow(0, s, n), &cfg, &norm).unwrap().loss);
+            assert_close(&[run(0, 1) + run(1, rows - 1)], &[run(0, rows)], 1e-10, &format!("{mode:?}"));
+        }
+    }
+}
