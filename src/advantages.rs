@@ -9,7 +9,12 @@
 //! DrGrpo            A = R − m_g
 //! Rloo              A = R − (1/(K−1)) Σ_{j≠k} R_{g,j} = K/(K−1) (R − m_g)
 //! AsymRe { shift }  A = R − (m_g + shift)
+//! BatchStd { eps }  A = (R − m_g) / (s + eps)         s the unbiased std of all G·K rewards
+//! opo_advantages    A = R − Σ_k L_{g,k} R_{g,k} / Σ_k L_{g,k}      (L: completion lengths)
 //! ```
+//!
+//! A group of one completion (`K = 1`) has no baseline of its own: [`SingletonGroup`] says what
+//! it gets ([`group_advantages_with`]).
 
 use crate::error::LossError;
 use crate::validate;
@@ -44,6 +49,51 @@ pub enum GroupAdvantage {
         /// The shift added to the group mean.
         shift: f64,
     },
+    /// `(R − m_g)/(s + eps)`, `s` the unbiased standard deviation of all `G·K` rewards of the
+    /// batch (group mean, batch std: TRL's `scale_rewards="batch"`, LitePPO, Liu et al.,
+    /// arXiv 2508.08221). A batch of a single reward has `s = 0`, as in TRL.
+    BatchStd {
+        /// Added to the standard deviation (TRL: 1e-4).
+        eps: f64,
+    },
+}
+
+/// What a group of a single completion (`K = 1`) gets, where the group's own mean and spread
+/// leave it no signal.
+///
+/// | method | `OwnMean` (default) | `ZeroMeanUnitStd` (verl) |
+/// |---|---|---|
+/// | `Grpo { eps }` | 0 | `R / (1 + eps)` |
+/// | `DrGrpo`, [`opo_advantages`] | 0 | `R` |
+/// | `Rloo` | [`LossError::InvalidArgument`] | `R` |
+/// | `AsymRe { shift }` | `−shift` | `R − shift` |
+/// | `BatchStd { eps }` | 0 | `R / (s + eps)` |
+///
+/// Reference: verl 0.9.1 `compute_grpo_outcome_advantage` (and its RLOO, OPO and REINFORCE++-
+/// baseline estimators), which give a group of one the mean 0 and the standard deviation 1; TRL
+/// gives it its own mean (advantage 0).
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{group_advantages_with, GroupAdvantage, SingletonGroup};
+/// let r = Tensor::from_slice2(&[[2.0f64], [-1.0]]); // two prompts, one completion each
+/// let a = group_advantages_with(&r, GroupAdvantage::DrGrpo, SingletonGroup::ZeroMeanUnitStd)?;
+/// assert_eq!(Vec::<f64>::try_from(&a.flatten(0, -1))?, vec![2.0, -1.0]);
+/// let a = group_advantages_with(&r, GroupAdvantage::DrGrpo, SingletonGroup::OwnMean)?;
+/// assert_eq!(Vec::<f64>::try_from(&a.flatten(0, -1))?, vec![0.0, 0.0]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SingletonGroup {
+    /// The completion is its own group mean (so its spread is 0): the crate's convention and
+    /// TRL's; [`group_advantages`] uses it.
+    #[default]
+    OwnMean,
+    /// The group mean is 0 and its standard deviation 1, verl's convention: the advantage is the
+    /// raw reward (divided by `1 + eps` for GRPO).
+    ZeroMeanUnitStd,
 }
 
 impl GroupAdvantage {
@@ -63,6 +113,15 @@ impl GroupAdvantage {
     /// ```
     pub const fn asymre() -> Self {
         Self::AsymRe { shift: -0.1 }
+    }
+
+    /// Group mean, batch standard deviation with TRL's `eps = 1e-4` (`scale_rewards="batch"`).
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::GroupAdvantage::batch_std(), topr_loss::GroupAdvantage::BatchStd { eps: 1e-4 });
+    /// ```
+    pub const fn batch_std() -> Self {
+        Self::BatchStd { eps: 1e-4 }
     }
 }
 
@@ -89,20 +148,53 @@ impl GroupAdvantage {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn group_advantages(rewards: &Tensor, method: GroupAdvantage) -> Result<Tensor, LossError> {
+    group_advantages_with(rewards, method, SingletonGroup::OwnMean)
+}
+
+/// [`group_advantages`] with a choice of what a group of one completion gets (see
+/// [`SingletonGroup`]); with [`SingletonGroup::OwnMean`] it is [`group_advantages`].
+///
+/// ```text
+/// K ≥ 2, or OwnMean:        as GroupAdvantage (m_g, s_g the group's mean and unbiased std)
+/// K = 1, ZeroMeanUnitStd:   m_g = 0, s_g = 1 (verl): Grpo R/(1 + eps), DrGrpo R, Rloo R,
+///                           AsymRe R − shift, BatchStd R/(s + eps)
+/// ```
+///
+/// Reference: verl 0.9.1 `compute_grpo_outcome_advantage` (`norm_adv_by_std_in_grpo`),
+/// `compute_rloo_outcome_advantage`; TRL 1.16.0 `scale_rewards` (`"group"`, `"batch"`, `"none"`).
+///
+/// # Errors
+/// As [`group_advantages`] (`Rloo` with `K < 2` only under [`SingletonGroup::OwnMean`]).
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{group_advantages_with, GroupAdvantage, SingletonGroup};
+///
+/// let r = Tensor::from_slice2(&[[1.0f64]]);
+/// let a = group_advantages_with(&r, GroupAdvantage::Grpo { eps: 0.25 }, SingletonGroup::ZeroMeanUnitStd)?;
+/// assert_eq!(a.double_value(&[0, 0]), 0.8); // 1 / (1 + 0.25)
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+pub fn group_advantages_with(
+    rewards: &Tensor,
+    method: GroupAdvantage,
+    singleton: SingletonGroup,
+) -> Result<Tensor, LossError> {
     let kind = validate::compute_kind(&[validate::float_tensor(rewards, "rewards")?]);
     let shape = validate::rank(rewards, "rewards", 2, "[G, K]: G prompts, K completions each")?;
     validate::non_empty(&shape, "rewards", "completion")?;
     validate::finite(rewards, "rewards", None)?;
     let k = shape[1] as f64;
     let r = rewards.f_detach()?.f_to_kind(kind)?;
-    let mean = r.f_mean_dim(1, true, None::<Kind>)?; // [G, 1]
+    let zero_mean = shape[1] == 1 && singleton == SingletonGroup::ZeroMeanUnitStd;
+    let mean = if zero_mean { r.f_zeros_like()? } else { r.f_mean_dim(1, true, None::<Kind>)? }; // [G, 1]
     let centred = r.f_sub(&mean)?;
-    let bad =
-        |argument, value: f64, reason: &str| LossError::InvalidArgument { argument, value, reason: reason.into() };
     Ok(match method {
         GroupAdvantage::Grpo { eps } => {
-            if !(eps.is_finite() && eps >= 0.0) {
-                return Err(bad("eps", eps, "must be finite and >= 0"));
+            check_eps(eps)?;
+            if zero_mean {
+                return Ok(centred.f_div_scalar(1.0 + eps)?);
             }
             // Unbiased std; a group of one has no spread, so its advantages are 0.
             let var = centred.f_square()?.f_sum_dim_intlist(1, true, None::<Kind>)?.f_div_scalar((k - 1.0).max(1.0))?;
@@ -110,6 +202,9 @@ pub fn group_advantages(rewards: &Tensor, method: GroupAdvantage) -> Result<Tens
         }
         GroupAdvantage::DrGrpo => centred,
         GroupAdvantage::Rloo => {
+            if zero_mean {
+                return Ok(centred);
+            }
             if shape[1] < 2 {
                 return Err(bad("rewards", k, "leave-one-out needs at least 2 completions per group"));
             }
@@ -121,7 +216,112 @@ pub fn group_advantages(rewards: &Tensor, method: GroupAdvantage) -> Result<Tens
             }
             centred.f_sub_scalar(shift)?
         }
+        GroupAdvantage::BatchStd { eps } => {
+            check_eps(eps)?;
+            // Unbiased std of the raw rewards of the whole batch; 0 for a single reward (TRL).
+            let n = r.numel() as f64;
+            let var =
+                r.f_sub(&r.f_mean(None::<Kind>)?)?.f_square()?.f_sum(None::<Kind>)?.f_div_scalar((n - 1.0).max(1.0))?;
+            centred.f_div(&var.f_sqrt()?.f_add_scalar(eps)?.f_clamp_min(f64::MIN_POSITIVE)?)?
+        }
     })
+}
+
+fn bad(argument: &'static str, value: f64, reason: &str) -> LossError {
+    LossError::InvalidArgument { argument, value, reason: reason.into() }
+}
+
+fn check_eps(eps: f64) -> Result<(), LossError> {
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(bad("eps", eps, "must be finite and >= 0"));
+    }
+    Ok(())
+}
+
+/// OPO's optimal baseline: each group's rewards weighted by the completions' lengths.
+///
+/// ```text
+/// b_g = Σ_k L_{g,k} R_{g,k} / Σ_k L_{g,k}        A_{g,k} = R_{g,k} − b_g
+/// ```
+///
+/// The baseline that minimises the variance of the sequence-level policy gradient when its
+/// squared norm grows with the length (Hao et al., *On-Policy RL with Optimal Reward Baseline*,
+/// 2025, arXiv 2505.23585). A group of one gets `0` ([`SingletonGroup::OwnMean`]) or `R`
+/// ([`SingletonGroup::ZeroMeanUnitStd`], verl).
+///
+/// Reference: verl 0.9.1 `compute_opo_outcome_advantage` (`algorithm.adv_estimator=opo`), whose
+/// lengths are the response masks' sums.
+///
+/// # Arguments
+/// * `rewards` — `[G, K]`, floating.
+/// * `lengths` — `[G, K]`, the completions' token counts `L` (integer or floating, `≥ 0`).
+/// * `singleton` — what a group of one gets.
+///
+/// # Errors
+/// As [`group_advantages`]; [`LossError::WrongDtype`], [`LossError::ShapeMismatch`] or
+/// [`LossError::DeviceMismatch`] for `lengths`; [`LossError::InvalidArgument`] naming `lengths`
+/// for a negative or non-finite length, or a group (of two or more) whose lengths sum to 0.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{opo_advantages, SingletonGroup};
+///
+/// let r = Tensor::from_slice2(&[[1.0f64, 0.0]]);
+/// let len = Tensor::from_slice2(&[[3i64, 1]]); // b = (3·1 + 1·0) / 4
+/// let a = opo_advantages(&r, &len, SingletonGroup::OwnMean)?;
+/// assert_eq!(Vec::<f64>::try_from(&a.flatten(0, -1))?, vec![0.25, -0.75]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn opo_advantages(rewards: &Tensor, lengths: &Tensor, singleton: SingletonGroup) -> Result<Tensor, LossError> {
+    let kind = validate::compute_kind(&[validate::float_tensor(rewards, "rewards")?]);
+    let shape = validate::rank(rewards, "rewards", 2, "[G, K]: G prompts, K completions each")?;
+    validate::non_empty(&shape, "rewards", "completion")?;
+    validate::dense_tensor(lengths, "lengths")?;
+    let length_kind = lengths.f_kind().ok();
+    if !matches!(
+        length_kind,
+        Some(
+            Kind::Uint8
+                | Kind::Int8
+                | Kind::Int16
+                | Kind::Int
+                | Kind::Int64
+                | Kind::Half
+                | Kind::BFloat16
+                | Kind::Float
+                | Kind::Double
+        )
+    ) {
+        return Err(LossError::WrongDtype {
+            argument: "lengths",
+            found: length_kind.map_or("unknown".into(), |k| format!("{k:?}")),
+            expected: "an integer or floating dtype",
+        });
+    }
+    validate::same_shape(lengths, "lengths", &shape, "the shape of `rewards`")?;
+    validate::same_device(lengths, "lengths", rewards.device(), "rewards")?;
+    validate::finite(rewards, "rewards", None)?;
+    let r = rewards.f_detach()?.f_to_kind(kind)?;
+    let len = lengths.f_detach()?.f_to_kind(kind)?;
+    validate::finite(&len, "lengths", None)?;
+    let negative = crate::checks::read_i64(&len.f_lt(0.0)?.f_sum(Kind::Int64)?, &[])?;
+    if negative > 0 {
+        return Err(bad("lengths", f64::NAN, "a length must be >= 0"));
+    }
+    if shape[1] == 1 {
+        return Ok(match singleton {
+            SingletonGroup::ZeroMeanUnitStd => r,
+            _ => r.f_zeros_like()?,
+        });
+    }
+    let total = len.f_sum_dim_intlist(1, true, None::<Kind>)?; // [G, 1]
+    let empty = crate::checks::read_i64(&total.f_le(0.0)?.f_sum(Kind::Int64)?, &[])?;
+    if empty > 0 {
+        return Err(bad("lengths", 0.0, "the lengths of a group sum to 0: its length-weighted baseline is undefined"));
+    }
+    let baseline = len.f_mul(&r)?.f_sum_dim_intlist(1, true, None::<Kind>)?.f_div(&total)?;
+    Ok(r.f_sub(&baseline)?)
 }
 
 /// Whitens values over a batch: `(x − mean) / sqrt(var + eps)`, mean and unbiased variance taken

@@ -67,10 +67,21 @@
 //!   `src/dpo_pairs.rs`).
 //! - [`dpo_mix_loss`] with [`DpoMix`] — a weighted sum of DPO-family losses, TRL's
 //!   `loss_type=[..]` with `loss_weights` (`src/dpo_mix.rs`).
-//! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE) and [`whiten`]
+//! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE, batch-std scaling),
+//!   [`group_advantages_with`] and [`SingletonGroup`] (what a group of one gets: 0, or verl's raw
+//!   reward), [`opo_advantages`] (OPO's length-weighted baseline) and [`whiten`]
 //!   (`src/advantages.rs`).
-//! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, k2, k3 estimators as a loss
-//!   term (`src/kl.rs`).
+//! - [`reinforce_pp_advantages`], [`reinforce_pp_baseline_advantages`], [`remax_advantages`] and
+//!   [`TokenAdvantages`] — REINFORCE++, REINFORCE++-baseline and ReMax from token-level rewards
+//!   (`src/token_advantages.rs`); [`gae_advantages`] — GAE (`src/gae.rs`).
+//! - [`value_loss`] with [`ValueLossConfig`] and [`ValueDiagnostics`] — PPO's clipped value loss
+//!   (`src/value.rs`).
+//! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, abs, k2, k3 estimators as a
+//!   loss term, with verl's clamp of the estimate and its straight-through `+` forms;
+//!   [`kl_penalty_corrected`] — TRL's importance-corrected KL (`src/kl.rs`).
+//! - [`kl_penalized_rewards`] and [`KlRewards`] — the KL penalty in the reward
+//!   (`src/kl_reward.rs`), with [`AdaptiveKlController`] and [`FixedKlController`] for its
+//!   coefficient (`src/kl_control.rs`).
 //!
 //! Correcting for the sampler–trainer mismatch (`src/rollout_correction.rs`):
 //! - [`rollout_weights`] with [`RolloutCorrection`] (token or sequence level, truncated (TIS) or
@@ -92,7 +103,8 @@
 //!   cost (`src/checks.rs`).
 //!
 //! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
-//! DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL): `docs/methods.md`.
+//! REINFORCE++, ReMax, OPO, GAE, DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL):
+//! `docs/methods.md`.
 //!
 //! ## One API for every loss
 //!
@@ -109,7 +121,21 @@
 //! | CISPO | `cispo_loss(logp, logp_mu, advantages, mask, cfg)` | [`cispo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::cispo`] | [`PpoDiagnostics`] |
 //! | DPO family | `dpo_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)` | [`dpo_loss_output`]`(.., cfg, norm)` | [`DpoConfig`]`::{dpo, cdpo, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm}` | [`DpoDiagnostics`] |
 //! | DPO mixture | `dpo_mix_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, mix)` | [`dpo_mix_loss_output`]`(.., mix, norm)` | [`DpoMix`]`::of(cfg, w).with_term(cfg, w)` | [`DpoDiagnostics`] |
-//! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3}` | [`KlDiagnostics`] |
+//! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3, abs, low_var_kl}` | [`KlDiagnostics`] |
+//! | importance-corrected KL | `kl_penalty_corrected(logp, logp_mu, logp_ref, mask, cfg)` | [`kl_penalty_corrected_output`]`(.., cfg, norm)` | [`KlConfig`] as above | [`KlDiagnostics`] |
+//! | clipped value loss | `value_loss(values, values_old, returns, mask, cfg)` | [`value_loss_output`]`(.., cfg, norm)` | [`ValueLossConfig`]`::{ppo, verl}` | [`ValueDiagnostics`] |
+//!
+//! Advantages are computed before the loss, detached, in f64 for f64 rewards and f32 otherwise:
+//!
+//! | estimator | call | returns |
+//! |---|---|---|
+//! | GRPO, Dr. GRPO, RLOO, AsymRE, batch std | [`group_advantages`]`(rewards [G, K], method)`, [`group_advantages_with`]`(.., singleton)` | `[G, K]` |
+//! | OPO | [`opo_advantages`]`(rewards [G, K], lengths [G, K], singleton)` | `[G, K]` |
+//! | REINFORCE++ | [`reinforce_pp_advantages`]`(token_rewards, mask, gamma, eps)` | [`TokenAdvantages`] |
+//! | REINFORCE++-baseline | [`reinforce_pp_baseline_advantages`]`(rewards [G, K], mask [G·K, T], eps, singleton)` | `[G·K, T]` |
+//! | ReMax | [`remax_advantages`]`(token_rewards, greedy_rewards, mask)` | [`TokenAdvantages`] |
+//! | GAE | [`gae_advantages`]`(token_rewards, values, mask, gamma, lam)` | [`TokenAdvantages`] |
+//! | KL in the reward | [`kl_penalized_rewards`]`(logp, logp_ref, token_scores, mask, cfg)` | [`KlRewards`] |
 //!
 //! The conventions behind the table:
 //!
@@ -152,18 +178,23 @@ mod dpo;
 mod dpo_mix;
 mod dpo_pairs;
 mod error;
+mod gae;
 mod kl;
+mod kl_control;
+mod kl_reward;
 mod logprobs;
 mod output;
 mod ppo;
 mod rollout_correction;
 mod taper;
+mod token_advantages;
 mod token_inputs;
 mod topr;
 mod topr_token;
 mod validate;
+mod value;
 
-pub use advantages::{GroupAdvantage, group_advantages, whiten};
+pub use advantages::{GroupAdvantage, SingletonGroup, group_advantages, group_advantages_with, opo_advantages, whiten};
 pub use aggregate::{AggregationMode, BatchCounts, Normalizer, aggregate, sequence_weights};
 pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,
@@ -174,7 +205,13 @@ pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
 pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
 pub use error::{LossError, TorchError};
-pub use kl::{KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_output};
+pub use gae::gae_advantages;
+pub use kl::{
+    KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_corrected, kl_penalty_corrected_output,
+    kl_penalty_output,
+};
+pub use kl_control::{AdaptiveKlController, FixedKlController};
+pub use kl_reward::{KlRewards, kl_penalized_rewards};
 pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
     fused_token_logprobs, sequence_logprobs, token_logprobs,
@@ -190,5 +227,9 @@ pub use rollout_correction::{
     rollout_weights,
 };
 pub use taper::{taper, taper_scalar, truncated_weight};
+pub use token_advantages::{
+    TokenAdvantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,
+};
 pub use topr::{TieRule, ToprConfig, topr_loss, topr_loss_output};
 pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss, topr_token_loss_output};
+pub use value::{ValueDiagnostics, ValueLossConfig, value_loss, value_loss_output};

@@ -343,3 +343,67 @@ proptest! {
         }
     }
 }
+// The advantage estimators, the value loss and the KL variants of issue #11.
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn no_advantage_or_kl_function_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), p in arbitrary_limit(), q in arbitrary_limit(), n in prop_oneof![Just(0u64), Just(1), Just(u64::MAX), 0u64..100000]) {
+        let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
+        for singleton in [SingletonGroup::OwnMean, SingletonGroup::ZeroMeanUnitStd] {
+            for method in [GroupAdvantage::BatchStd { eps: p }, GroupAdvantage::Grpo { eps: q }, GroupAdvantage::Rloo, GroupAdvantage::AsymRe { shift: p }] {
+                let _ = no_panic("group_advantages_with", || group_advantages_with(&a, method, singleton));
+            }
+            let _ = no_panic("opo_advantages", || opo_advantages(&a, &b, singleton));
+            let _ = no_panic("reinforce_pp_baseline_advantages", || reinforce_pp_baseline_advantages(&a, &m, p, singleton));
+        }
+        let _ = no_panic("reinforce_pp_advantages", || reinforce_pp_advantages(&a, &m, p, q));
+        let _ = no_panic("remax_advantages", || remax_advantages(&a, &b, &m));
+        let _ = no_panic("gae_advantages", || gae_advantages(&a, &b, &m, p, q));
+        let norm = Normalizer::global(BatchCounts { tokens: p, sequences: q });
+        for cfg in [ValueLossConfig::ppo(), ValueLossConfig::verl().with_clip(p).with_checks(Checks::Shapes)] {
+            let r = no_panic("value_loss", || value_loss(&a, &b, &c, &m, &cfg));
+            if let (Ok(loss), Checks::Full) = (&r, cfg.checks) { prop_assert!(scalar(loss).is_finite()); }
+            for nm in [Normalizer::local(), norm] {
+                let r = no_panic("value_loss_output", || value_loss_output(&a, &b, &c, &m, &cfg, &nm).map(|o| o.diagnostics.read()));
+                if let Ok(d) = r { prop_assert!(d.is_ok()); }
+            }
+        }
+        for est in [KlEstimator::K1, KlEstimator::K2, KlEstimator::K3, KlEstimator::Abs] {
+            let kl = KlConfig::default().with_estimator(est).with_coef(p).with_max_estimate(Some(q)).with_straight_through(true);
+            for cfg in [kl, KlConfig::low_var_kl()] {
+                let _ = no_panic("kl_penalty", || kl_penalty(&a, &b, &m, &cfg));
+                let r = no_panic("kl_penalty_corrected", || kl_penalty_corrected(&a, &b, &c, &m, &cfg));
+                if let Ok(loss) = &r { prop_assert!(scalar(loss).is_finite()); }
+                let _ = no_panic("kl_penalty_corrected_output", || kl_penalty_corrected_output(&a, &b, &c, &m, &cfg, &norm).map(|o| o.diagnostics.read()));
+                let _ = no_panic("kl_penalized_rewards", || kl_penalized_rewards(&a, &b, &c, &m, &cfg).map(|o| o.kl_mean.double_value(&[])));
+            }
+        }
+        let _ = no_panic("AdaptiveKlController", || AdaptiveKlController::new(p, q, p).map(|mut k| k.update(q, n)));
+        let _ = no_panic("FixedKlController", || FixedKlController::new(p).map(|mut k| k.update(q, n)));
+    }
+}
+
+#[test]
+fn advantage_value_and_kl_arguments_are_named() {
+    let r = Tensor::from_slice2(&[[1.0f64, 0.0]]);
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let e = opo_advantages(&r, &Tensor::new(), SingletonGroup::OwnMean).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "lengths", what: "undefined" });
+    let e = gae_advantages(&r, &r, &m, 2.0, 1.0).unwrap_err();
+    assert!(matches!(e, LossError::InvalidArgument { argument: "gamma", .. }), "{e}");
+    let e = remax_advantages(&r, &t1(&[f64::NAN]), &m).unwrap_err();
+    assert!(matches!(e, LossError::NonFinite { argument: "greedy_rewards", .. }), "{e}");
+    let e = reinforce_pp_advantages(&r.to_kind(Kind::Int64), &m, 1.0, 1e-8).unwrap_err();
+    assert!(matches!(e, LossError::WrongDtype { argument: "token_rewards", .. }), "{e}");
+    let e = value_loss(&r, &r, &r, &m, &ValueLossConfig::ppo().with_clip(f64::NAN)).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "clip", .. }), "{e}");
+    let e = value_loss(&r, &r, &Tensor::new(), &m, &ValueLossConfig::ppo()).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "returns", what: "undefined" });
+    let e = kl_penalty_corrected(&r, &Tensor::new(), &r, &m, &KlConfig::k3()).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "logp_mu", what: "undefined" });
+    let e = kl_penalized_rewards(&r, &r, &Tensor::new(), &m, &KlConfig::k1()).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "token_scores", what: "undefined" });
+    let e = AdaptiveKlController::new(0.1, 0.1, 0.0).unwrap_err();
+    assert!(matches!(e, LossError::InvalidArgument { argument: "horizon", .. }), "{e}");
+}
