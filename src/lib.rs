@@ -135,13 +135,17 @@ mod advantages;
 mod aggregate;
 mod baseline;
 mod checks;
+mod covariance;
 mod diagnostics;
 mod dpo;
+mod entropy;
 mod error;
+mod gmpo;
 mod kl;
 mod logprobs;
 mod output;
 mod ppo;
+mod sapo;
 mod taper;
 mod token_inputs;
 mod topr;
@@ -155,9 +159,14 @@ pub use baseline::{
     effective_positive_proportion_of_rewards,
 };
 pub use checks::{Checks, host_reads};
+pub use covariance::{
+    ClipCovConfig, KlCovConfig, clip_cov_loss, clip_cov_loss_output, kl_cov_loss, kl_cov_loss_output,
+};
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
+pub use entropy::{EntropyConfig, EntropyDiagnostics, entropy_loss, entropy_loss_output, top_entropy_mask};
 pub use error::{LossError, TorchError};
+pub use gmpo::{GmpoConfig, gmpo_loss, gmpo_loss_output};
 pub use kl::{KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_output};
 pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
@@ -168,6 +177,7 @@ pub use ppo::{
     PpoConfig, PpoDiagnostics, cispo_loss, cispo_loss_output, gspo_loss, gspo_loss_output, ppo_clip_loss,
     ppo_clip_loss_output,
 };
+pub use sapo::{SapoConfig, sapo_loss, sapo_loss_output};
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use topr::{TieRule, ToprConfig, topr_loss, topr_loss_output};
 pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss, topr_token_loss_output};

@@ -318,7 +318,7 @@ diagnostics_struct!(PpoDiagnostics {
 });
 
 /// [`PpoDiagnostics`] over the samples where `valid`, all broadcast to `r`'s shape.
-fn ppo_diagnostics(
+pub(crate) fn ppo_diagnostics(
     r: &Tensor,
     clip_active: &Tensor,
     dual_active: &Tensor,
