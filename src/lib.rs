@@ -67,6 +67,16 @@
 //!   (`src/advantages.rs`).
 //! - [`kl_penalty`] with [`KlConfig`] and [`KlDiagnostics`] — the k1, k2, k3 estimators as a loss
 //!   term (`src/kl.rs`).
+//! - [`sapo_loss`] with [`SapoConfig`] — SAPO's smooth, asymmetric gate in place of the clip
+//!   (`src/sapo.rs`).
+//! - [`gmpo_loss`] with [`GmpoConfig`] — GMPO's geometric mean of sign-clipped token ratios
+//!   (`src/gmpo.rs`).
+//! - [`clip_cov_loss`] with [`ClipCovConfig`], [`kl_cov_loss`] with [`KlCovConfig`] — Clip-Cov and
+//!   KL-Cov, which act on the tokens of largest covariance between log-probability and advantage;
+//!   the selection couples the tokens of a call (`src/covariance.rs`).
+//! - [`entropy_loss`] with [`EntropyConfig`] and [`EntropyDiagnostics`] — the entropy bonus as a
+//!   loss term; [`top_entropy_mask`] — train on the highest-entropy share of tokens
+//!   (`src/entropy.rs`).
 //!
 //! Shared pieces:
 //! - [`LossOutput`], [`OnDevice`], [`Diagnostics`] — what the `…_output` functions return: the
@@ -80,8 +90,9 @@
 //! - [`Checks`], [`host_reads`] — value checks or shape checks only, and the host reads they
 //!   cost (`src/checks.rs`).
 //!
-//! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
-//! DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL): `docs/methods.md`.
+//! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO,
+//! GMPO, Clip-Cov, KL-Cov, RLOO, DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL):
+//! `docs/methods.md`.
 //!
 //! ## One API for every loss
 //!
@@ -98,6 +109,11 @@
 //! | CISPO | `cispo_loss(logp, logp_mu, advantages, mask, cfg)` | [`cispo_loss_output`]`(.., cfg, norm)` | [`PpoConfig::cispo`] | [`PpoDiagnostics`] |
 //! | DPO family | `dpo_loss(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, cfg)` | [`dpo_loss_output`]`(.., cfg, norm)` | [`DpoConfig`]`::{dpo, cdpo, ipo, hinge}` | [`DpoDiagnostics`] |
 //! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3}` | [`KlDiagnostics`] |
+//! | SAPO | `sapo_loss(logp, logp_mu, advantages, mask, cfg)` | [`sapo_loss_output`]`(.., cfg, norm)` | [`SapoConfig::sapo`] | [`PpoDiagnostics`] |
+//! | GMPO | `gmpo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gmpo_loss_output`]`(.., cfg, norm)` | [`GmpoConfig::gmpo`] | [`PpoDiagnostics`] |
+//! | Clip-Cov | `clip_cov_loss(logp, logp_mu, advantages, mask, keys, cfg)` | [`clip_cov_loss_output`]`(.., cfg, norm)` | [`ClipCovConfig::clip_cov`] | [`PpoDiagnostics`] |
+//! | KL-Cov | `kl_cov_loss(logp, logp_mu, advantages, mask, cfg)` | [`kl_cov_loss_output`]`(.., cfg, norm)` | [`KlCovConfig::kl_cov`] | [`PpoDiagnostics`] |
+//! | entropy bonus | `entropy_loss(entropy, mask, cfg)` | [`entropy_loss_output`]`(.., cfg, norm)` | [`EntropyConfig::bonus`] | [`EntropyDiagnostics`] |
 //!
 //! The conventions behind the table:
 //!
