@@ -8,8 +8,8 @@ use proptest::prelude::*;
 use serde_json::json;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, EntropyConfig, backward_through_logprobs, LogProbConfig, LossError, Normalizer, entropy_loss, entropy_loss_output,
-    token_logprobs, top_entropy_mask,
+    AggregationMode, Checks, EntropyConfig, LogProbConfig, LossError, Normalizer, backward_through_logprobs,
+    entropy_loss, entropy_loss_output, token_logprobs, top_entropy_mask,
 };
 
 /// Entropies `[B, T]` in `[0, 3)` with a mask, at least one real token.
@@ -149,8 +149,8 @@ proptest! {
 fn entropy_bonus_gradient_matches_finite_differences_through_the_logits() {
     // From logits: the bonus's gradient through `token_logprobs`' entropy equals the finite
     // difference of its value.
-    let logits = Tensor::from_slice(&[0.3f64, -1.2, 0.7, 2.0, -0.4, 0.1, 1.5, -2.0, 0.0, 0.9, 0.2, -0.6])
-        .reshape([1, 4, 3]);
+    let logits =
+        Tensor::from_slice(&[0.3f64, -1.2, 0.7, 2.0, -0.4, 0.1, 1.5, -2.0, 0.0, 0.9, 0.2, -0.6]).reshape([1, 4, 3]);
     let labels = Tensor::from_slice2(&[[0i64, 2, 1, 0]]);
     let mask = Tensor::from_slice2(&[[true, true, true, false]]);
     let lcfg = LogProbConfig::new().with_entropy(true);
@@ -173,7 +173,8 @@ fn entropy_bonus_gradient_matches_finite_differences_through_the_logits() {
 fn entropy_diagnostics_and_dtypes() {
     let h = Tensor::from_slice2(&[[0.5f64, 2.5, f64::INFINITY], [1.0, 0.0, 0.0]]);
     let m = Tensor::from_slice2(&[[true, true, false], [true, false, false]]);
-    let d = entropy_loss_output(&h, &m, &EntropyConfig::bonus(), &Normalizer::local()).unwrap().diagnostics.read().unwrap();
+    let d =
+        entropy_loss_output(&h, &m, &EntropyConfig::bonus(), &Normalizer::local()).unwrap().diagnostics.read().unwrap();
     assert_eq!((d.tokens, d.entropy_mean, d.entropy_min, d.entropy_max), (3, 4.0 / 3.0, 0.5, 2.5));
     for kind in [Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double] {
         let want = if kind == Kind::Double { Kind::Double } else { Kind::Float };
@@ -184,8 +185,12 @@ fn entropy_diagnostics_and_dtypes() {
     }
     // Huge entropies in f32 overflow the sum: a typed error, not inf.
     let big = Tensor::from_slice2(&[[3.0e38f32, 3.0e38]]);
-    let e = entropy_loss(&big, &big.ones_like(), &EntropyConfig::bonus().with_coef(1.0).with_aggregation(AggregationMode::TokenSum))
-        .unwrap_err();
+    let e = entropy_loss(
+        &big,
+        &big.ones_like(),
+        &EntropyConfig::bonus().with_coef(1.0).with_aggregation(AggregationMode::TokenSum),
+    )
+    .unwrap_err();
     assert_eq!(e, LossError::NonFiniteLoss { compute_dtype: "f32" });
 }
 
@@ -222,7 +227,10 @@ fn mask01(m: &[Vec<bool>]) -> Vec<Vec<f64>> {
 }
 
 /// Deterministic entropies on a grid of 1/64 (exact in f32, so TRL's f32 quantile is exact too).
-fn peer_cases() -> Vec<(Vec<Vec<f64>>, Vec<Vec<bool>>)> {
+/// Entropies and a mask.
+type Case = (Vec<Vec<f64>>, Vec<Vec<bool>>);
+
+fn peer_cases() -> Vec<Case> {
     let mut seed = 0xD1B54A32D192ED03u64;
     let mut next = move || {
         seed ^= seed << 13;

@@ -131,7 +131,9 @@ fn ref_clip_cov(b: &Batch, keys: &[Vec<f64>], cfg: &ClipCovConfig) -> (f64, Vec<
         }
     }
     let width = b.mask[0].len();
-    candidates.sort_by(|p, q| keys[p.0][p.1].partial_cmp(&keys[q.0][q.1]).unwrap().then((p.0 * width + p.1).cmp(&(q.0 * width + q.1))));
+    candidates.sort_by(|p, q| {
+        keys[p.0][p.1].partial_cmp(&keys[q.0][q.1]).unwrap().then((p.0 * width + p.1).cmp(&(q.0 * width + q.1)))
+    });
     candidates.truncate(selected_count(cov.len(), cfg.ratio));
     let mut value = 0.0;
     let mut grad = vec![vec![0.0; width]; b.mask.len()];
@@ -196,7 +198,10 @@ fn run_kl_cov(b: &Batch, cfg: &KlCovConfig, padding: f64) -> (f64, Vec<f64>) {
 fn clip_cov_configs() -> Vec<ClipCovConfig> {
     vec![
         ClipCovConfig::clip_cov().with_band(0.1, 3.0).with_ratio(0.3),
-        ClipCovConfig::clip_cov().with_band(-1.0, 1.0).with_ratio(1.0).with_aggregation(AggregationMode::SeqMeanTokenMean),
+        ClipCovConfig::clip_cov()
+            .with_band(-1.0, 1.0)
+            .with_ratio(1.0)
+            .with_aggregation(AggregationMode::SeqMeanTokenMean),
         ClipCovConfig::clip_cov().with_clip(0.1, 0.3).with_band(0.0, f64::INFINITY).with_ratio(0.2),
         ClipCovConfig::clip_cov(),
     ]
@@ -404,9 +409,25 @@ fn covariance_selection_couples_micro_batches() {
     let norm = Normalizer::global(BatchCounts { tokens: 8.0, sequences: 4.0 });
     let cfg = KlCovConfig::kl_cov().with_coef(1.0).with_ratio(0.25); // 2 tokens of 8, 1 of 4
     let full = scalar(&kl_cov_loss_output(&lp, &old, &adv, &m, &cfg, &norm).unwrap().loss);
-    let part = |o: i64| scalar(&kl_cov_loss_output(&lp.narrow(0, o, 2), &old.narrow(0, o, 2), &adv.narrow(0, o, 2), &m.narrow(0, o, 2), &cfg, &norm).unwrap().loss);
+    let part = |o: i64| {
+        scalar(
+            &kl_cov_loss_output(
+                &lp.narrow(0, o, 2),
+                &old.narrow(0, o, 2),
+                &adv.narrow(0, o, 2),
+                &m.narrow(0, o, 2),
+                &cfg,
+                &norm,
+            )
+            .unwrap()
+            .loss,
+        )
+    };
     assert!((part(0) + part(2) - full).abs() > 1e-3, "{} vs {full}", part(0) + part(2));
 }
+
+/// A loss of `logp` alone, the other inputs captured.
+type LossCall<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
 
 #[test]
 fn extreme_inputs_stay_finite_and_low_precision_computes_in_f32() {
@@ -417,10 +438,28 @@ fn extreme_inputs_stay_finite_and_low_precision_computes_in_f32() {
         let m = Tensor::from_slice2(&[[1i64, 1], [1, 1]]);
         let keys = Tensor::from_slice2(&[[0.1f64, 0.2], [0.3, 0.4]]).to_kind(kind);
         let want = if kind == Kind::Double { Kind::Double } else { Kind::Float };
-        let losses: Vec<(&str, Box<dyn Fn(&Tensor) -> Tensor>)> = vec![
+        let losses: Vec<(&str, LossCall)> = vec![
             ("gmpo", Box::new(|lp| gmpo_loss(lp, &old, &adv, &m, &GmpoConfig::gmpo()).unwrap())),
-            ("gmpo unclipped", Box::new(|lp| gmpo_loss(lp, &old, &adv, &m, &GmpoConfig::gmpo().with_clip(f64::INFINITY, f64::INFINITY)).unwrap())),
-            ("clip_cov", Box::new(|lp| clip_cov_loss(lp, &old, &adv, &m, &keys, &ClipCovConfig::clip_cov().with_band(f64::NEG_INFINITY, f64::INFINITY).with_ratio(1.0)).unwrap())),
+            (
+                "gmpo unclipped",
+                Box::new(|lp| {
+                    gmpo_loss(lp, &old, &adv, &m, &GmpoConfig::gmpo().with_clip(f64::INFINITY, f64::INFINITY)).unwrap()
+                }),
+            ),
+            (
+                "clip_cov",
+                Box::new(|lp| {
+                    clip_cov_loss(
+                        lp,
+                        &old,
+                        &adv,
+                        &m,
+                        &keys,
+                        &ClipCovConfig::clip_cov().with_band(f64::NEG_INFINITY, f64::INFINITY).with_ratio(1.0),
+                    )
+                    .unwrap()
+                }),
+            ),
             ("kl_cov", Box::new(|lp| kl_cov_loss(lp, &old, &adv, &m, &KlCovConfig::kl_cov().with_ratio(1.0)).unwrap())),
         ];
         for (name, f) in losses {
@@ -449,9 +488,11 @@ fn bad_inputs_are_errors() {
     assert!(matches!(e, LossError::InvalidConfig { field: "clip_low", .. }), "{e}");
     let e = clip_cov_loss(&lp, &lp, &adv, &m, &t1(&[0.1, 0.2]), &ClipCovConfig::clip_cov()).unwrap_err();
     assert!(matches!(e, LossError::ShapeMismatch { argument: "keys", .. }), "{e}");
-    let e = clip_cov_loss(&lp, &lp, &adv, &m, &Tensor::from_slice2(&[[1i64, 2]]), &ClipCovConfig::clip_cov()).unwrap_err();
+    let e =
+        clip_cov_loss(&lp, &lp, &adv, &m, &Tensor::from_slice2(&[[1i64, 2]]), &ClipCovConfig::clip_cov()).unwrap_err();
     assert!(matches!(e, LossError::WrongDtype { argument: "keys", .. }), "{e}");
-    let e = clip_cov_loss(&lp, &lp, &adv, &m, &Tensor::from_slice2(&[[0.1f64, f64::NAN]]), &ClipCovConfig::clip_cov()).unwrap_err();
+    let e = clip_cov_loss(&lp, &lp, &adv, &m, &Tensor::from_slice2(&[[0.1f64, f64::NAN]]), &ClipCovConfig::clip_cov())
+        .unwrap_err();
     assert!(matches!(e, LossError::NonFinite { argument: "keys", .. }), "{e}");
     let e = clip_cov_loss(&lp, &lp, &t1(&[f64::NAN]), &m, &keys, &ClipCovConfig::clip_cov()).unwrap_err();
     assert!(matches!(e, LossError::NonFinite { argument: "advantages", .. }), "{e}");
@@ -540,7 +581,11 @@ fn clip_cov_matches_verl_with_the_same_seed() {
     let batches = peer_batches();
     let cfgs = [
         ClipCovConfig::clip_cov().with_band(0.05, 2.0).with_ratio(0.2),
-        ClipCovConfig::clip_cov().with_clip(0.2, 0.28).with_band(-0.5, 0.5).with_ratio(0.3).with_aggregation(AggregationMode::SeqMeanTokenSum),
+        ClipCovConfig::clip_cov()
+            .with_clip(0.2, 0.28)
+            .with_band(-0.5, 0.5)
+            .with_ratio(0.3)
+            .with_aggregation(AggregationMode::SeqMeanTokenSum),
     ];
     let mut calls = Vec::new();
     for (k, b) in batches.iter().enumerate() {
@@ -570,7 +615,11 @@ fn clip_cov_matches_verl_with_the_same_seed() {
             assert_close(&[v], &json_f64(&r["value"]), 1e-10, &format!("batch {k} {cfg:?} value"));
             assert_close(&g, &json_f64(&r["grad"]), 1e-10, &format!("batch {k} {cfg:?} grad"));
             let (lp, old, adv, m) = b.tensors(0.0);
-            let d = clip_cov_loss_output(&lp, &old, &adv, &m, &t2(&keys), cfg, &Normalizer::local()).unwrap().diagnostics.read().unwrap();
+            let d = clip_cov_loss_output(&lp, &old, &adv, &m, &t2(&keys), cfg, &Normalizer::local())
+                .unwrap()
+                .diagnostics
+                .read()
+                .unwrap();
             assert_close(&[d.clip_fraction], &json_f64(&r["pg_clipfrac"]), 1e-7, "pg_clipfrac");
         }
     }

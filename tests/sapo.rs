@@ -33,13 +33,11 @@ fn ref_loss(b: &Batch, cfg: &SapoConfig, global: Option<(f64, f64)>) -> (f64, Ve
     let al = ref_alpha(&b.mask, cfg.aggregation, global);
     let mut value = 0.0;
     let mut grad = vec![vec![0.0; b.mask[0].len()]; b.mask.len()];
-    for i in 0..b.mask.len() {
-        for t in 0..b.mask[i].len() {
-            if b.mask[i][t] {
-                let (v, g) = ref_sapo_token(b.logp[i][t] - b.other[i][t], b.weights[i], cfg);
-                value += al[i] * v;
-                grad[i][t] = al[i] * g;
-            }
+    for (i, row) in b.mask.iter().enumerate() {
+        for (t, _) in row.iter().enumerate().filter(|(_, m)| **m) {
+            let (v, g) = ref_sapo_token(b.logp[i][t] - b.other[i][t], b.weights[i], cfg);
+            value += al[i] * v;
+            grad[i][t] = al[i] * g;
         }
     }
     (value, grad.concat())
