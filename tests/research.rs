@@ -664,3 +664,47 @@ fn kl_cov_matches_verl() {
         }
     }
 }
+
+#[test]
+fn huge_advantages_are_a_typed_error_in_f32() {
+    let lp = Tensor::from_slice2(&[[-1.0f32, -1.5]]);
+    let old = Tensor::from_slice2(&[[-1.2f32, -1.0]]);
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let adv = Tensor::from_slice(&[3.0e38f32]);
+    let sum = AggregationMode::TokenSum;
+    let f32_overflow = LossError::NonFiniteLoss { compute_dtype: "f32" };
+    let e = gmpo_loss(&lp, &old, &adv, &m, &GmpoConfig::gmpo().with_aggregation(sum)).unwrap_err();
+    assert_eq!(e, f32_overflow);
+    let keys = Tensor::from_slice2(&[[0.1f32, 0.2]]);
+    let e = clip_cov_loss(&lp, &old, &adv, &m, &keys, &ClipCovConfig::clip_cov().with_aggregation(sum)).unwrap_err();
+    assert_eq!(e, f32_overflow);
+    let e = kl_cov_loss(&lp, &old, &adv, &m, &KlCovConfig::kl_cov().with_aggregation(sum)).unwrap_err();
+    assert_eq!(e, f32_overflow);
+    // The same in f64 is finite.
+    let d = |t: &Tensor| t.to_kind(Kind::Double);
+    let loss = kl_cov_loss(&d(&lp), &d(&old), &d(&adv), &m, &KlCovConfig::kl_cov().with_aggregation(sum)).unwrap();
+    assert!(scalar(&loss).is_finite());
+}
+
+#[test]
+fn shape_checks_read_nothing_back() {
+    use topr_loss::{Checks, EntropyConfig, SapoConfig, entropy_loss, host_reads, sapo_loss, top_entropy_mask};
+    let lp = Tensor::from_slice2(&[[-1.0f32, -1.5, f32::NAN], [-0.3, -2.0, -0.1]]);
+    let old = Tensor::from_slice2(&[[-1.2f32, -1.0, 0.0], [-0.5, -2.5, -0.2]]);
+    let m = Tensor::from_slice2(&[[true, true, false], [true, true, true]]);
+    let adv = Tensor::from_slice(&[1.0f32, -0.5]);
+    // Fixed keys: the peer test seeds the global generator, which this test must not draw from.
+    let keys = Tensor::from_slice2(&[[0.3f32, 0.1, 0.2], [0.6, 0.5, 0.4]]);
+    let s = Checks::Shapes;
+    let before = host_reads();
+    let losses = [
+        sapo_loss(&lp, &old, &adv, &m, &SapoConfig::sapo().with_checks(s)).unwrap(),
+        gmpo_loss(&lp, &old, &adv, &m, &GmpoConfig::gmpo().with_checks(s)).unwrap(),
+        clip_cov_loss(&lp, &old, &adv, &m, &keys, &ClipCovConfig::clip_cov().with_checks(s)).unwrap(),
+        kl_cov_loss(&lp, &old, &adv, &m, &KlCovConfig::kl_cov().with_checks(s)).unwrap(),
+        entropy_loss(&lp.abs(), &m, &EntropyConfig::bonus().with_checks(s)).unwrap(),
+        top_entropy_mask(&lp.abs(), &m, 0.2, s).unwrap(),
+    ];
+    assert_eq!(host_reads(), before);
+    assert!(losses[..5].iter().all(|l| scalar(l).is_finite()));
+}
