@@ -117,8 +117,11 @@ fn ref_ppo_token(delta: f64, a: f64, lo: f64, hi: f64, m: f64) -> (f64, f64, boo
 
 /// Clip-Cov by its definition: candidates in the band that the clip leaves alone, the `k` of
 /// smallest key (then lowest index) cut.
+/// Clip-Cov's value, gradient and cut tokens.
+type ClipCovRef = (f64, Vec<f64>, Vec<(usize, usize)>);
+
 /// `None` when a covariance lies within 1e-12 of a band end (rounding may decide membership).
-fn ref_clip_cov(b: &Batch, keys: &[Vec<f64>], cfg: &ClipCovConfig) -> Option<(f64, Vec<f64>, Vec<(usize, usize)>)> {
+fn ref_clip_cov(b: &Batch, keys: &[Vec<f64>], cfg: &ClipCovConfig) -> Option<ClipCovRef> {
     let al = ref_alpha(&b.mask, cfg.aggregation, None);
     let cov = ref_cov(b);
     let mut candidates = Vec::new();
