@@ -82,6 +82,16 @@
 //! - [`kl_penalized_rewards`] and [`KlRewards`] — the KL penalty in the reward
 //!   (`src/kl_reward.rs`), with [`AdaptiveKlController`] and [`FixedKlController`] for its
 //!   coefficient (`src/kl_control.rs`).
+//! - [`sapo_loss`] with [`SapoConfig`] — SAPO's smooth, asymmetric gate in place of the clip
+//!   (`src/sapo.rs`).
+//! - [`gmpo_loss`] with [`GmpoConfig`] — GMPO's geometric mean of sign-clipped token ratios
+//!   (`src/gmpo.rs`).
+//! - [`clip_cov_loss`] with [`ClipCovConfig`], [`kl_cov_loss`] with [`KlCovConfig`] — Clip-Cov and
+//!   KL-Cov, which act on the tokens of largest covariance between log-probability and advantage;
+//!   the selection couples the tokens of a call (`src/covariance.rs`).
+//! - [`entropy_loss`] with [`EntropyConfig`] and [`EntropyDiagnostics`] — the entropy bonus as a
+//!   loss term; [`top_entropy_mask`] — train on the highest-entropy share of tokens
+//!   (`src/entropy.rs`).
 //!
 //! Correcting for the sampler–trainer mismatch (`src/rollout_correction.rs`):
 //! - [`rollout_weights`] with [`RolloutCorrection`] (token or sequence level, truncated (TIS) or
@@ -102,8 +112,9 @@
 //! - [`Checks`], [`host_reads`] — value checks or shape checks only, and the host reads they
 //!   cost (`src/checks.rs`).
 //!
-//! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
-//! REINFORCE++, ReMax, OPO, GAE, DPO, cDPO, IPO, TOPR in the paper, verl, Trinity-RFT and ROLL):
+//! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO,
+//! GMPO, Clip-Cov, KL-Cov, RLOO, REINFORCE++, ReMax, OPO, GAE, DPO and its TRL variants, TOPR in the
+//! paper, verl, Trinity-RFT and ROLL, rollout correction):
 //! `docs/methods.md`.
 //!
 //! ## One API for every loss
@@ -124,6 +135,11 @@
 //! | KL penalty | `kl_penalty(logp, logp_ref, mask, cfg)` | [`kl_penalty_output`]`(.., cfg, norm)` | [`KlConfig`]`::{k1, k2, k3, abs, low_var_kl}` | [`KlDiagnostics`] |
 //! | importance-corrected KL | `kl_penalty_corrected(logp, logp_mu, logp_ref, mask, cfg)` | [`kl_penalty_corrected_output`]`(.., cfg, norm)` | [`KlConfig`] as above | [`KlDiagnostics`] |
 //! | clipped value loss | `value_loss(values, values_old, returns, mask, cfg)` | [`value_loss_output`]`(.., cfg, norm)` | [`ValueLossConfig`]`::{ppo, verl}` | [`ValueDiagnostics`] |
+//! | SAPO | `sapo_loss(logp, logp_mu, advantages, mask, cfg)` | [`sapo_loss_output`]`(.., cfg, norm)` | [`SapoConfig::sapo`] | [`PpoDiagnostics`] |
+//! | GMPO | `gmpo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gmpo_loss_output`]`(.., cfg, norm)` | [`GmpoConfig::gmpo`] | [`PpoDiagnostics`] |
+//! | Clip-Cov | `clip_cov_loss(logp, logp_mu, advantages, mask, keys, cfg)` | [`clip_cov_loss_output`]`(.., cfg, norm)` | [`ClipCovConfig::clip_cov`] | [`PpoDiagnostics`] |
+//! | KL-Cov | `kl_cov_loss(logp, logp_mu, advantages, mask, cfg)` | [`kl_cov_loss_output`]`(.., cfg, norm)` | [`KlCovConfig::kl_cov`] | [`PpoDiagnostics`] |
+//! | entropy bonus | `entropy_loss(entropy, mask, cfg)` | [`entropy_loss_output`]`(.., cfg, norm)` | [`EntropyConfig::bonus`] | [`EntropyDiagnostics`] |
 //!
 //! Advantages are computed before the loss, detached, in f64 for f64 rewards and f32 otherwise:
 //!
@@ -173,12 +189,15 @@ mod advantages;
 mod aggregate;
 mod baseline;
 mod checks;
+mod covariance;
 mod diagnostics;
 mod dpo;
 mod dpo_mix;
 mod dpo_pairs;
+mod entropy;
 mod error;
 mod gae;
+mod gmpo;
 mod kl;
 mod kl_control;
 mod kl_reward;
@@ -186,6 +205,7 @@ mod logprobs;
 mod output;
 mod ppo;
 mod rollout_correction;
+mod sapo;
 mod taper;
 mod token_advantages;
 mod token_inputs;
@@ -201,11 +221,16 @@ pub use baseline::{
     effective_positive_proportion_of_rewards,
 };
 pub use checks::{Checks, host_reads};
+pub use covariance::{
+    ClipCovConfig, KlCovConfig, clip_cov_loss, clip_cov_loss_output, kl_cov_loss, kl_cov_loss_output,
+};
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
 pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
+pub use entropy::{EntropyConfig, EntropyDiagnostics, entropy_loss, entropy_loss_output, top_entropy_mask};
 pub use error::{LossError, TorchError};
 pub use gae::gae_advantages;
+pub use gmpo::{GmpoConfig, gmpo_loss, gmpo_loss_output};
 pub use kl::{
     KlConfig, KlDiagnostics, KlEstimator, kl_penalty, kl_penalty_corrected, kl_penalty_corrected_output,
     kl_penalty_output,
@@ -226,6 +251,7 @@ pub use rollout_correction::{
     WeightRule, apply_token_weights, effective_sample_size, off_policy_sequence_mask, rollout_rejection_mask,
     rollout_weights,
 };
+pub use sapo::{SapoConfig, sapo_loss, sapo_loss_output};
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use token_advantages::{
     TokenAdvantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,

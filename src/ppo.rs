@@ -256,7 +256,9 @@ impl SurrogateParts {
 }
 
 /// What a PPO-family trainer logs, from the same pass as the loss ([`ppo_clip_loss_output`],
-/// [`gspo_loss_output`], [`cispo_loss_output`]).
+/// [`gspo_loss_output`], [`cispo_loss_output`]; also [`crate::sapo_loss_output`],
+/// [`crate::gmpo_loss_output`], [`crate::clip_cov_loss_output`], [`crate::kl_cov_loss_output`],
+/// whose docs say what their clip fraction counts).
 ///
 /// A *sample* is an unmasked token (PPO, CISPO) or a sequence with at least one unmasked token
 /// (GSPO); `r` is the (clamped) ratio at that level.
@@ -318,7 +320,7 @@ diagnostics_struct!(PpoDiagnostics {
 });
 
 /// [`PpoDiagnostics`] over the samples where `valid`, all broadcast to `r`'s shape.
-fn ppo_diagnostics(
+pub(crate) fn ppo_diagnostics(
     r: &Tensor,
     clip_active: &Tensor,
     dual_active: &Tensor,

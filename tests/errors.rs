@@ -407,3 +407,85 @@ fn advantage_value_and_kl_arguments_are_named() {
     let e = AdaptiveKlController::new(0.1, 0.1, 0.0).unwrap_err();
     assert!(matches!(e, LossError::InvalidArgument { argument: "horizon", .. }), "{e}");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn no_research_loss_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), k in arbitrary_tensor(), p in arbitrary_limit(), q in arbitrary_limit()) {
+        let (a, b, c, m, k) = (make(&a), make(&b), make(&c), make(&m), make(&k));
+        let norm = Normalizer::global(BatchCounts { tokens: p, sequences: q });
+        let finite = |r: &Result<Tensor, LossError>| r.as_ref().map(|l| scalar(l).is_finite()).unwrap_or(true);
+        for cfg in [SapoConfig::sapo(), SapoConfig::sapo().with_temperatures(p, q).with_max_log_ratio(p)] {
+            let r = no_panic("sapo_loss", || sapo_loss(&a, &b, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("sapo_loss_output", || sapo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
+        for cfg in [GmpoConfig::gmpo(), GmpoConfig::gmpo().with_clip(p, q).with_max_log_ratio(q)] {
+            let r = no_panic("gmpo_loss", || gmpo_loss(&a, &b, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("gmpo_loss_output", || gmpo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
+        for cfg in [ClipCovConfig::clip_cov(), ClipCovConfig::clip_cov().with_clip(p, q).with_ratio(p).with_band(-q, q)] {
+            for keys in [&k, &a] {
+                let r = no_panic("clip_cov_loss", || clip_cov_loss(&a, &b, &c, &m, keys, &cfg));
+                prop_assert!(finite(&r));
+                for n in [Normalizer::local(), norm] {
+                    let _ = no_panic("clip_cov_loss_output", || clip_cov_loss_output(&a, &b, &c, &m, keys, &cfg, &n).map(|o| o.diagnostics.read()));
+                }
+            }
+        }
+        for cfg in [KlCovConfig::kl_cov(), KlCovConfig::kl_cov().with_ratio(p).with_coef(q)] {
+            let r = no_panic("kl_cov_loss", || kl_cov_loss(&a, &b, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("kl_cov_loss_output", || kl_cov_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
+        for cfg in [EntropyConfig::bonus(), EntropyConfig::bonus().with_coef(p).with_checks(Checks::Shapes)] {
+            let r = no_panic("entropy_loss", || entropy_loss(&a, &m, &cfg));
+            if cfg.checks == Checks::Full { prop_assert!(finite(&r)); }
+            let _ = no_panic("entropy_loss_output", || entropy_loss_output(&a, &m, &cfg, &norm).map(|o| o.diagnostics.read()));
+        }
+        for checks in [Checks::Full, Checks::Shapes] {
+            let _ = no_panic("top_entropy_mask", || top_entropy_mask(&a, &m, p, checks));
+            let _ = no_panic("top_entropy_mask", || top_entropy_mask(&a, &a, q, checks));
+        }
+    }
+}
+
+#[test]
+fn research_losses_name_bad_arguments() {
+    let lp = Tensor::from_slice2(&[[-1.0f64, -1.0]]);
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let adv = t1(&[1.0]);
+    let keys = Tensor::from_slice2(&[[0.1f64, 0.2]]);
+    let e = sapo_loss(&Tensor::new(), &lp, &adv, &m, &SapoConfig::sapo()).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "logp", what: "undefined" });
+    let e = sapo_loss(&lp, &lp, &adv, &m, &SapoConfig::sapo().with_temperatures(f64::NAN, 1.0)).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "tau_pos", .. }), "{e}");
+    let e = gmpo_loss(&lp, &lp, &Tensor::from_slice(&[1i64]), &m, &GmpoConfig::gmpo()).unwrap_err();
+    assert!(matches!(e, LossError::WrongDtype { argument: "advantages", .. }), "{e}");
+    let e = gmpo_loss(&lp, &lp, &adv, &m, &GmpoConfig::gmpo().with_clip(0.4, -1.0)).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "clip_high", .. }), "{e}");
+    let e = clip_cov_loss(&lp, &lp, &adv, &m, &Tensor::new(), &ClipCovConfig::clip_cov()).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "keys", what: "undefined" });
+    let e = clip_cov_loss(&lp, &lp, &adv, &m, &keys, &ClipCovConfig::clip_cov().with_band(f64::NAN, 1.0)).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "cov_low", .. }), "{e}");
+    let e = kl_cov_loss(&lp, &lp.reshape([2]), &adv, &m, &KlCovConfig::kl_cov()).unwrap_err();
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "logp_mu", .. }), "{e}");
+    let e = kl_cov_loss(&lp, &lp, &adv, &Tensor::from_slice2(&[[0.5f32, 1.0]]), &KlCovConfig::kl_cov()).unwrap_err();
+    assert!(matches!(e, LossError::WrongDtype { argument: "mask", .. }), "{e}");
+    let e = entropy_loss(&lp, &m, &EntropyConfig::bonus().with_coef(f64::INFINITY)).unwrap_err();
+    assert!(matches!(e, LossError::InvalidConfig { field: "coef", .. }), "{e}");
+    let e = entropy_loss(&Tensor::new(), &m, &EntropyConfig::bonus()).unwrap_err();
+    assert_eq!(e, LossError::UnsupportedTensor { argument: "entropy", what: "undefined" });
+    let e = top_entropy_mask(&lp, &Tensor::from_slice(&[true, true]), 0.2, Checks::Full).unwrap_err();
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "mask", .. }), "{e}");
+    let e = top_entropy_mask(&lp, &m, 2.0, Checks::Full).unwrap_err();
+    assert!(matches!(e, LossError::InvalidArgument { argument: "rho", .. }), "{e}");
+}

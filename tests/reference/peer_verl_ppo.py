@@ -1,0 +1,102 @@
+"""verl 0.9.1's research policy losses (`verl.trainer.ppo.core_algos`): SAPO, GMPO (`geo_mean`),
+Clip-Cov and KL-Cov, value and gradient; and the entropy bonus as verl's actor adds it.
+
+Each function builds the `ActorConfig` dataclass verl's loss reads (with a `PolicyLossConfig` for the
+covariance losses) and calls verl's registered function itself on float64 inputs. Advantages go in
+per token (`[B, T]`), as verl takes them; `mask` is a 0/1 nested list, passed as bool like verl's
+actor does (`response_mask.to(bool)`).
+"""
+import torch
+
+from peers import leaf, out, peer, tensor
+
+
+def _config(**kw):
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
+    policy_loss = kw.pop("policy_loss", {})
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        policy_loss=PolicyLossConfig(**policy_loss),
+        **kw,
+    )
+
+
+def _run(fn, logp, logp_mu, advantages, mask, loss_agg_mode, config):
+    lp = leaf(logp)
+    loss, metrics = fn(
+        old_log_prob=tensor(logp_mu),
+        log_prob=lp,
+        advantages=tensor(advantages),
+        response_mask=tensor(mask, dtype=torch.bool),
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+    )
+    loss.backward()
+    return out(value=loss, grad=lp.grad, **{k.split("/")[-1]: v for k, v in metrics.items()})
+
+
+@peer("verl.sapo")
+def sapo(logp, logp_mu, advantages, mask, tau_pos, tau_neg):
+    """`compute_policy_loss_sapo` (it aggregates with seq-mean-token-mean whatever the mode)."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_sapo
+
+    cfg = _config(tau_pos=tau_pos, tau_neg=tau_neg)
+    return _run(compute_policy_loss_sapo, logp, logp_mu, advantages, mask, "token-mean", cfg)
+
+
+@peer("verl.geo_mean")
+def geo_mean(logp, logp_mu, advantages, mask, clip_low, clip_high):
+    """`compute_policy_loss_geo_mean` with `clip_ratio_low/high` (it ignores `loss_agg_mode`)."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_geo_mean
+
+    cfg = _config(clip_ratio=clip_low, clip_ratio_low=clip_low, clip_ratio_high=clip_high)
+    return _run(compute_policy_loss_geo_mean, logp, logp_mu, advantages, mask, "token-mean", cfg)
+
+
+@peer("verl.clip_cov")
+def clip_cov(logp, logp_mu, advantages, mask, clip_low, clip_high, ratio, lb, ub, loss_agg_mode, seed):
+    """`compute_policy_loss_clip_cov` after `torch.manual_seed(seed)` (its `torch.randperm` draws
+    from the global CPU generator)."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_clip_cov
+
+    cfg = _config(
+        clip_ratio=clip_low,
+        clip_ratio_low=clip_low,
+        clip_ratio_high=clip_high,
+        policy_loss=dict(clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub),
+    )
+    torch.manual_seed(seed)
+    return _run(compute_policy_loss_clip_cov, logp, logp_mu, advantages, mask, loss_agg_mode, cfg)
+
+
+@peer("verl.kl_cov")
+def kl_cov(logp, logp_mu, advantages, mask, ratio, coef, loss_agg_mode):
+    """`compute_policy_loss_kl_cov` with `kl_cov_ratio` and `ppo_kl_coef`."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_kl_cov
+
+    cfg = _config(policy_loss=dict(kl_cov_ratio=ratio, ppo_kl_coef=coef))
+    return _run(compute_policy_loss_kl_cov, logp, logp_mu, advantages, mask, loss_agg_mode, cfg)
+
+
+@peer("verl.entropy_bonus")
+def entropy_bonus(entropy, mask, coef, loss_agg_mode):
+    """The entropy term verl's actor subtracts from the policy loss (`workers/utils/losses.py`:
+    `policy_loss -= entropy_coeff * agg_loss(entropy, response_mask, loss_agg_mode)`), as a term on
+    its own: `-coef * agg_loss(...)`, calling verl's `agg_loss`."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    h = leaf(entropy)
+    term = -coef * agg_loss(loss_mat=h, loss_mask=tensor(mask, dtype=torch.bool), loss_agg_mode=loss_agg_mode)
+    term.backward()
+    return out(value=term, grad=h.grad)
+
+
+@peer("verl.entropy_from_logits")
+def entropy_from_logits(logits):
+    """verl's `entropy_from_logits` (what `compute_entropy_loss` aggregates), per token."""
+    from verl.utils.torch_functional import entropy_from_logits as ent
+
+    return out(value=ent(tensor(logits)))
