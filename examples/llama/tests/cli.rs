@@ -132,40 +132,46 @@ fn a_ci_sized_run_of_every_command() {
         })
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
-    for (objective, optimizer, correction) in [
-        ("ppo", "adamw", "none"),
-        ("grpo", "adamw", "token-tis:2"),
-        ("dpo", "adafactor", "none"),
-        ("topr", "adafactor", "sequence-mis:0.5:2"),
-        ("gspo", "adamw", "sequence-tis:1.5"),
-        ("cispo", "adafactor", "token-mis:0.2:5"),
-    ] {
-        let out = dir.join(format!("m-{objective}-{optimizer}"));
-        let summary: Value = serde_json::from_str(
-            run(&[
-                "train",
-                "--model",
-                s(&m1),
-                "--data",
-                s(&mixed),
-                "--out",
-                s(&out),
-                "--objective",
-                objective,
-                "--optimizer",
-                optimizer,
-                "--lr",
-                "1e-3",
-                "--batch-size",
-                "8",
-                "--micro-batch-size",
-                "3",
-                "--rollout-correction",
-                correction,
-            ])
-            .trim(),
-        )
-        .unwrap();
+    // Every objective, with the rollout corrections, advantage estimators, KL and entropy terms.
+    let extra: [(&str, &str, &str, &[&str]); 12] = [
+        ("ppo", "adamw", "none", &[]),
+        ("grpo", "adamw", "token-tis:2", &["--advantage", "rloo", "--kl-coef", "0.01", "--kl-estimator", "k3-plus"]),
+        ("dpo", "adafactor", "none", &["--dpo-loss", "robust", "--dpo-label-smoothing", "0.1"]),
+        ("topr", "adafactor", "sequence-mis:0.5:2", &["--kl-coef", "0.05", "--kl-estimator", "low-var-kl"]),
+        ("gspo", "adamw", "sequence-tis:1.5", &["--advantage", "batch-std"]),
+        ("cispo", "adafactor", "token-mis:0.2:5", &["--advantage", "reinforce-pp"]),
+        ("sapo", "adamw", "none", &["--entropy-coef", "0.01", "--top-entropy", "0.5"]),
+        ("gmpo", "adamw", "none", &["--advantage", "opo"]),
+        ("clip-cov", "adamw", "none", &["--advantage", "reinforce-pp-baseline"]),
+        ("kl-cov", "adamw", "token-tis:2", &["--advantage", "dr-grpo", "--top-entropy", "0.2"]),
+        ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
+        ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),
+    ];
+    for (i, (objective, optimizer, correction, flags)) in extra.into_iter().enumerate() {
+        let out = dir.join(format!("m-{i}-{objective}-{optimizer}"));
+        let mut args = vec![
+            "train",
+            "--model",
+            s(&m1),
+            "--data",
+            s(&mixed),
+            "--out",
+            s(&out),
+            "--objective",
+            objective,
+            "--optimizer",
+            optimizer,
+            "--lr",
+            "1e-3",
+            "--batch-size",
+            "8",
+            "--micro-batch-size",
+            "3",
+            "--rollout-correction",
+            correction,
+        ];
+        args.extend(flags);
+        let summary: Value = serde_json::from_str(run(&args).trim()).unwrap();
         // 24 completions: 3 steps of 8; DPO has 12 pairs, 4 per step of 8 completions.
         assert_eq!(summary["steps"], 3, "{objective}: {summary}");
         assert_eq!(summary["objective"], objective);
@@ -175,6 +181,7 @@ fn a_ci_sized_run_of_every_command() {
         match objective {
             "dpo" => assert!(last["stats"]["dpo_accuracy"].is_number(), "{last}"),
             "ppo" | "grpo" | "gspo" | "cispo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
+            "sapo" | "gmpo" | "clip-cov" | "kl-cov" => assert!(last["stats"]["clip_fraction"].is_null(), "{last}"),
             _ => assert!(last["stats"]["topr"]["truncated_fraction_neg"].is_number(), "{last}"),
         }
         assert!(out.join("model.safetensors").exists() && !out.join("state").exists());
@@ -402,6 +409,17 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (train(&["--rollout-correction", "token-mis:2:1"]), "--rollout-correction"),
         (train(&["--rollout-correction", "sequence-tis:-1"]), "--rollout-correction"),
         (train(&["--objective", "dpo", "--rollout-correction", "token-tis:2"]), "--rollout-correction"),
+        (train(&["--objective", "dpo", "--kl-coef", "0.1"]), "--kl-coef"),
+        (train(&["--objective", "dpo", "--top-entropy", "0.2"]), "--top-entropy"),
+        (train(&["--objective", "topr", "--advantage", "rloo"]), "--advantage"),
+        (train(&["--top-entropy", "1.5"]), "--top-entropy"),
+        (train(&["--kl-coef", "-1"]), "--kl-coef"),
+        (train(&["--entropy-coef", "nan"]), "--entropy-coef"),
+        (train(&["--objective", "dpo", "--dpo-loss", "exo-pair"]), "--dpo-loss"),
+        (
+            train(&["--objective", "dpo", "--dpo-loss", "robust", "--dpo-label-smoothing", "0.5"]),
+            "--dpo-label-smoothing",
+        ),
         (train(&["--max-grad-norm", "0"]), "--max-grad-norm"),
         (train(&["--max-grad-norm", "-1"]), "--max-grad-norm"),
         (train(&["--max-grad-norm", "NaN"]), "--max-grad-norm"),

@@ -154,6 +154,21 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
             train::Objective::Dpo,
             train::Loss::Dpo(topr_loss::DpoConfig::default(), topr_loss::SequenceReduce::Sum),
         ),
+        ("gspo", train::Objective::Gspo, train::Loss::Gspo(topr_loss::PpoConfig::gspo().with_clip(0.1, 0.1))),
+        ("cispo", train::Objective::Cispo, train::Loss::Cispo(topr_loss::PpoConfig::cispo())),
+        ("sapo", train::Objective::Sapo, train::Loss::Sapo(topr_loss::SapoConfig::sapo())),
+        ("gmpo", train::Objective::Gmpo, train::Loss::Gmpo(topr_loss::GmpoConfig::gmpo())),
+    ];
+    // What every token-level loss can get besides its terms; the top-entropy selection and the
+    // covariance losses select per micro-batch, so they are not split-invariant and not here.
+    let extras = [
+        train::Extras::default(),
+        train::Extras {
+            correction: Some(topr_loss::RolloutCorrection::sequence_tis(1.5)),
+            kl: Some(topr_loss::KlConfig::k3().with_coef(0.1)),
+            entropy: Some(topr_loss::EntropyConfig::bonus().with_coef(0.01)),
+            ..Default::default()
+        },
     ];
     // π ≠ μ, so that ratios differ from 1 and clipping and truncation are exercised.
     for d in data.iter_mut() {
@@ -161,7 +176,11 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
             *lp += if k % 2 == 0 { 0.3 } else { -0.25 };
         }
     }
-    for (name, objective, loss) in cases {
+    for ((name, objective, loss), extras) in cases
+        .into_iter()
+        .flat_map(|c| extras.iter().map(move |e| (c, e)))
+        .filter(|((_, o, _), e)| *o != train::Objective::Dpo || e.kl.is_none())
+    {
         let units = train::units(&data, objective, 0.1).unwrap();
         let completions: usize = units.iter().map(|u| u.completions()).sum();
         assert!(completions >= 4, "{name}: {completions} completions");
@@ -174,7 +193,7 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
                     let _ = g.zero_();
                 }
             }
-            let st = train::accumulate(&m, &units, micro, &loss, None).unwrap();
+            let st = train::accumulate(&m, &units, micro, &loss, extras, 0).unwrap();
             assert_eq!(st.sequences, completions);
             losses.push(st.loss);
             grads.push(tch::Tensor::cat(&vars.iter().map(|v| v.grad().flatten(0, -1)).collect::<Vec<_>>(), 0));
@@ -183,7 +202,7 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
         assert!(scale > 0.0, "{name}: zero gradient");
         for (k, g) in grads.iter().enumerate().skip(1) {
             let d = (g - &grads[0]).abs().max().double_value(&[]);
-            assert!(d <= 1e-5 * scale, "{name}: micro-batch variant {k} differs by {d} (scale {scale})");
+            assert!(d <= 1e-5 * scale, "{name} {extras:?}: micro-batch variant {k} differs by {d} (scale {scale})");
             assert!((losses[k] - losses[0]).abs() <= 1e-5 * losses[0].abs().max(1e-3), "{name}: loss {losses:?}");
         }
     }

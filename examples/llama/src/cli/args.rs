@@ -12,7 +12,7 @@ use topr_llama::init;
 use topr_llama::iterate::{Curation, IterateSettings};
 use topr_llama::optim::OptimizerConfig;
 use topr_llama::task::{Prompting, Source, TaskSpec};
-use topr_llama::train::{Baseline, DpoLoss, Objective, TrainSettings};
+use topr_llama::train::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, TrainSettings};
 
 /// Parses `--device` (cpu, cuda or cuda:N), refusing CUDA when this machine has none.
 pub fn parse_device(s: &str) -> Result<Device, String> {
@@ -200,6 +200,14 @@ pub enum ObjectiveArg {
     Gspo,
     /// CISPO (clipped stop-gradient ratio on REINFORCE) with GRPO's group advantages.
     Cispo,
+    /// SAPO (smooth gate in place of the clip) with group advantages.
+    Sapo,
+    /// GMPO (geometric mean of clipped token ratios) with group advantages.
+    Gmpo,
+    /// Clip-Cov with group advantages.
+    ClipCov,
+    /// KL-Cov with group advantages.
+    KlCov,
 }
 
 impl From<ObjectiveArg> for Objective {
@@ -215,6 +223,72 @@ impl From<ObjectiveArg> for Objective {
             ObjectiveArg::Dpo => Objective::Dpo,
             ObjectiveArg::Gspo => Objective::Gspo,
             ObjectiveArg::Cispo => Objective::Cispo,
+            ObjectiveArg::Sapo => Objective::Sapo,
+            ObjectiveArg::Gmpo => Objective::Gmpo,
+            ObjectiveArg::ClipCov => Objective::ClipCov,
+            ObjectiveArg::KlCov => Objective::KlCov,
+        }
+    }
+}
+
+/// The advantage estimators of the group-advantage objectives.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum AdvantageArg {
+    /// (R − group mean) / (group std + 1e-6).
+    Grpo,
+    /// R − group mean.
+    DrGrpo,
+    /// Leave-one-out group mean.
+    Rloo,
+    /// (R − group mean) / (std of all rewards + 1e-4), TRL's scale_rewards="batch".
+    BatchStd,
+    /// OPO's length-weighted group baseline.
+    Opo,
+    /// REINFORCE++ (outcome reward, γ = 1, whitened over all tokens).
+    ReinforcePp,
+    /// REINFORCE++-baseline (R − group mean, whitened over all tokens).
+    ReinforcePpBaseline,
+}
+
+impl From<AdvantageArg> for Advantage {
+    fn from(a: AdvantageArg) -> Self {
+        match a {
+            AdvantageArg::Grpo => Self::Grpo,
+            AdvantageArg::DrGrpo => Self::DrGrpo,
+            AdvantageArg::Rloo => Self::Rloo,
+            AdvantageArg::BatchStd => Self::BatchStd,
+            AdvantageArg::Opo => Self::Opo,
+            AdvantageArg::ReinforcePp => Self::ReinforcePp,
+            AdvantageArg::ReinforcePpBaseline => Self::ReinforcePpBaseline,
+        }
+    }
+}
+
+/// The KL estimators, with verl's names.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum KlEstimatorArg {
+    K1,
+    K2,
+    K3,
+    Abs,
+    /// k3 with its value clamped to ±10 (verl's low_var_kl).
+    LowVarKl,
+    /// k3's value with k2's gradient (verl's k3+).
+    K3Plus,
+    /// k1's value with k2's gradient (verl's k1+).
+    K1Plus,
+}
+
+impl From<KlEstimatorArg> for KlEstimatorSetting {
+    fn from(k: KlEstimatorArg) -> Self {
+        match k {
+            KlEstimatorArg::K1 => Self::K1,
+            KlEstimatorArg::K2 => Self::K2,
+            KlEstimatorArg::K3 => Self::K3,
+            KlEstimatorArg::Abs => Self::Abs,
+            KlEstimatorArg::LowVarKl => Self::LowVarKl,
+            KlEstimatorArg::K3Plus => Self::K3Plus,
+            KlEstimatorArg::K1Plus => Self::K1Plus,
         }
     }
 }
@@ -317,6 +391,22 @@ pub struct ObjectiveArgs {
     /// `token-tis:2`, `sequence-tis:2`, `token-mis:0.5:2`, `sequence-mis:0.5:2`, or `none`.
     #[arg(long, default_value = "none", value_parser = parse_rollout_correction)]
     pub rollout_correction: CorrectionArg,
+    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov and kl-cov compute advantages from each
+    /// question's rewards.
+    #[arg(long, value_enum, default_value_t = AdvantageArg::Grpo)]
+    pub advantage: AdvantageArg,
+    /// Add a KL penalty of π to μ (the sampling model) with this coefficient (>= 0; 0: none).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
+    pub kl_coef: f64,
+    /// The KL penalty's estimator.
+    #[arg(long, value_enum, default_value_t = KlEstimatorArg::K3)]
+    pub kl_estimator: KlEstimatorArg,
+    /// Add an entropy bonus with this coefficient (>= 0; 0: none).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
+    pub entropy_coef: f64,
+    /// Train only this share (0 to 1) of each micro-batch's tokens, those of highest entropy.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_unit_interval)]
+    pub top_entropy: Option<f64>,
 }
 
 /// The optimiser and its schedule.
@@ -411,11 +501,19 @@ impl TrainArgs {
             lr_decay: opt.lr_decay,
             seed: batches.train_seed,
             dpo_beta: obj.dpo_beta,
-            rollout_correction: match (obj.objective, obj.rollout_correction.0) {
-                (ObjectiveArg::Dpo, Some(_)) => {
-                    anyhow::bail!("--rollout-correction applies to the token-level losses, not to DPO's pairs")
+            rollout_correction: {
+                if matches!(obj.objective, ObjectiveArg::Dpo) {
+                    let used = [
+                        ("--rollout-correction", obj.rollout_correction.0.is_some()),
+                        ("--kl-coef", obj.kl_coef > 0.0),
+                        ("--entropy-coef", obj.entropy_coef > 0.0),
+                        ("--top-entropy", obj.top_entropy.is_some()),
+                    ];
+                    if let Some((flag, _)) = used.iter().find(|(_, on)| *on) {
+                        anyhow::bail!("{flag} applies to the token-level losses, not to DPO's pairs");
+                    }
                 }
-                (_, c) => c,
+                obj.rollout_correction.0
             },
             dpo_loss: obj.dpo_loss.into(),
             dpo_label_smoothing: {
@@ -425,6 +523,20 @@ impl TrainArgs {
                     .map_err(|e| anyhow::anyhow!("--dpo-loss / --dpo-label-smoothing: {e}"))?;
                 obj.dpo_label_smoothing
             },
+            advantage: {
+                let default = matches!(obj.advantage, AdvantageArg::Grpo);
+                let objective: Objective = obj.objective.into();
+                if !default && !objective.uses_group_advantages() {
+                    anyhow::bail!(
+                        "--advantage applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov)"
+                    );
+                }
+                obj.advantage.into()
+            },
+            kl_coef: obj.kl_coef,
+            kl_estimator: obj.kl_estimator.into(),
+            entropy_coef: obj.entropy_coef,
+            top_entropy: obj.top_entropy,
             skip_bad_records: run.skip_bad_records,
             save_every: run.save_every,
             resume: run.resume,

@@ -2,13 +2,13 @@
 //! accumulation of their losses' gradients with the counts of the whole step, gradient clipping
 //! and the learning-rate schedule.
 
-use super::objective::{Loss, Tally, Unit, topr_stats};
+use super::objective::{Extras, Loss, Tally, Unit, topr_stats};
 use crate::metrics::StepStats;
 use crate::model::Llama;
 use crate::sample::Sample;
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
-use topr_loss::{LogProbConfig, Normalizer, RolloutCorrection, backward_through_logprobs};
+use topr_loss::{LogProbConfig, Normalizer, backward_through_logprobs};
 
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
 /// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
@@ -81,28 +81,31 @@ fn micro_batches(batch: &[Unit], micro: usize, device: tch::Device) -> Result<Ve
 
 /// Accumulates the gradient of one optimiser step over micro-batches of about `micro`
 /// completions (does not step). The loss uses the counts of the whole step, so the sum over
-/// micro-batches is the full-batch loss and its gradient. With a `correction`, each token-level
-/// loss's terms are weighted by its importance weights of π against μ (`topr_loss::rollout_weights`).
+/// micro-batches is the full-batch loss and its gradient. `extras` adds what every token-level
+/// loss of the step gets (rollout correction, top-entropy tokens, KL to μ, entropy bonus); `seed`
+/// seeds the step's random choices (Clip-Cov).
 pub fn accumulate(
     model: &Llama,
     batch: &[Unit],
     micro: usize,
     loss: &Loss,
-    correction: Option<&RolloutCorrection>,
+    extras: &Extras,
+    seed: u64,
 ) -> Result<StepStats> {
     let parts = micro_batches(batch, micro, model.device())?;
     let masks: Vec<&Tensor> = parts.iter().map(|p| &p.mask).collect();
     let normalizer = Normalizer::from_masks(&masks)?;
     let pairs_in_step = batch.len() as f64;
-    let lp_cfg = LogProbConfig::default();
+    let lp_cfg = LogProbConfig::default().with_entropy(extras.needs_entropy());
     let mut stats = StepStats { sequences: batch.iter().map(Unit::completions).sum(), ..Default::default() };
     let mut tally = Tally::default();
     let (mut values, mut tokens) = (vec![], vec![]);
-    for p in &parts {
+    for (k, p) in parts.iter().enumerate() {
         let logits = model.logits(&p.ids, &p.attn);
         let l = p.ids.size()[1];
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
-            loss.micro_batch(lp, p, normalizer, pairs_in_step, correction, &mut tally)
+            let keys_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(k as u64);
+            loss.micro_batch(lp, p, normalizer, pairs_in_step, extras, keys_seed, &mut tally)
         })?;
         values.push(value.detach());
         tokens.push(p.mask.sum(Kind::Int64));
@@ -119,6 +122,7 @@ pub fn accumulate(
         Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => {
             stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64)
         }
+        Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) => {}
         Loss::Dpo(..) => {
             stats.dpo_accuracy = Some(tally.dpo_accuracy / pairs_in_step);
             stats.dpo_margin = Some(tally.dpo_margin / pairs_in_step);

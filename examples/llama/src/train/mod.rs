@@ -20,7 +20,9 @@ mod state;
 
 pub use crate::metrics::{StepStats, ToprStats};
 pub use batch::{MicroBatch, accumulate, clip_grad_norm, learning_rate, micro_batch};
-pub use objective::{Baseline, DpoLoss, Loss, Objective, Unit, p_tilde, resolve_baseline, units};
+pub use objective::{
+    Advantage, Baseline, DpoLoss, Extras, Loss, Objective, Unit, p_tilde, resolve_baseline, units, units_with,
+};
 
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
@@ -69,6 +71,22 @@ pub struct TrainSettings {
     /// Label smoothing ε of the DPO losses that take it (absent from older run records: 0).
     #[serde(default)]
     pub dpo_label_smoothing: f64,
+    /// How the group-advantage objectives compute advantages (absent from older records: GRPO's).
+    #[serde(default)]
+    pub advantage: Advantage,
+    /// The coefficient of a KL penalty of π to μ (0: none; absent from older records: 0).
+    #[serde(default)]
+    pub kl_coef: f64,
+    /// Its estimator (absent from older records: k3).
+    #[serde(default)]
+    pub kl_estimator: KlEstimatorSetting,
+    /// The coefficient of an entropy bonus (0: none; absent from older records: 0).
+    #[serde(default)]
+    pub entropy_coef: f64,
+    /// Train only this share of each micro-batch's tokens, the highest-entropy ones (absent from
+    /// older records: all tokens).
+    #[serde(default)]
+    pub top_entropy: Option<f64>,
     /// Importance weights of π against μ on the token-level losses' terms (`None`: off). Absent
     /// from run records written before it existed, which then read as off.
     #[serde(default, with = "correction_setting")]
@@ -82,6 +100,54 @@ pub struct TrainSettings {
     /// Continue from the saved state of an interrupted run in the same output directory.
     #[serde(skip)]
     pub resume: bool,
+}
+
+/// The KL estimators `--kl-estimator` offers, with verl's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlEstimatorSetting {
+    K1,
+    K2,
+    #[default]
+    K3,
+    Abs,
+    /// verl's `low_var_kl`: k3 with its value clamped to ±10.
+    LowVarKl,
+    /// k3's value with k2's gradient (verl's `k3+`).
+    K3Plus,
+    /// k1's value with k2's gradient (verl's `k1+`).
+    K1Plus,
+}
+
+impl KlEstimatorSetting {
+    /// The crate's config for this estimator with coefficient `coef`, token-mean.
+    pub fn config(self, coef: f64) -> topr_loss::KlConfig {
+        use topr_loss::KlConfig;
+        let c = match self {
+            Self::K1 => KlConfig::k1(),
+            Self::K2 => KlConfig::k2(),
+            Self::K3 => KlConfig::k3(),
+            Self::Abs => KlConfig::abs(),
+            Self::LowVarKl => KlConfig::low_var_kl(),
+            Self::K3Plus => KlConfig::k3().with_straight_through(true),
+            Self::K1Plus => KlConfig::k1().with_straight_through(true),
+        };
+        c.with_coef(coef).with_checks(topr_loss::Checks::Shapes)
+    }
+}
+
+impl TrainSettings {
+    /// What every token-level loss of a step gets besides its own terms.
+    pub fn extras(&self) -> Extras {
+        Extras {
+            correction: self.rollout_correction,
+            top_entropy: self.top_entropy,
+            kl: (self.kl_coef > 0.0).then(|| self.kl_estimator.config(self.kl_coef)),
+            entropy: (self.entropy_coef > 0.0).then(|| {
+                topr_loss::EntropyConfig::bonus().with_coef(self.entropy_coef).with_checks(topr_loss::Checks::Shapes)
+            }),
+        }
+    }
 }
 
 /// `Option<topr_loss::RolloutCorrection>` (which has no serde support) as `null` or
@@ -277,7 +343,7 @@ impl<'a> Plan<'a> {
             p_tilde.map(|v| format!(", effective positive proportion p~ = {v:.3}")).unwrap_or_default()
         );
         let loss = Loss::new(o, c);
-        let units = units(samples, o.objective, c)?;
+        let units = units_with(samples, o.objective, c, o.advantage)?;
         let units_per_step = (o.batch_size / units[0].completions()).max(1);
         let steps_per_epoch = units.len().div_ceil(units_per_step);
         Ok(Self { c, p, p_tilde, loss, units, units_per_step, steps_per_epoch, total: steps_per_epoch * o.epochs })
@@ -311,7 +377,8 @@ fn optimizer_step(
     batch: &[Unit],
 ) -> Result<StepRecord> {
     opt.zero_grad();
-    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, o.rollout_correction.as_ref())?;
+    let seed = o.seed.wrapping_mul(1_000_003).wrapping_add(step as u64);
+    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &o.extras(), seed)?;
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }

@@ -9,10 +9,13 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, DpoConfig, DpoDiagnostics, GroupAdvantage, LossError, Normalizer, OnDevice, PpoConfig,
-    RolloutCorrection, SequenceReduce, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
-    apply_token_weights, baseline_for_effective_proportion, cispo_loss_output, dpo_loss_output, group_advantages,
-    gspo_loss_output, ppo_clip_loss_output, rollout_weights, sequence_logprobs, topr_token_loss_output,
+    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, EntropyConfig, GmpoConfig, GroupAdvantage,
+    KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, RolloutCorrection, SapoConfig, SequenceReduce,
+    SingletonGroup, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
+    baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output, entropy_loss_output,
+    gmpo_loss_output, group_advantages, gspo_loss_output, kl_cov_loss_output, kl_penalty_output, opo_advantages,
+    ppo_clip_loss_output, reinforce_pp_advantages, reinforce_pp_baseline_advantages, rollout_weights, sapo_loss_output,
+    sequence_logprobs, top_entropy_mask, topr_token_loss_output,
 };
 
 /// The objectives `train` offers.
@@ -36,6 +39,43 @@ pub enum Objective {
     /// CISPO (clipped, stop-gradient ratio on REINFORCE; ε_high = 0.28) with GRPO's group
     /// advantages.
     Cispo,
+    /// SAPO (a smooth sigmoid gate in place of the clip) with group advantages.
+    Sapo,
+    /// GMPO (geometric mean of clipped token ratios) with group advantages.
+    Gmpo,
+    /// Clip-Cov (PPO without clipping except on a random share of high-covariance tokens).
+    ClipCov,
+    /// KL-Cov (PPO without clipping plus a KL term on the top-covariance tokens).
+    KlCov,
+}
+
+impl Objective {
+    /// Whether the objective weighs completions by group advantages (`--advantage`).
+    pub fn uses_group_advantages(self) -> bool {
+        matches!(self, Self::Grpo | Self::Gspo | Self::Cispo | Self::Sapo | Self::Gmpo | Self::ClipCov | Self::KlCov)
+    }
+}
+
+/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov` turn each question's rewards into
+/// advantages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Advantage {
+    /// `(R − mean_g) / (std_g + 1e-6)` (GRPO).
+    #[default]
+    Grpo,
+    /// `R − mean_g` (Dr. GRPO).
+    DrGrpo,
+    /// Leave-one-out mean (RLOO).
+    Rloo,
+    /// `(R − mean_g) / (std over the whole data set + 1e-4)` (TRL's `scale_rewards="batch"`).
+    BatchStd,
+    /// OPO's length-weighted group baseline `R − Σ L R / Σ L`.
+    Opo,
+    /// REINFORCE++: outcome reward at the last token, γ = 1, whitened over all tokens.
+    ReinforcePp,
+    /// REINFORCE++-baseline: `R − mean_g`, whitened over all tokens.
+    ReinforcePpBaseline,
 }
 
 impl Objective {
@@ -47,13 +87,18 @@ impl Objective {
             Self::Sft => ToprConfig::sft(),
             Self::Reinforce => ToprConfig::naive_reinforce(),
             Self::Is => ToprConfig::importance_sampling(),
-            Self::Ppo | Self::Grpo | Self::Dpo | Self::Gspo | Self::Cispo => return None,
+            _ => return None,
         })
     }
 
-    /// The objective's name as summaries write it (`topr`, `ppo`, ...).
+    /// The objective's name as summaries write it and `--objective` takes it (`topr`, `ppo`,
+    /// `clip-cov`, ...).
     pub fn name(self) -> String {
-        format!("{self:?}").to_lowercase()
+        match self {
+            Self::ClipCov => "clip-cov".into(),
+            Self::KlCov => "kl-cov".into(),
+            other => format!("{other:?}").to_lowercase(),
+        }
     }
 }
 
@@ -153,7 +198,7 @@ pub fn resolve_baseline(data: &[Sample], baseline: Baseline) -> Result<(f64, f64
 pub fn p_tilde(objective: Objective, p: f64, c: f64) -> Result<Option<f64>> {
     Ok(match objective {
         Objective::Sft => Some(1.0),
-        Objective::Grpo | Objective::Dpo | Objective::Gspo | Objective::Cispo => None,
+        o if o == Objective::Dpo || o.uses_group_advantages() => None,
         _ => Some(topr_loss::effective_positive_proportion(p, c.clamp(-1.0, 1.0))?),
     })
 }
@@ -169,6 +214,14 @@ pub enum Loss {
     Gspo(PpoConfig),
     /// CISPO on per-sequence advantages.
     Cispo(PpoConfig),
+    /// SAPO on per-sequence advantages.
+    Sapo(SapoConfig),
+    /// GMPO on per-sequence advantages.
+    Gmpo(GmpoConfig),
+    /// Clip-Cov on per-sequence advantages.
+    ClipCov(ClipCovConfig),
+    /// KL-Cov on per-sequence advantages.
+    KlCov(KlCovConfig),
     /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
     Dpo(DpoConfig, SequenceReduce),
 }
@@ -192,6 +245,10 @@ impl Loss {
             }
             Objective::Gspo => Loss::Gspo(PpoConfig::gspo().with_checks(fast)),
             Objective::Cispo => Loss::Cispo(PpoConfig::cispo().with_checks(fast)),
+            Objective::Sapo => Loss::Sapo(SapoConfig::sapo().with_checks(fast)),
+            Objective::Gmpo => Loss::Gmpo(GmpoConfig::gmpo().with_checks(fast)),
+            Objective::ClipCov => Loss::ClipCov(ClipCovConfig::clip_cov().with_checks(fast)),
+            Objective::KlCov => Loss::KlCov(KlCovConfig::kl_cov().with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
@@ -201,36 +258,58 @@ impl Loss {
     }
 
     /// The loss of one micro-batch `p` given π's log-probs `lp`, with the counts of the whole
-    /// step (`normalizer`, and `pairs_in_step` for DPO), adding its diagnostics to `tally`.
+    /// step (`normalizer`, and `pairs_in_step` for DPO) and the step's `extras`, adding its
+    /// diagnostics to `tally`. `keys_seed` seeds Clip-Cov's random choice of tokens.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn micro_batch(
         &self,
         lp: &TokenLogProbs,
         p: &MicroBatch,
         normalizer: Normalizer,
         pairs_in_step: f64,
-        correction: Option<&RolloutCorrection>,
+        extras: &Extras,
+        keys_seed: u64,
         tally: &mut Tally,
     ) -> Result<Tensor, LossError> {
         let delta = &lp.logp.detach() - &p.logp_mu;
         tally.log_ratio.push(masked_sum(&delta, &lp.mask));
-        match self {
+        let (logp, mu, adv, mask) = (&lp.logp, &p.logp_mu, &p.values, &lp.mask);
+        let norm = &normalizer;
+        // The main loss's value, its per-token terms and its aggregation.
+        let (loss, terms, mode) = match self {
             Loss::Topr(cfg) => {
                 // The loss and its diagnostics from one pass, with the step's counts.
-                let out = topr_token_loss_output(&lp.logp, &p.logp_mu, &p.values, &lp.mask, cfg, &normalizer)?;
+                let out = topr_token_loss_output(logp, mu, adv, mask, cfg, norm)?;
                 tally.diags.push(out.diagnostics);
-                self.corrected(out.loss, &out.terms, lp, p, cfg.aggregation, &normalizer, correction)
+                (out.loss, out.terms, cfg.aggregation)
             }
             Loss::Ppo(cfg) | Loss::Gspo(cfg) | Loss::Cispo(cfg) => {
                 let ratio = delta.exp();
                 let outside = ratio.lt(1.0 - cfg.clip_low).logical_or(&ratio.gt(1.0 + cfg.clip_high));
-                tally.clipped.push(masked_sum(&outside, &lp.mask));
-                let (logp, mu, adv, mask) = (&lp.logp, &p.logp_mu, &p.values, &lp.mask);
+                tally.clipped.push(masked_sum(&outside, mask));
                 let out = match self {
-                    Loss::Gspo(_) => gspo_loss_output(logp, mu, adv, mask, cfg, &normalizer)?,
-                    Loss::Cispo(_) => cispo_loss_output(logp, mu, adv, mask, cfg, &normalizer)?,
-                    _ => ppo_clip_loss_output(logp, mu, adv, mask, cfg, &normalizer)?,
+                    Loss::Gspo(_) => gspo_loss_output(logp, mu, adv, mask, cfg, norm)?,
+                    Loss::Cispo(_) => cispo_loss_output(logp, mu, adv, mask, cfg, norm)?,
+                    _ => ppo_clip_loss_output(logp, mu, adv, mask, cfg, norm)?,
                 };
-                self.corrected(out.loss, &out.terms, lp, p, cfg.aggregation, &normalizer, correction)
+                (out.loss, out.terms, cfg.aggregation)
+            }
+            Loss::Sapo(cfg) => {
+                let out = sapo_loss_output(logp, mu, adv, mask, cfg, norm)?;
+                (out.loss, out.terms, cfg.aggregation)
+            }
+            Loss::Gmpo(cfg) => {
+                let out = gmpo_loss_output(logp, mu, adv, mask, cfg, norm)?;
+                (out.loss, out.terms, cfg.aggregation)
+            }
+            Loss::ClipCov(cfg) => {
+                let keys = clip_cov_keys(&mask.size(), keys_seed, logp.device());
+                let out = clip_cov_loss_output(logp, mu, adv, mask, &keys, cfg, norm)?;
+                (out.loss, out.terms, cfg.aggregation)
+            }
+            Loss::KlCov(cfg) => {
+                let out = kl_cov_loss_output(logp, mu, adv, mask, cfg, norm)?;
+                (out.loss, out.terms, cfg.aggregation)
             }
             Loss::Dpo(cfg, reduce) => {
                 let n = lp.logp.size()[0] / 2;
@@ -241,30 +320,77 @@ impl Loss {
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
                 let out = dpo_loss_output(&pw, &pl, &rw, &rl, cfg, &Normalizer::sequences(pairs_in_step))?;
                 tally.dpo.push((out.diagnostics, n as f64));
-                Ok(out.loss)
+                return Ok(out.loss);
             }
-        }
+        };
+        extras.apply(loss, &terms, mode, lp, p, norm)
     }
 }
 
-impl Loss {
-    /// `loss`, or, with a rollout correction, the loss's per-token `terms` weighted by the
-    /// correction's importance weights of π (detached) against μ and reduced the same way
-    /// (verl's "bypass mode": the current policy stands for the trainer's π_old).
-    #[allow(clippy::too_many_arguments)]
-    fn corrected(
+/// Clip-Cov's random keys `[B, T]`: uniform draws from the example's own generator, seeded per
+/// step and micro-batch, so that a resumed run draws the same tokens.
+fn clip_cov_keys(shape: &[i64], seed: u64, device: tch::Device) -> Tensor {
+    let mut rng = crate::task::Rng::new(seed);
+    let n: i64 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+    Tensor::from_slice(&v).view(shape).to_device(device)
+}
+
+/// What every token-level loss of a step gets besides its own terms: importance weights of π
+/// against μ (rollout correction), the top-entropy token selection, a KL penalty to μ and an
+/// entropy bonus. `Default` is none of them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Extras {
+    /// Weights of π (detached) against μ on the loss's terms.
+    pub correction: Option<RolloutCorrection>,
+    /// Train only this share of each micro-batch's tokens, those of highest entropy (the
+    /// others get weight 0, and the counts stay those of all tokens, as TRL).
+    pub top_entropy: Option<f64>,
+    /// A KL penalty of π to μ (the model that sampled the data: the iteration's start).
+    pub kl: Option<KlConfig>,
+    /// An entropy bonus.
+    pub entropy: Option<EntropyConfig>,
+}
+
+impl Extras {
+    /// Whether the per-token entropy must be computed.
+    pub fn needs_entropy(&self) -> bool {
+        self.top_entropy.is_some() || self.entropy.is_some()
+    }
+
+    /// `loss`, re-aggregated from its `terms` with the weights that apply, plus the KL and
+    /// entropy terms.
+    fn apply(
         &self,
         loss: Tensor,
         terms: &Tensor,
+        mode: AggregationMode,
         lp: &TokenLogProbs,
         p: &MicroBatch,
-        mode: AggregationMode,
-        normalizer: &Normalizer,
-        correction: Option<&RolloutCorrection>,
+        norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let Some(rc) = correction else { return Ok(loss) };
-        let w = rollout_weights(&lp.logp, &p.logp_mu, &lp.mask, rc)?;
-        apply_token_weights(terms, &w.weights, &lp.mask, mode, normalizer)
+        let mut weights: Option<Tensor> = None;
+        if let Some(rc) = &self.correction {
+            weights = Some(rollout_weights(&lp.logp, &p.logp_mu, &lp.mask, rc)?.weights);
+        }
+        if let (Some(rho), Some(h)) = (self.top_entropy, &lp.entropy) {
+            let keep = top_entropy_mask(&h.detach(), &lp.mask, rho, Checks::Shapes)?.to_kind(lp.logp.kind());
+            weights = Some(match weights {
+                Some(w) => w * keep,
+                None => keep,
+            });
+        }
+        let mut total = match weights {
+            Some(w) => apply_token_weights(terms, &w, &lp.mask, mode, norm)?,
+            None => loss,
+        };
+        if let Some(kl) = &self.kl {
+            total = total + kl_penalty_output(&lp.logp, &p.logp_mu, &lp.mask, kl, norm)?.loss;
+        }
+        if let (Some(e), Some(h)) = (&self.entropy, &lp.entropy) {
+            total = total + entropy_loss_output(h, &lp.mask, e, norm)?.loss;
+        }
+        Ok(total)
     }
 }
 
@@ -363,21 +489,18 @@ fn groups(samples: &[Sample]) -> Vec<Vec<&Sample>> {
     out
 }
 
-/// The training units of `samples` for `objective` with baseline `c`: GRPO advantages are
-/// computed per question over all its completions in the data set; DPO pairs the i-th correct
+/// The training units of `samples` for `objective` with baseline `c`: group advantages (GRPO's)
+/// are computed per question over all its completions in the data set; DPO pairs the i-th correct
 /// with the i-th incorrect completion of each question.
 pub fn units(samples: &[Sample], objective: Objective, c: f64) -> Result<Vec<Unit<'_>>> {
+    units_with(samples, objective, c, Advantage::Grpo)
+}
+
+/// [`units`] with the group-advantage objectives' estimator `advantage`.
+pub fn units_with(samples: &[Sample], objective: Objective, c: f64, advantage: Advantage) -> Result<Vec<Unit<'_>>> {
     Ok(match objective {
         Objective::Ppo => samples.iter().map(|s| Unit::Single(s, (s.reward - c) as f32)).collect(),
-        Objective::Grpo | Objective::Gspo | Objective::Cispo => {
-            let mut out = vec![];
-            for g in groups(samples) {
-                let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
-                let a = Vec::<f64>::try_from(group_advantages(&r, GroupAdvantage::grpo())?.flatten(0, -1))?;
-                out.extend(g.iter().zip(a).map(|(s, a)| Unit::Single(s, a as f32)));
-            }
-            out
-        }
+        o if o.uses_group_advantages() => group_units(samples, advantage)?,
         Objective::Dpo => {
             let mut out = vec![];
             for g in groups(samples) {
@@ -392,4 +515,64 @@ pub fn units(samples: &[Sample], objective: Objective, c: f64) -> Result<Vec<Uni
         }
         _ => samples.iter().map(|s| Unit::Single(s, s.reward as f32)).collect(),
     })
+}
+
+/// Each completion with its group advantage under `advantage` (see [`Advantage`]).
+fn group_units(samples: &[Sample], advantage: Advantage) -> Result<Vec<Unit<'_>>> {
+    let groups = groups(samples);
+    let per_group = |method: GroupAdvantage| -> Result<Vec<f64>> {
+        let mut out = vec![];
+        for g in &groups {
+            let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
+            out.extend(Vec::<f64>::try_from(group_advantages(&r, method)?.flatten(0, -1))?);
+        }
+        Ok(out)
+    };
+    let values: Vec<f64> = match advantage {
+        Advantage::Grpo => per_group(GroupAdvantage::grpo())?,
+        Advantage::DrGrpo => per_group(GroupAdvantage::DrGrpo)?,
+        Advantage::Rloo => per_group(GroupAdvantage::Rloo)?,
+        other => {
+            // The batch-level estimators need the data set as one [G, K] table.
+            let k = groups[0].len();
+            if groups.iter().any(|g| g.len() != k) {
+                bail!(
+                    "--advantage {other:?} needs the same number of completions for every question \
+                     (sample with a fixed --samples-per-question)"
+                );
+            }
+            let g = groups.len() as i64;
+            let rewards: Vec<f64> = groups.iter().flatten().map(|s| s.reward).collect();
+            let r = Tensor::from_slice(&rewards).view([g, k as i64]);
+            let lens: Vec<i64> = groups.iter().flatten().map(|s| s.completion_ids.len() as i64).collect();
+            let t = lens.iter().copied().max().unwrap_or(1).max(1);
+            let lengths = Tensor::from_slice(&lens);
+            let mask = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0).lt_tensor(&lengths.unsqueeze(1));
+            // Token-level estimators give every token of a completion the same value here
+            // (outcome rewards, γ = 1): a completion's advantage is its first token's.
+            let first_token = |a: Tensor| -> Result<Vec<f64>> { Ok(Vec::<f64>::try_from(a.select(1, 0))?) };
+            match other {
+                Advantage::BatchStd => {
+                    Vec::<f64>::try_from(group_advantages(&r, GroupAdvantage::batch_std())?.flatten(0, -1))?
+                }
+                Advantage::Opo => Vec::<f64>::try_from(
+                    opo_advantages(&r, &lengths.view([g, k as i64]), SingletonGroup::OwnMean)?.flatten(0, -1),
+                )?,
+                Advantage::ReinforcePpBaseline => {
+                    first_token(reinforce_pp_baseline_advantages(&r, &mask, 1e-8, SingletonGroup::OwnMean)?)?
+                }
+                _ => {
+                    // REINFORCE++: the outcome reward on each completion's last token.
+                    let last = (&lengths - 1).clamp_min(0).unsqueeze(1);
+                    let tr = Tensor::zeros([g * k as i64, t], (Kind::Double, tch::Device::Cpu)).scatter(
+                        1,
+                        &last,
+                        &Tensor::from_slice(&rewards).unsqueeze(1),
+                    );
+                    first_token(reinforce_pp_advantages(&tr, &mask, 1.0, 1e-8)?.advantages)?
+                }
+            }
+        }
+    };
+    Ok(groups.iter().flatten().zip(values).map(|(s, a)| Unit::Single(*s, a as f32)).collect())
 }
