@@ -33,13 +33,14 @@ use tch::{Kind, Tensor};
 /// | `TokenSum` | — | `Σ m ℓ` |
 /// | `SeqMeanTokenSum` | `seq-mean-token-sum` | `(1/S) Σ_i Σ_t m ℓ` |
 /// | `SeqMeanTokenMean` | `seq-mean-token-mean` | `(1/S) Σ_i Σ_t m ℓ / L_i` |
-/// | `DrGrpo { length }` | — (Dr. GRPO's reduction) | `(1/S) Σ_i Σ_t m ℓ / L` |
-/// | `TokenSumNorm { length }` | `seq-mean-token-sum-norm` | `Σ_i Σ_t m ℓ / L` |
+/// | `DrGrpo { length }` | `seq-mean-token-sum-norm` (verl ≥ 0.9; Dr. GRPO's reduction) | `(1/S) Σ_i Σ_t m ℓ / L` |
+/// | `TokenSumNorm { length }` | `seq-mean-token-sum-norm` of verl releases before 0.9 | `Σ_i Σ_t m ℓ / L` |
 ///
-/// verl's `seq-mean-token-sum-norm`, despite its name, divides the sum over all sequences by the
-/// fixed length only, not by the number of sequences: it is [`AggregationMode::TokenSumNorm`]. The
-/// per-sequence mean that Dr. GRPO's paper writes is [`AggregationMode::DrGrpo`]; the two differ by
-/// the factor `S`.
+/// verl's `seq-mean-token-sum-norm` changed meaning: earlier releases divided the sum over all
+/// sequences by the fixed length only ([`AggregationMode::TokenSumNorm`]); verl 0.9.1 divides the
+/// sequence mean of the token sums by it, which is Dr. GRPO's reduction
+/// ([`AggregationMode::DrGrpo`], tested against verl 0.9.1's `agg_loss`). The two differ by the
+/// factor `S`.
 ///
 /// Reference: verl `agg_loss`; Dr. GRPO, Liu et al., arXiv 2503.20783.
 ///
@@ -68,8 +69,9 @@ pub enum AggregationMode {
         /// The fixed length `L` (> 0), e.g. the maximum generation length.
         length: f64,
     },
-    /// `Σ_i Σ_t m ℓ / L`: the token sum divided by a fixed length `L` (verl's
-    /// `seq-mean-token-sum-norm`, which does not divide by the number of sequences).
+    /// `Σ_i Σ_t m ℓ / L`: the token sum divided by a fixed length `L` (the
+    /// `seq-mean-token-sum-norm` of verl releases before 0.9, which did not divide by the number
+    /// of sequences; verl 0.9.1's is [`AggregationMode::DrGrpo`]).
     TokenSumNorm {
         /// The fixed length `L` (> 0), e.g. the maximum generation length.
         length: f64,

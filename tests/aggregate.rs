@@ -140,3 +140,35 @@ fn sequence_weights_and_errors() {
         Err(LossError::InvalidConfig { .. })
     ));
 }
+
+/// verl 0.9.1's `agg_loss` on the same per-token losses: `token-mean`, `token-sum`,
+/// `seq-mean-token-sum`, `seq-mean-token-mean` (verl divides by `L_i + 1e-8`) and
+/// `seq-mean-token-sum-norm`, which in verl 0.9.1 divides the *sequence mean* of the token sums by
+/// the fixed length: Dr. GRPO's reduction, `AggregationMode::DrGrpo { length }` (verl releases
+/// before 0.9 did not divide by the number of sequences: `TokenSumNorm { length }`).
+#[test]
+fn modes_match_verl_agg_loss() {
+    let loss = vec![vec![0.5, -1.0, 2.0, 0.25], vec![1.5, 0.0, 0.0, 0.0], vec![-0.75, 3.0, 1.0, 0.0], vec![9.0, 9.0, 9.0, 9.0]];
+    let mask = vec![vec![1.0, 1.0, 1.0, 1.0], vec![1.0, 0.0, 0.0, 0.0], vec![1.0, 1.0, 1.0, 0.0], vec![0.0, 0.0, 0.0, 0.0]];
+    let cases = [
+        ("token-mean", AggregationMode::TokenMean, None),
+        ("token-sum", AggregationMode::TokenSum, None),
+        ("seq-mean-token-sum", AggregationMode::SeqMeanTokenSum, None),
+        ("seq-mean-token-mean", AggregationMode::SeqMeanTokenMean, None),
+        ("seq-mean-token-sum-norm", AggregationMode::DrGrpo { length: 7.0 }, Some(7.0)),
+    ];
+    let calls: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|(name, _, l)| serde_json::json!({"fn": "verl.agg_loss", "args": {"loss": loss, "mask": mask, "mode": name, "loss_scale_factor": l}}))
+        .collect();
+    let Some(res) = peer(&calls) else { return };
+    let (l, m) = (t2(&loss), t2(&mask));
+    for ((name, mode, _), r) in cases.iter().zip(&res) {
+        let got = scalar(&aggregate(&l, &m, *mode, &Normalizer::local()).unwrap());
+        // verl's seq-mean-token-mean divides by L_i + 1e-8.
+        assert_close(&[got], &json_f64(&r["value"]), 1e-8, name);
+    }
+    // And TokenSumNorm is S times verl 0.9.1's value (3 sequences with tokens here).
+    let tsn = scalar(&aggregate(&l, &m, AggregationMode::TokenSumNorm { length: 7.0 }, &Normalizer::local()).unwrap());
+    assert_close(&[tsn], &[3.0 * json_f64(&res[4]["value"])[0]], 1e-12, "TokenSumNorm");
+}
