@@ -5,8 +5,12 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use tch::{Device, Kind, Tensor};
 use topr_loss::{
-    DpoConfig, KlConfig, PpoConfig, ToprConfig, ToprTokenConfig, cispo_loss, dpo_loss, gspo_loss, kl_penalty,
-    ppo_clip_loss, topr_loss, topr_token_loss,
+    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoMix, EntropyConfig, GmpoConfig, KlConfig, KlCovConfig,
+    Normalizer, PpoConfig, Rejection, RejectionScope, RolloutCorrection, SapoConfig, ToprConfig, ToprTokenConfig,
+    ValueLossConfig, apply_token_weights, cispo_loss, clip_cov_loss, dpo_loss, dpo_mix_loss, entropy_loss,
+    gae_advantages, gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty, kl_penalty_corrected, ppo_clip_loss,
+    ppo_clip_loss_output, reinforce_pp_advantages, rollout_rejection_mask, rollout_weights, sapo_loss,
+    top_entropy_mask, topr_loss, topr_token_loss, value_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -114,11 +118,118 @@ fn other_objectives(c: &mut Criterion) {
     g.finish();
 }
 
+/// The objectives and terms added for issue #11, at B = 64, T = 256 and B = 512, T = 2048:
+/// SAPO, GMPO, Clip-Cov, KL-Cov, the entropy bonus and top-entropy mask, the KL variants, the
+/// value loss, rollout correction (weights, a rejection rule, PPO re-weighted), token-level
+/// advantage estimators, and every DPO-family loss at B = 512.
+fn issue_11_objectives(c: &mut Criterion) {
+    let mut g = c.benchmark_group("issue_11");
+    g.sample_size(10);
+    for (b, t) in [(64i64, 256i64), (512, 2048)] {
+        let opts = (Kind::Float, Device::Cpu);
+        let logp = (Tensor::randn([b, t], opts) * 0.1 - 1.0).set_requires_grad(true);
+        let old = Tensor::randn([b, t], opts) * 0.1 - 1.0;
+        let refp = Tensor::randn([b, t], opts) * 0.1 - 1.0;
+        let adv = Tensor::randn([b], opts);
+        let lengths = Tensor::randint_low(1, t + 1, [b, 1], (Kind::Int64, Device::Cpu));
+        let mask = Tensor::arange(t, (Kind::Int64, Device::Cpu)).unsqueeze(0).lt_tensor(&lengths);
+        let keys = Tensor::rand([b, t], opts);
+        let entropy = (Tensor::rand([b, t], opts) * 3.0).set_requires_grad(true);
+        let values = Tensor::randn([b, t], opts).set_requires_grad(true);
+        let values_old = Tensor::randn([b, t], opts);
+        let returns = Tensor::randn([b, t], opts);
+        let token_rewards = Tensor::randn([b, t], opts) * 0.01;
+        let norm = Normalizer::local();
+        let backward = |f: &dyn Fn() -> Tensor| {
+            let loss = f();
+            loss.backward();
+            black_box(loss)
+        };
+        let cases: [(&str, &dyn Fn() -> Tensor); 14] = [
+            ("sapo", &|| backward(&|| sapo_loss(&logp, &old, &adv, &mask, &SapoConfig::sapo()).unwrap())),
+            ("gmpo", &|| backward(&|| gmpo_loss(&logp, &old, &adv, &mask, &GmpoConfig::gmpo()).unwrap())),
+            ("clip_cov", &|| {
+                backward(&|| clip_cov_loss(&logp, &old, &adv, &mask, &keys, &ClipCovConfig::clip_cov()).unwrap())
+            }),
+            ("kl_cov", &|| backward(&|| kl_cov_loss(&logp, &old, &adv, &mask, &KlCovConfig::kl_cov()).unwrap())),
+            ("entropy_bonus", &|| backward(&|| entropy_loss(&entropy, &mask, &EntropyConfig::bonus()).unwrap())),
+            ("top_entropy_mask", &|| top_entropy_mask(&entropy.detach(), &mask, 0.2, Checks::Full).unwrap()),
+            ("kl_abs", &|| backward(&|| kl_penalty(&logp, &refp, &mask, &KlConfig::abs()).unwrap())),
+            ("kl_k3_plus", &|| {
+                backward(&|| kl_penalty(&logp, &refp, &mask, &KlConfig::k3().with_straight_through(true)).unwrap())
+            }),
+            ("kl_corrected", &|| {
+                backward(&|| kl_penalty_corrected(&logp, &old, &refp, &mask, &KlConfig::k3()).unwrap())
+            }),
+            ("value_loss", &|| {
+                backward(&|| value_loss(&values, &values_old, &returns, &mask, &ValueLossConfig::ppo()).unwrap())
+            }),
+            ("rollout_weights_token_tis", &|| {
+                rollout_weights(&logp, &old, &mask, &RolloutCorrection::token_tis(2.0)).unwrap().weights
+            }),
+            ("rejection_seq_max_k3", &|| {
+                rollout_rejection_mask(&logp, &old, &mask, &Rejection::k3(RejectionScope::SequenceMax, 0.01)).unwrap()
+            }),
+            ("ppo_with_token_tis", &|| {
+                backward(&|| {
+                    let w = rollout_weights(&logp, &old, &mask, &RolloutCorrection::token_tis(2.0)).unwrap().weights;
+                    let out = ppo_clip_loss_output(&logp, &old, &adv, &mask, &PpoConfig::ppo(), &norm).unwrap();
+                    apply_token_weights(&out.terms, &w, &mask, AggregationMode::TokenMean, &norm).unwrap()
+                })
+            }),
+            ("gae_then_reinforce_pp", &|| {
+                let a = gae_advantages(&token_rewards, &values_old, &mask, 1.0, 0.95).unwrap().advantages;
+                let r = reinforce_pp_advantages(&token_rewards, &mask, 1.0, 1e-8).unwrap().advantages;
+                a + r
+            }),
+        ];
+        for (name, f) in cases {
+            g.bench_function(format!("{name}/B={b}/T={t}"), |bench| bench.iter(f));
+        }
+    }
+    let b = 512i64;
+    let opts = (Kind::Float, Device::Cpu);
+    let pc = (Tensor::randn([b], opts) - 50.0).set_requires_grad(true);
+    let pr = (Tensor::randn([b], opts) - 50.0).set_requires_grad(true);
+    let (rc, rr) = (Tensor::randn([b], opts) - 50.0, Tensor::randn([b], opts) - 50.0);
+    let dpo = [
+        ("robust", DpoConfig::robust(0.1)),
+        ("exo_pair", DpoConfig::exo_pair(1e-3)),
+        ("nca_pair", DpoConfig::nca_pair()),
+        ("bco_pair", DpoConfig::bco_pair()),
+        ("sppo_hard", DpoConfig::sppo_hard()),
+        ("aot", DpoConfig::aot()),
+        ("aot_unpaired", DpoConfig::aot_unpaired()),
+        ("apo_zero", DpoConfig::apo_zero()),
+        ("apo_down", DpoConfig::apo_down()),
+        ("discopop", DpoConfig::discopop()),
+        ("sigmoid_norm", DpoConfig::sigmoid_norm()),
+    ];
+    for (name, cfg) in dpo {
+        g.bench_function(format!("dpo_{name}/B={b}"), |bench| {
+            bench.iter(|| {
+                let loss = dpo_loss(&pc, &pr, &rc, &rr, &cfg).unwrap();
+                loss.backward();
+                black_box(loss)
+            })
+        });
+    }
+    let mix = DpoMix::of(DpoConfig::dpo(), 0.8).with_term(DpoConfig::bco_pair(), 0.2);
+    g.bench_function(format!("dpo_mix_sigmoid_bco/B={b}"), |bench| {
+        bench.iter(|| {
+            let loss = dpo_mix_loss(&pc, &pr, &rc, &rr, &mix).unwrap();
+            loss.backward();
+            black_box(loss)
+        })
+    });
+    g.finish();
+}
+
 // No HTML plots: criterion's plotting needs a system font that the machines this project runs on
 // lack (it panicked with FontUnavailable); the numbers are what docs/performance.md reports.
 criterion_group! {
     name = benches;
     config = Criterion::default().without_plots();
-    targets = sequence_level, token_level, other_objectives
+    targets = sequence_level, token_level, other_objectives, issue_11_objectives
 }
 criterion_main!(benches);
