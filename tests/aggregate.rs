@@ -148,8 +148,14 @@ fn sequence_weights_and_errors() {
 /// before 0.9 did not divide by the number of sequences: `TokenSumNorm { length }`).
 #[test]
 fn modes_match_verl_agg_loss() {
-    let loss = vec![vec![0.5, -1.0, 2.0, 0.25], vec![1.5, 0.0, 0.0, 0.0], vec![-0.75, 3.0, 1.0, 0.0], vec![9.0, 9.0, 9.0, 9.0]];
-    let mask = vec![vec![1.0, 1.0, 1.0, 1.0], vec![1.0, 0.0, 0.0, 0.0], vec![1.0, 1.0, 1.0, 0.0], vec![0.0, 0.0, 0.0, 0.0]];
+    let loss = vec![
+        vec![0.5, -1.0, 2.0, 0.25],
+        vec![1.5, 0.0, 0.0, 0.0],
+        vec![-0.75, 3.0, 1.0, 0.0],
+        vec![9.0, 9.0, 9.0, 9.0],
+    ];
+    let mask =
+        vec![vec![1.0, 1.0, 1.0, 1.0], vec![1.0, 0.0, 0.0, 0.0], vec![1.0, 1.0, 1.0, 0.0], vec![0.0, 0.0, 0.0, 0.0]];
     let cases = [
         ("token-mean", AggregationMode::TokenMean, None),
         ("token-sum", AggregationMode::TokenSum, None),

@@ -400,7 +400,9 @@ fn bad_inputs_are_errors_naming_the_argument() {
 
 /// Fixed inputs for the peer comparisons: two policies that differ by up to ±1.5 per token, some
 /// padding, advantages of both signs.
-fn peer_batch() -> (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<f64>) {
+type PeerBatch = (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<f64>);
+
+fn peer_batch() -> PeerBatch {
     let mut state = 12345u64;
     let mut next = || {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -78,37 +78,24 @@ impl Scale {
 }
 
 /// The demo's tasks: one-step synthetic problems from `seed`, chat prompts.
-fn task(seed: u64, n: usize) -> TaskSpec {
+pub fn task(seed: u64, n: usize) -> TaskSpec {
     TaskSpec::synthetic(seed, n, 1)
 }
 
-/// Runs (or, with `resume`, continues) the demo in `work` on `device`.
-pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()> {
-    if work.join("init").exists() && !resume {
-        bail!(Refusal::EarlierDemo(work.to_path_buf()));
-    }
-    std::fs::create_dir_all(work).with_context(|| format!("creating {}", work.display()))?;
-    let _lock = crate::io::Lock::dir(work)?;
-    let t0 = std::time::Instant::now();
-    let at = Placement::f32(device);
+/// The seed of the warm-up's problems for a run seeded `seed` (the demo's is 0: problems seed 1).
+pub fn warm_up_seed(seed: u64) -> u64 {
+    1 + 1000 * seed
+}
 
-    // 1. A new model.
-    let init_dir = work.join("init");
-    // A model is whole once its config.json is written (the last file).
-    if !init_dir.join("config.json").exists() {
-        let _ = std::fs::remove_dir_all(&init_dir); // what an interrupted init left
-        init::init(&init_dir, scale.size, 0)?;
-    }
-    // 2. The sloppy teacher's worked solutions (deterministic: rewritten if missing).
-    let sft = work.join("sft.jsonl");
-    if !sft.exists() {
-        let cfg = crate::config::LlamaConfig::load(&init_dir)?;
-        let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
-        let (problems, style) = task(1, scale.sft_problems).load()?;
-        sample::write_solutions(&tok, &problems, &style, &sft, 0.6, 1)?;
-    }
-    // The TOPR iterations' training settings; the warm-up differs where it says.
-    let topr = TrainSettings {
+/// The seed of the iterations' problems for a run seeded `seed` (the demo's: 2). The held-out
+/// problems derive from it (`iterate`).
+pub fn prompt_seed(seed: u64) -> u64 {
+    2 + 1000 * seed
+}
+
+/// The TOPR iterations' training settings (the warm-up differs where `warm_up` says).
+pub fn topr_settings() -> Result<TrainSettings> {
+    Ok(TrainSettings {
         objective: Objective::Topr,
         baseline: Baseline::TargetPositiveProportion(DEMO_P_TILDE),
         ratio: topr_loss::RatioLevel::Sequence,
@@ -133,11 +120,34 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
         skip_bad_records: false,
         save_every: 4,
         resume: true,
-    };
+    })
+}
+
+/// The demo's stages 1–3 in `dir` for a run seeded `seed` (the demo's is 0): a new model
+/// initialised with `seed`, the sloppy teacher's worked solutions and the supervised warm-up.
+/// Finished stages are kept; returns the warm-up model's directory.
+pub fn warm_up(dir: &Path, scale: Scale, seed: u64, at: Placement) -> Result<std::path::PathBuf> {
+    let t0 = std::time::Instant::now();
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // 1. A new model.
+    let init_dir = dir.join("init");
+    // A model is whole once its config.json is written (the last file).
+    if !init_dir.join("config.json").exists() {
+        let _ = std::fs::remove_dir_all(&init_dir); // what an interrupted init left
+        init::init(&init_dir, scale.size, seed as i64)?;
+    }
+    // 2. The sloppy teacher's worked solutions (deterministic: rewritten if missing).
+    let sft = dir.join("sft.jsonl");
+    if !sft.exists() {
+        let cfg = crate::config::LlamaConfig::load(&init_dir)?;
+        let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
+        let (problems, style) = task(warm_up_seed(seed), scale.sft_problems).load()?;
+        sample::write_solutions(&tok, &problems, &style, &sft, 0.6, 1)?;
+    }
     // 3. Supervised warm-up.
-    let warm = work.join("warm-up");
+    let warm = dir.join("warm-up");
     if !warm.join("config.json").exists() {
-        eprintln!("[demo {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
+        eprintln!("[warm-up {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
         let o = TrainSettings {
             objective: Objective::Sft,
             baseline: Baseline::Zero,
@@ -147,15 +157,29 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
             warmup_steps: 20,
             lr_decay: true,
             save_every: 25,
-            ..topr.clone()
+            seed,
+            ..topr_settings()?
         };
         train::train_dir(&init_dir, at, &sft, &o, &warm)?;
     }
+    Ok(warm)
+}
+
+/// Runs (or, with `resume`, continues) the demo in `work` on `device`.
+pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()> {
+    if work.join("init").exists() && !resume {
+        bail!(Refusal::EarlierDemo(work.to_path_buf()));
+    }
+    std::fs::create_dir_all(work).with_context(|| format!("creating {}", work.display()))?;
+    let _lock = crate::io::Lock::dir(work)?;
+    let t0 = std::time::Instant::now();
+    let at = Placement::f32(device);
+    let warm = warm_up(work, scale, 0, at)?;
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
     let settings = IterateSettings {
-        task: task(2, scale.prompts),
-        train: topr,
+        task: task(prompt_seed(0), scale.prompts),
+        train: topr_settings()?,
         sampling: Sampling::sample(SamplingParams::default(), scale.max_new_tokens),
         work: work.join("topr"),
         iterations: scale.iterations,

@@ -44,6 +44,7 @@ pub mod model;
 pub mod optim;
 pub mod plot;
 pub mod sample;
+pub mod study;
 pub mod task;
 pub mod tokenizer;
 pub mod train;

@@ -162,6 +162,36 @@ pub enum Command {
         #[arg(long)]
         resume: bool,
     },
+    /// The paper's claims over seeds on the demo's task: per seed a new model, the warm-up and one
+    /// `iterate` run per arm (objective and baseline) of the chosen claims; writes study.jsonl,
+    /// study.md (mean ± standard error over seeds per claim) and claim-NAME.png. Resumes where it
+    /// stopped; finished stages are reused.
+    Study {
+        /// Working directory (one folder per seed, one per arm inside it).
+        #[arg(long, default_value = "runs/study")]
+        work: PathBuf,
+        /// The claims to test, comma-separated: negatives, degeneration, composition, peers, or all.
+        #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
+        claims: Claims,
+        /// Number of seeds (the seeds 0..n).
+        #[arg(long, default_value_t = 5, value_parser = args::whole(1usize, 1000))]
+        seeds: usize,
+        /// The demo scale the runs use (full: the README's model and data).
+        #[arg(long, value_enum, default_value_t = DemoScale::Full)]
+        scale: DemoScale,
+        /// Iterations per arm (default: the scale's).
+        #[arg(long, value_parser = args::whole(1usize, 1000))]
+        iterations: Option<usize>,
+        /// Training questions sampled per iteration (default: the scale's).
+        #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
+        prompts: Option<usize>,
+        /// Held-out questions per seed (default: the scale's).
+        #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
+        eval_n: Option<usize>,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = parse_device)]
+        device: Device,
+    },
     /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
     /// `training.png` of a `train` output directory.
     Plot {
@@ -231,13 +261,22 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Init { out, size, vocab_size, seed } => c::init(&out, &size, vocab_size, seed),
         Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),
         Command::Demo { work, quick, scale, device, resume } => {
-            use topr_llama::demo::Scale;
-            let scale = match (quick, scale) {
-                (true, _) | (_, DemoScale::Quick) => Scale::quick(),
-                (_, DemoScale::Full) => Scale::full(),
-                (_, DemoScale::Gpu) => Scale::gpu(),
-            };
+            let scale = if quick { topr_llama::demo::Scale::quick() } else { demo_scale(scale) };
             topr_llama::demo::run(&work, scale, device, resume)
+        }
+        Command::Study { work, claims, seeds, scale, iterations, prompts, eval_n, device } => {
+            let mut scale = demo_scale(scale);
+            scale.iterations = iterations.unwrap_or(scale.iterations);
+            scale.prompts = prompts.unwrap_or(scale.prompts);
+            scale.eval_n = eval_n.unwrap_or(scale.eval_n);
+            let settings = topr_llama::study::StudySettings {
+                work,
+                claims: claims.0,
+                seeds: topr_llama::study::seeds(seeds),
+                scale,
+                at: topr_llama::checkpoint::Placement::f32(device),
+            };
+            topr_llama::study::run(&settings)
         }
         Command::Plot { dir } => c::plot(&dir),
         Command::Convert { model, out } => c::convert(&model, &out),
@@ -262,6 +301,42 @@ pub enum DemoScale {
     Full,
     Gpu,
     Quick,
+}
+
+fn demo_scale(s: DemoScale) -> topr_llama::demo::Scale {
+    use topr_llama::demo::Scale;
+    match s {
+        DemoScale::Quick => Scale::quick(),
+        DemoScale::Full => Scale::full(),
+        DemoScale::Gpu => Scale::gpu(),
+    }
+}
+
+/// `study --claims`: the claims, in the order given, without repeats.
+#[derive(Clone, Debug)]
+pub struct Claims(pub Vec<topr_llama::study::Claim>);
+
+fn parse_claims(s: &str) -> Result<Claims, String> {
+    use topr_llama::study::Claim;
+    let mut out = vec![];
+    for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let found: Vec<Claim> = if name == "all" {
+            Claim::ALL.to_vec()
+        } else {
+            vec![Claim::parse(name).ok_or_else(|| {
+                format!("unknown claim {name:?}: expected negatives, degeneration, composition, peers or all")
+            })?]
+        };
+        for c in found {
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err("no claim given".into());
+    }
+    Ok(Claims(out))
 }
 
 /// The measurements of `llama check`.

@@ -380,17 +380,17 @@ impl Extras {
                 None => keep,
             });
         }
-        let mut total = match weights {
+        let mut parts = vec![match weights {
             Some(w) => apply_token_weights(terms, &w, &lp.mask, mode, norm)?,
             None => loss,
-        };
+        }];
         if let Some(kl) = &self.kl {
-            total = total + kl_penalty_output(&lp.logp, &p.logp_mu, &lp.mask, kl, norm)?.loss;
+            parts.push(kl_penalty_output(&lp.logp, &p.logp_mu, &lp.mask, kl, norm)?.loss);
         }
         if let (Some(e), Some(h)) = (&self.entropy, &lp.entropy) {
-            total = total + entropy_loss_output(h, &lp.mask, e, norm)?.loss;
+            parts.push(entropy_loss_output(h, &lp.mask, e, norm)?.loss);
         }
-        Ok(total)
+        Ok(parts.into_iter().reduce(|a, b| a + b).unwrap_or_else(|| Tensor::from(0.0)))
     }
 }
 
@@ -574,5 +574,5 @@ fn group_units(samples: &[Sample], advantage: Advantage) -> Result<Vec<Unit<'_>>
             }
         }
     };
-    Ok(groups.iter().flatten().zip(values).map(|(s, a)| Unit::Single(*s, a as f32)).collect())
+    Ok(groups.iter().flatten().zip(values).map(|(s, a)| Unit::Single(s, a as f32)).collect())
 }

@@ -1,0 +1,384 @@
+//! `llama study`: the paper's claims tested over seeds, on the demo's task and model.
+//!
+//! For every seed the study builds its own shared stages once — a new model (`init`, seeded), the
+//! sloppy teacher's worked solutions and the supervised warm-up (the demo's stages 1–3, with the
+//! seed in the model's initialisation and in the problems) — then runs each *arm* (an objective
+//! and its baseline) as an `iterate` loop from that warm-up, with the seed's own training and
+//! held-out questions. Every arm of every seed is a directory of its own; a killed study resumes
+//! where it stopped (finished stages are reused, an interrupted `iterate` continues).
+//!
+//! A *claim* groups the arms it compares ([`Claim::arms`]); arms shared by several claims run
+//! once. After each arm the study rewrites `study.jsonl` (one [`StudyRow`] per claim, arm, seed
+//! and iteration), `study.md` (a table per claim: mean and standard error over seeds, and the
+//! paired difference of each arm to the claim's reference arm) and `claim-NAME.png`.
+
+use crate::checkpoint::Placement;
+use crate::demo::{self, Scale};
+use crate::iterate::{self, Curation, IterateSettings};
+use crate::metrics::{IterationRecord, read_jsonl};
+use crate::plot::{Panel, Series};
+use crate::train::{Baseline, Objective, TrainSettings};
+use anyhow::{Context, Result};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// One claim of the paper, and the arms that test it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Claim {
+    /// Negatives help: TOPR on all graded samples against SFT on the positives of the same data.
+    Negatives,
+    /// Naive off-policy REINFORCE with negatives degenerates; TOPR does not.
+    Degeneration,
+    /// Dataset composition: accuracy against the effective positive proportion p̃.
+    Composition,
+    /// TOPR against PPO, GRPO and DPO on the same data and budget.
+    Peers,
+}
+
+impl Claim {
+    /// Every claim.
+    pub const ALL: [Claim; 4] = [Claim::Negatives, Claim::Degeneration, Claim::Composition, Claim::Peers];
+
+    /// The claim's name on the command line and in file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Negatives => "negatives",
+            Self::Degeneration => "degeneration",
+            Self::Composition => "composition",
+            Self::Peers => "peers",
+        }
+    }
+
+    /// The question the claim's table answers.
+    pub fn question(self) -> &'static str {
+        match self {
+            Self::Negatives => {
+                "Do negatives help? TOPR on all graded samples against SFT on the positives of the same data."
+            }
+            Self::Degeneration => {
+                "Does naive off-policy REINFORCE degenerate with negatives where TOPR does not? (invalid rate, accuracy)"
+            }
+            Self::Composition => "How does accuracy depend on the effective positive proportion p̃ of the TOPR data?",
+            Self::Peers => "TOPR against PPO, GRPO and DPO on the same data and budget.",
+        }
+    }
+
+    /// The claim's arms; the first is the reference the others are compared with.
+    pub fn arms(self) -> Vec<Arm> {
+        let topr = Arm::topr(demo::DEMO_P_TILDE);
+        match self {
+            Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
+            Self::Degeneration => vec![topr, Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)],
+            Self::Composition => [0.05, 0.2, 0.5, 0.9].into_iter().map(Arm::topr).collect(),
+            Self::Peers => vec![
+                topr,
+                Arm::new("ppo", Objective::Ppo, Baseline::Zero),
+                Arm::new("grpo", Objective::Grpo, Baseline::Zero),
+                Arm::new("dpo", Objective::Dpo, Baseline::Zero),
+            ],
+        }
+    }
+
+    /// Parses a claim's name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name() == s)
+    }
+}
+
+/// One training setting of the study: an objective and its baseline, applied at every
+/// iteration on the model's own graded samples; everything else is the demo's.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Arm {
+    /// Directory name and table label.
+    pub name: String,
+    pub objective: Objective,
+    pub baseline: Baseline,
+}
+
+impl Arm {
+    fn new(name: &str, objective: Objective, baseline: Baseline) -> Self {
+        Self { name: name.into(), objective, baseline }
+    }
+
+    /// TOPR with the baseline that gives positives the share `p̃` of the weight.
+    fn topr(p_tilde: f64) -> Self {
+        Self::new(&format!("topr-p{p_tilde}"), Objective::Topr, Baseline::TargetPositiveProportion(p_tilde))
+    }
+}
+
+/// What a study runs.
+#[derive(Debug, Clone)]
+pub struct StudySettings {
+    pub work: PathBuf,
+    pub claims: Vec<Claim>,
+    pub seeds: Vec<u64>,
+    pub scale: Scale,
+    pub at: Placement,
+}
+
+/// One line of `study.jsonl`: an arm's held-out result at one iteration for one seed.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StudyRow {
+    pub claim: Claim,
+    pub arm: String,
+    pub seed: u64,
+    pub iteration: usize,
+    /// Greedy pass@1 on the seed's held-out problems.
+    pub accuracy: f64,
+    pub invalid_rate: f64,
+    /// The share of positives in the data the iteration trained on (absent for iteration 0).
+    pub data_positive_fraction: Option<f64>,
+    /// Held-out problems.
+    pub eval_n: usize,
+}
+
+/// Runs (or continues) the study; rewrites its tables and plots after every arm.
+pub fn run(s: &StudySettings) -> Result<()> {
+    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
+    let _lock = crate::io::Lock::dir(&s.work)?;
+    let t0 = std::time::Instant::now();
+    let mut arms: Vec<Arm> = vec![];
+    for c in &s.claims {
+        for a in c.arms() {
+            if !arms.contains(&a) {
+                arms.push(a);
+            }
+        }
+    }
+    let total = arms.len() * s.seeds.len();
+    let mut done = 0;
+    for &seed in &s.seeds {
+        let dir = s.work.join(format!("seed-{seed}"));
+        let warm = demo::warm_up(&dir, s.scale, seed, s.at)?;
+        for arm in &arms {
+            eprintln!(
+                "[study {:.0} s] seed {seed}, arm {} ({}/{total})",
+                t0.elapsed().as_secs_f64(),
+                arm.name,
+                done + 1
+            );
+            iterate::run(&warm, s.at, &arm_settings(&dir, s.scale, seed, arm)?)?;
+            done += 1;
+            report(s)?;
+        }
+    }
+    eprintln!("[study {:.0} s] done: {}", t0.elapsed().as_secs_f64(), s.work.join("study.md").display());
+    Ok(())
+}
+
+/// The `iterate` settings of `arm` for `seed`: the demo's TOPR iterations with the arm's
+/// objective and baseline.
+fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<IterateSettings> {
+    let base = demo::topr_settings()?;
+    let train = TrainSettings { objective: arm.objective, baseline: arm.baseline, seed, ..base };
+    Ok(IterateSettings {
+        task: demo::task(demo::prompt_seed(seed), scale.prompts),
+        train,
+        sampling: crate::generate::Sampling::sample(crate::generate::SamplingParams::default(), scale.max_new_tokens),
+        work: dir.join(&arm.name),
+        iterations: scale.iterations,
+        samples_per_prompt: scale.samples_per_prompt,
+        batch_prompts: 16,
+        curate: Curation::All,
+        eval_data: None,
+        eval_n: scale.eval_n,
+        eval_batch_size: 64,
+    })
+}
+
+/// The rows of every finished iteration of the study's runs.
+pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
+    let mut out = vec![];
+    for c in &s.claims {
+        for arm in c.arms() {
+            for &seed in &s.seeds {
+                let path = s.work.join(format!("seed-{seed}")).join(&arm.name).join("iterations.jsonl");
+                if !path.exists() {
+                    continue;
+                }
+                let table: Vec<IterationRecord> = read_jsonl(&path)?;
+                out.extend(table.into_iter().map(|r| StudyRow {
+                    claim: *c,
+                    arm: arm.name.clone(),
+                    seed,
+                    iteration: r.iteration,
+                    accuracy: r.accuracy,
+                    invalid_rate: r.invalid_rate,
+                    data_positive_fraction: r.data_positive_fraction,
+                    eval_n: s.scale.eval_n,
+                }));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Mean and standard error (sample standard deviation over √n; 0 for one value).
+pub fn mean_se(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let m = v.iter().sum::<f64>() / n;
+    if v.len() < 2 {
+        return (m, 0.0);
+    }
+    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0);
+    (m, (var / n).sqrt())
+}
+
+fn fmt(ms: (f64, f64)) -> String {
+    if ms.0.is_nan() { "–".into() } else { format!("{:.3} ± {:.3}", ms.0, ms.1) }
+}
+
+/// `study.jsonl`, `study.md` and one plot per claim, from the finished iterations.
+pub fn report(s: &StudySettings) -> Result<()> {
+    let rows = rows(s)?;
+    let mut jsonl = String::new();
+    for r in &rows {
+        writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
+    }
+    write_text(&s.work.join("study.jsonl"), &jsonl)?;
+    let mut md = String::new();
+    writeln!(
+        md,
+        "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s)\n",
+        s.seeds.len(),
+        s.scale.eval_n,
+        s.scale.iterations
+    )?;
+    writeln!(
+        md,
+        "Each cell: mean ± standard error over seeds of the greedy held-out accuracy (the seeds' \
+         own model initialisation, warm-up data, training questions and held-out questions). \
+         `gain`: last iteration minus iteration 0, per seed. `vs first`: the paired difference to \
+         the claim's first arm at the last iteration, per seed. `SE questions`: the binomial \
+         standard error of the pooled accuracy over all seeds' questions.\n"
+    )?;
+    for c in &s.claims {
+        writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
+        let iters = s.scale.iterations;
+        let mut header = "| arm | seeds |".to_string();
+        for i in 0..=iters {
+            write!(header, " iteration {i} |")?;
+        }
+        writeln!(md, "{header} gain | vs first | invalid at last | SE questions (last) |")?;
+        writeln!(md, "|{}", "---|".repeat(iters + 7))?;
+        let arms = c.arms();
+        let at = |arm: &str, seed: u64, i: usize| -> Option<&StudyRow> {
+            rows.iter().find(|r| r.claim == *c && r.arm == arm && r.seed == seed && r.iteration == i)
+        };
+        let mut panels_acc = vec![];
+        let mut panels_inv = vec![];
+        for arm in &arms {
+            let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
+            let mut line = format!("| {} | {} |", arm.name, seeds.len());
+            let mut acc_points = vec![];
+            let mut inv_points = vec![];
+            for i in 0..=iters {
+                let v: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
+                let w: Vec<f64> =
+                    s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
+                write!(line, " {} |", fmt(mean_se(&v)))?;
+                if !v.is_empty() {
+                    acc_points.push((i as f64, mean_se(&v).0));
+                    inv_points.push((i as f64, mean_se(&w).0));
+                }
+            }
+            let gain: Vec<f64> = seeds
+                .iter()
+                .filter_map(|&sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arm.name, sd, 0)?.accuracy))
+                .collect();
+            let vs: Vec<f64> = seeds
+                .iter()
+                .filter_map(|&sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arms[0].name, sd, iters)?.accuracy))
+                .collect();
+            let invalid: Vec<f64> =
+                seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.invalid_rate).collect();
+            let last: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.accuracy).collect();
+            let pooled = mean_se(&last).0;
+            let n_q = (last.len() * s.scale.eval_n) as f64;
+            let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
+            writeln!(
+                md,
+                "{line} {} | {} | {} | {} |",
+                fmt(mean_se(&gain)),
+                if arm == &arms[0] { "—".into() } else { fmt(mean_se(&vs)) },
+                fmt(mean_se(&invalid)),
+                if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
+            )?;
+            panels_acc.push(Series { label: arm.name.clone(), points: acc_points });
+            panels_inv.push(Series { label: arm.name.clone(), points: inv_points });
+        }
+        writeln!(md)?;
+        let png = s.work.join(format!("claim-{}.png", c.name()));
+        let panels = [
+            Panel {
+                title: format!("{}: held-out accuracy (mean over seeds)", c.name()),
+                x: "iteration".into(),
+                y: "greedy pass@1".into(),
+                series: panels_acc,
+            },
+            Panel {
+                title: format!("{}: invalid answers (mean over seeds)", c.name()),
+                x: "iteration".into(),
+                y: "share of problems".into(),
+                series: panels_inv,
+            },
+        ];
+        crate::plot::report("study", || {
+            crate::plot::draw(&png, &panels, 2)?;
+            Ok(png.clone())
+        });
+        writeln!(
+            md,
+            "![{}]({})\n",
+            c.name(),
+            png.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
+        )?;
+    }
+    write_text(&s.work.join("study.md"), &md)?;
+    Ok(())
+}
+
+/// `text` into `path`, atomically.
+fn write_text(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write as _;
+    crate::io::write_atomic(path, |w| Ok(w.write_all(text.as_bytes())?))
+}
+
+/// The seeds `0..n`.
+pub fn seeds(n: usize) -> Vec<u64> {
+    (0..n as u64).collect()
+}
+
+/// Where the study of `work` keeps the stages of `seed`.
+pub fn seed_dir(work: &Path, seed: u64) -> PathBuf {
+    work.join(format!("seed-{seed}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_standard_error_by_definition() {
+        let (m, se) = mean_se(&[1.0, 2.0, 3.0, 6.0]);
+        assert_eq!(m, 3.0);
+        // sample variance (4 + 1 + 0 + 9) / 3, over n = 4
+        assert!((se - (14.0f64 / 3.0 / 4.0).sqrt()).abs() < 1e-15);
+        assert_eq!(mean_se(&[0.25]), (0.25, 0.0));
+        assert!(mean_se(&[]).0.is_nan());
+    }
+
+    #[test]
+    fn claims_parse_and_share_the_topr_arm() {
+        for c in Claim::ALL {
+            assert_eq!(Claim::parse(c.name()), Some(c));
+            assert!(!c.arms().is_empty());
+        }
+        assert_eq!(Claim::Negatives.arms()[0], Claim::Degeneration.arms()[0]);
+        assert_eq!(Claim::parse("stability"), None);
+    }
+}

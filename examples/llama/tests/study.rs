@@ -1,0 +1,71 @@
+//! `llama study` at CI size: the harness runs every arm of its claims for every seed, writes its
+//! tables and plots, resumes without redoing finished work, and refuses bad options.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn llama() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_llama"))
+}
+
+fn study(work: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    Command::new(llama())
+        .args(["study", "--work", work.to_str().unwrap(), "--scale", "quick", "--seeds", "2"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_ci_sized_study_runs_resumes_and_reports() {
+    let work = std::env::temp_dir().join(format!("llama_study_ci_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let out = study(&work, &["--claims", "negatives,degeneration"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // 2 seeds × 4 (claim, arm) pairs × 2 rows (iteration 0 and 1).
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(work.join("study.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 16);
+    for arm in ["topr-p0.5", "sft", "reinforce"] {
+        for seed in [0, 1] {
+            assert!(rows.iter().any(|r| r["arm"] == arm && r["seed"] == seed && r["iteration"] == 1), "{arm} {seed}");
+        }
+    }
+    let md = std::fs::read_to_string(work.join("study.md")).unwrap();
+    assert!(md.contains("## negatives") && md.contains("## degeneration"), "{md}");
+    assert!(md.contains("| topr-p0.5 | 2 |") && md.contains("| sft | 2 |") && md.contains("| reinforce | 2 |"), "{md}");
+    assert!(work.join("claim-negatives.png").exists() && work.join("claim-degeneration.png").exists());
+    // Each seed has its own model: the initial weights differ.
+    let w0 = std::fs::read(work.join("seed-0/init/model.safetensors")).unwrap();
+    let w1 = std::fs::read(work.join("seed-1/init/model.safetensors")).unwrap();
+    assert_ne!(w0, w1);
+    // The topr arm is shared by both claims and ran once per seed.
+    assert!(work.join("seed-0/topr-p0.5/iterations.jsonl").exists());
+    // Rerun: everything is finished, nothing changes.
+    let before = std::fs::read(work.join("study.jsonl")).unwrap();
+    let warm = std::fs::metadata(work.join("seed-1/warm-up/model.safetensors")).unwrap().modified().unwrap();
+    let out = study(&work, &["--claims", "negatives,degeneration"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(work.join("study.jsonl")).unwrap(), before);
+    assert_eq!(std::fs::metadata(work.join("seed-1/warm-up/model.safetensors")).unwrap().modified().unwrap(), warm);
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn bad_study_options_are_refused_in_one_line() {
+    let work = std::env::temp_dir().join(format!("llama_study_bad_{}", std::process::id()));
+    for (args, needle) in [
+        (vec!["--claims", "stability"], "--claims"),
+        (vec!["--claims", ""], "--claims"),
+        (vec!["--seeds", "0"], "--seeds"),
+        (vec!["--iterations", "0"], "--iterations"),
+    ] {
+        let out = study(&work, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    assert!(!work.exists(), "a refused study wrote {}", work.display());
+}
