@@ -117,6 +117,8 @@ pub fn topr_settings() -> Result<TrainSettings> {
         kl_estimator: Default::default(),
         entropy_coef: 0.0,
         top_entropy: None,
+        rejection: None,
+        off_policy_mask: None,
         skip_bad_records: false,
         save_every: 4,
         resume: true,

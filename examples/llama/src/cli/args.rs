@@ -133,6 +133,38 @@ pub fn parse_rollout_correction(s: &str) -> Result<CorrectionArg, String> {
     Ok(CorrectionArg(Some(c.with_checks(topr_loss::Checks::Shapes))))
 }
 
+/// `--rejection`: `k1-SCOPE:MIN:MAX` (bounds on the ratio μ/π) or `k2-SCOPE:MAX` / `k3-SCOPE:MAX`,
+/// SCOPE one of `token`, `seq-sum`, `seq-mean`, `seq-max` (not with k1), or `none`.
+#[derive(Clone, Copy, Debug)]
+pub struct RejectionArg(pub Option<topr_loss::Rejection>);
+
+pub fn parse_rejection(s: &str) -> Result<RejectionArg, String> {
+    use topr_loss::{Rejection, RejectionScope as Sc};
+    let usage =
+        "expected none, k1-SCOPE:MIN:MAX, k2-SCOPE:MAX or k3-SCOPE:MAX with SCOPE token, seq-sum, seq-mean or seq-max";
+    let s = s.trim();
+    if s == "none" {
+        return Ok(RejectionArg(None));
+    }
+    let parts: Vec<&str> = s.split(':').collect();
+    let (stat, scope) = parts[0].split_once('-').ok_or_else(|| format!("{usage}, got {s:?}"))?;
+    let scope = match scope {
+        "token" => Sc::Token,
+        "seq-sum" => Sc::SequenceSum,
+        "seq-mean" => Sc::SequenceMean,
+        "seq-max" => Sc::SequenceMax,
+        _ => return Err(format!("{usage}, got {s:?}")),
+    };
+    let r = match (stat, &parts[1..]) {
+        ("k1", [min, max]) => Rejection::k1(scope, parse_positive(min)?, parse_positive(max)?),
+        ("k2", [max]) => Rejection::k2(scope, parse_positive(max)?),
+        ("k3", [max]) => Rejection::k3(scope, parse_positive(max)?),
+        _ => return Err(format!("{usage}, got {s:?}")),
+    };
+    r.validate().map_err(|e| format!("{usage}: {e}"))?;
+    Ok(RejectionArg(Some(r)))
+}
+
 /// Upper bounds of the sizes (far above any use, low enough that a typo fails at once rather than
 /// after allocating for it).
 const MAX_TOKENS: i64 = 1 << 20;
@@ -407,6 +439,14 @@ pub struct ObjectiveArgs {
     /// Train only this share (0 to 1) of each micro-batch's tokens, those of highest entropy.
     #[arg(long, allow_hyphen_values = true, value_parser = parse_unit_interval)]
     pub top_entropy: Option<f64>,
+    /// Drop the tokens or completions whose k1/k2/k3 statistic of π against μ leaves the bounds
+    /// (verl's rollout_rs): `k3-seq-max:0.01`, `k1-token:0.5:2`, `k2-seq-mean:0.05`, or `none`.
+    #[arg(long, default_value = "none", value_parser = parse_rejection)]
+    pub rejection: RejectionArg,
+    /// DeepSeek-V3.2's off-policy sequence mask: drop a negative completion whose mean
+    /// log μ − log π exceeds this.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_finite)]
+    pub off_policy_mask: Option<f64>,
 }
 
 /// The optimiser and its schedule.
@@ -508,6 +548,8 @@ impl TrainArgs {
                         ("--kl-coef", obj.kl_coef > 0.0),
                         ("--entropy-coef", obj.entropy_coef > 0.0),
                         ("--top-entropy", obj.top_entropy.is_some()),
+                        ("--rejection", obj.rejection.0.is_some()),
+                        ("--off-policy-mask", obj.off_policy_mask.is_some()),
                     ];
                     if let Some((flag, _)) = used.iter().find(|(_, on)| *on) {
                         anyhow::bail!("{flag} applies to the token-level losses, not to DPO's pairs");
@@ -537,6 +579,8 @@ impl TrainArgs {
             kl_estimator: obj.kl_estimator.into(),
             entropy_coef: obj.entropy_coef,
             top_entropy: obj.top_entropy,
+            rejection: obj.rejection.0,
+            off_policy_mask: obj.off_policy_mask,
             skip_bad_records: run.skip_bad_records,
             save_every: run.save_every,
             resume: run.resume,

@@ -87,6 +87,12 @@ pub struct TrainSettings {
     /// older records: all tokens).
     #[serde(default)]
     pub top_entropy: Option<f64>,
+    /// Drop what a divergence rule of π against μ rejects (absent from older records: none).
+    #[serde(default, with = "rejection_setting")]
+    pub rejection: Option<topr_loss::Rejection>,
+    /// DeepSeek-V3.2's off-policy sequence mask threshold (absent from older records: none).
+    #[serde(default)]
+    pub off_policy_mask: Option<f64>,
     /// Importance weights of π against μ on the token-level losses' terms (`None`: off). Absent
     /// from run records written before it existed, which then read as off.
     #[serde(default, with = "correction_setting")]
@@ -141,12 +147,66 @@ impl TrainSettings {
     pub fn extras(&self) -> Extras {
         Extras {
             correction: self.rollout_correction,
+            rejection: self.rejection,
+            off_policy_mask: self.off_policy_mask,
             top_entropy: self.top_entropy,
             kl: (self.kl_coef > 0.0).then(|| self.kl_estimator.config(self.kl_coef)),
             entropy: (self.entropy_coef > 0.0).then(|| {
                 topr_loss::EntropyConfig::bonus().with_coef(self.entropy_coef).with_checks(topr_loss::Checks::Shapes)
             }),
         }
+    }
+}
+
+/// `Option<topr_loss::Rejection>` (which has no serde support) as `null` or
+/// `{"divergence": "k1"|"k2"|"k3", "scope": "token"|"seq_sum"|"seq_mean"|"seq_max", "min": lo, "max": hi}`.
+mod rejection_setting {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error};
+    use topr_loss::{Divergence, Rejection, RejectionScope};
+
+    #[derive(Serialize, Deserialize)]
+    struct Setting {
+        divergence: String,
+        scope: String,
+        min: f64,
+        max: f64,
+    }
+
+    const SCOPES: [(RejectionScope, &str); 4] = [
+        (RejectionScope::Token, "token"),
+        (RejectionScope::SequenceSum, "seq_sum"),
+        (RejectionScope::SequenceMean, "seq_mean"),
+        (RejectionScope::SequenceMax, "seq_max"),
+    ];
+
+    pub fn serialize<S: Serializer>(r: &Option<Rejection>, s: S) -> Result<S::Ok, S::Error> {
+        r.map(|r| Setting {
+            divergence: match r.divergence {
+                Divergence::K1 => "k1",
+                Divergence::K2 => "k2",
+                _ => "k3",
+            }
+            .into(),
+            scope: SCOPES.iter().find(|(sc, _)| *sc == r.scope).map_or("token", |(_, n)| n).into(),
+            min: r.min,
+            max: r.max,
+        })
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Rejection>, D::Error> {
+        let Some(v) = Option::<Setting>::deserialize(d)? else { return Ok(None) };
+        let scope = SCOPES
+            .iter()
+            .find(|(_, n)| *n == v.scope)
+            .map(|(sc, _)| *sc)
+            .ok_or_else(|| D::Error::custom(format!("unknown rejection scope {}", v.scope)))?;
+        Ok(Some(match v.divergence.as_str() {
+            "k1" => Rejection::k1(scope, v.min, v.max),
+            "k2" => Rejection::k2(scope, v.max),
+            "k3" => Rejection::k3(scope, v.max),
+            other => return Err(D::Error::custom(format!("unknown divergence {other}"))),
+        }))
     }
 }
 

@@ -10,12 +10,13 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
     AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, EntropyConfig, GmpoConfig, GroupAdvantage,
-    KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, RolloutCorrection, SapoConfig, SequenceReduce,
-    SingletonGroup, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
+    KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection, SapoConfig,
+    SequenceReduce, SingletonGroup, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
     baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output, entropy_loss_output,
-    gmpo_loss_output, group_advantages, gspo_loss_output, kl_cov_loss_output, kl_penalty_output, opo_advantages,
-    ppo_clip_loss_output, reinforce_pp_advantages, reinforce_pp_baseline_advantages, rollout_weights, sapo_loss_output,
-    sequence_logprobs, top_entropy_mask, topr_token_loss_output,
+    gmpo_loss_output, group_advantages, gspo_loss_output, kl_cov_loss_output, kl_penalty_output,
+    off_policy_sequence_mask, opo_advantages, ppo_clip_loss_output, reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages, rollout_rejection_mask, rollout_weights, sapo_loss_output, sequence_logprobs,
+    top_entropy_mask, topr_token_loss_output,
 };
 
 /// The objectives `train` offers.
@@ -343,6 +344,13 @@ fn clip_cov_keys(shape: &[i64], seed: u64, device: tch::Device) -> Tensor {
 pub struct Extras {
     /// Weights of π (detached) against μ on the loss's terms.
     pub correction: Option<RolloutCorrection>,
+    /// Drop (weight 0) the tokens or sequences whose divergence statistic of π against μ
+    /// leaves the rule's bounds.
+    pub rejection: Option<Rejection>,
+    /// DeepSeek-V3.2's off-policy sequence mask at this threshold: drop a completion whose value
+    /// (reward for the TOPR family, advantage otherwise) is negative and whose mean
+    /// `log μ − log π` exceeds it.
+    pub off_policy_mask: Option<f64>,
     /// Train only this share of each micro-batch's tokens, those of highest entropy (the
     /// others get weight 0, and the counts stay those of all tokens, as TRL).
     pub top_entropy: Option<f64>,
@@ -369,17 +377,22 @@ impl Extras {
         p: &MicroBatch,
         norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let mut weights: Option<Tensor> = None;
+        // Every factor of the weights: importance weights, then 0/1 selections.
+        let mut factors: Vec<Tensor> = vec![];
         if let Some(rc) = &self.correction {
-            weights = Some(rollout_weights(&lp.logp, &p.logp_mu, &lp.mask, rc)?.weights);
+            factors.push(rollout_weights(&lp.logp, &p.logp_mu, &lp.mask, rc)?.weights);
+        }
+        if let Some(rule) = &self.rejection {
+            factors.push(rollout_rejection_mask(&lp.logp, &p.logp_mu, &lp.mask, rule)?);
+        }
+        if let Some(threshold) = self.off_policy_mask {
+            factors.push(off_policy_sequence_mask(&lp.logp, &p.logp_mu, &p.values, &lp.mask, threshold)?);
         }
         if let (Some(rho), Some(h)) = (self.top_entropy, &lp.entropy) {
-            let keep = top_entropy_mask(&h.detach(), &lp.mask, rho, Checks::Shapes)?.to_kind(lp.logp.kind());
-            weights = Some(match weights {
-                Some(w) => w * keep,
-                None => keep,
-            });
+            factors.push(top_entropy_mask(&h.detach(), &lp.mask, rho, Checks::Shapes)?);
         }
+        let kind = lp.logp.kind();
+        let weights = factors.into_iter().map(|f| f.to_kind(kind)).reduce(|a, b| a * b);
         let mut parts = vec![match weights {
             Some(w) => apply_token_weights(terms, &w, &lp.mask, mode, norm)?,
             None => loss,
