@@ -112,6 +112,7 @@ pub fn topr_settings() -> Result<TrainSettings> {
         rollout_correction: None,
         dpo_loss: Default::default(),
         dpo_label_smoothing: 0.0,
+        dpo_mix: vec![],
         advantage: Default::default(),
         kl_coef: 0.0,
         kl_estimator: Default::default(),

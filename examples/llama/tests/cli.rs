@@ -133,7 +133,7 @@ fn a_ci_sized_run_of_every_command() {
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
     // Every objective, with the rollout corrections, advantage estimators, KL and entropy terms.
-    let extra: [(&str, &str, &str, &[&str]); 12] = [
+    let extra: [(&str, &str, &str, &[&str]); 13] = [
         ("ppo", "adamw", "none", &["--rejection", "k1-token:0.5:2", "--off-policy-mask", "0.2"]),
         ("grpo", "adamw", "token-tis:2", &["--advantage", "rloo", "--kl-coef", "0.01", "--kl-estimator", "k3-plus"]),
         ("dpo", "adafactor", "none", &["--dpo-loss", "robust", "--dpo-label-smoothing", "0.1"]),
@@ -146,6 +146,7 @@ fn a_ci_sized_run_of_every_command() {
         ("kl-cov", "adamw", "token-tis:2", &["--advantage", "dr-grpo", "--top-entropy", "0.2"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),
+        ("dpo", "adafactor", "none", &["--dpo-mix", "sigmoid:0.8,bco-pair:0.2"]),
     ];
     for (i, (objective, optimizer, correction, flags)) in extra.into_iter().enumerate() {
         let out = dir.join(format!("m-{i}-{objective}-{optimizer}"));
@@ -414,6 +415,9 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (train(&["--objective", "topr", "--advantage", "rloo"]), "--advantage"),
         (train(&["--top-entropy", "1.5"]), "--top-entropy"),
         (train(&["--rejection", "k1-seq-max:0.5:2"]), "--rejection"),
+        (train(&["--objective", "dpo", "--dpo-mix", "sigmoid:0.5,ipo:0.5"]), "--dpo-mix"),
+        (train(&["--objective", "dpo", "--dpo-mix", "sigmoid"]), "--dpo-mix"),
+        (train(&["--objective", "topr", "--dpo-mix", "sigmoid:1"]), "--dpo-mix"),
         (train(&["--rejection", "k3-token"]), "--rejection"),
         (train(&["--rejection", "k4-token:1"]), "--rejection"),
         (train(&["--objective", "dpo", "--off-policy-mask", "0.1"]), "--off-policy-mask"),

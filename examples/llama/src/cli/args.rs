@@ -165,6 +165,28 @@ pub fn parse_rejection(s: &str) -> Result<RejectionArg, String> {
     Ok(RejectionArg(Some(r)))
 }
 
+/// `--dpo-mix`: `LOSS:WEIGHT[,LOSS:WEIGHT…]` (up to 4 terms), LOSS a `--dpo-loss` name.
+#[derive(Clone, Debug)]
+pub struct DpoMixArg(pub Vec<(DpoLoss, f64)>);
+
+pub fn parse_dpo_mix(s: &str) -> Result<DpoMixArg, String> {
+    use clap::ValueEnum;
+    let usage = "expected LOSS:WEIGHT[,LOSS:WEIGHT…] (at most 4 terms, LOSS a --dpo-loss name), or none";
+    if s.trim() == "none" {
+        return Ok(DpoMixArg(vec![]));
+    }
+    let mut terms = vec![];
+    for part in s.split(',') {
+        let (name, w) = part.trim().split_once(':').ok_or_else(|| format!("{usage}, got {s:?}"))?;
+        let loss = DpoLossArg::from_str(name, false).map_err(|_| format!("{usage}: unknown loss {name:?}"))?;
+        terms.push((loss.into(), parse_finite(w)?));
+    }
+    if terms.is_empty() || terms.len() > topr_loss::DpoMix::MAX_TERMS {
+        return Err(format!("{usage}, got {} terms", terms.len()));
+    }
+    Ok(DpoMixArg(terms))
+}
+
 /// Upper bounds of the sizes (far above any use, low enough that a typo fails at once rather than
 /// after allocating for it).
 const MAX_TOKENS: i64 = 1 << 20;
@@ -414,6 +436,11 @@ pub struct ObjectiveArgs {
     /// Which loss of the DPO family (TRL's loss_type names).
     #[arg(long, value_enum, default_value_t = DpoLossArg::Sigmoid)]
     pub dpo_loss: DpoLossArg,
+    /// A weighted sum of DPO-family losses in place of --dpo-loss (TRL's loss_type list with
+    /// loss_weights): `sigmoid:0.8,bco-pair:0.2`. β and ε are shared; the terms must all use summed
+    /// log-probs or all per-token means (ipo, sigmoid-norm).
+    #[arg(long, default_value = "none", value_parser = parse_dpo_mix, conflicts_with = "dpo_loss")]
+    pub dpo_mix: DpoMixArg,
     /// Label smoothing ε of the DPO losses that take it (sigmoid: cDPO, robust, exo-pair, aot,
     /// aot-unpaired, sigmoid-norm); each loss checks its own range.
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_unit_interval)]
@@ -558,6 +585,25 @@ impl TrainArgs {
                 obj.rollout_correction.0
             },
             dpo_loss: obj.dpo_loss.into(),
+            dpo_mix: {
+                let terms = obj.dpo_mix.0.clone();
+                if !terms.is_empty() {
+                    if !matches!(obj.objective, ObjectiveArg::Dpo) {
+                        anyhow::bail!("--dpo-mix applies to --objective dpo");
+                    }
+                    if terms.iter().any(|(l, _)| l.reduce() != terms[0].0.reduce()) {
+                        anyhow::bail!(
+                            "--dpo-mix: ipo and sigmoid-norm take per-token means, the others sums: they cannot share one mix"
+                        );
+                    }
+                    let mix = terms.iter().skip(1).fold(
+                        topr_loss::DpoMix::of(terms[0].0.config(obj.dpo_beta, obj.dpo_label_smoothing), terms[0].1),
+                        |m, (l, w)| m.with_term(l.config(obj.dpo_beta, obj.dpo_label_smoothing), *w),
+                    );
+                    mix.validate().map_err(|e| anyhow::anyhow!("--dpo-mix: {e}"))?;
+                }
+                terms
+            },
             dpo_label_smoothing: {
                 let loss: DpoLoss = obj.dpo_loss.into();
                 loss.config(obj.dpo_beta, obj.dpo_label_smoothing)

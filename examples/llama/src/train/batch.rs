@@ -123,7 +123,7 @@ pub fn accumulate(
             stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64)
         }
         Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) => {}
-        Loss::Dpo(..) => {
+        Loss::Dpo(..) | Loss::DpoMix(..) => {
             stats.dpo_accuracy = Some(tally.dpo_accuracy / pairs_in_step);
             stats.dpo_margin = Some(tally.dpo_margin / pairs_in_step);
         }

@@ -71,6 +71,10 @@ pub struct TrainSettings {
     /// Label smoothing ε of the DPO losses that take it (absent from older run records: 0).
     #[serde(default)]
     pub dpo_label_smoothing: f64,
+    /// A weighted sum of DPO-family losses in place of `dpo_loss` (empty: none; absent from
+    /// older records: none).
+    #[serde(default)]
+    pub dpo_mix: Vec<(DpoLoss, f64)>,
     /// How the group-advantage objectives compute advantages (absent from older records: GRPO's).
     #[serde(default)]
     pub advantage: Advantage,

@@ -9,12 +9,12 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, EntropyConfig, GmpoConfig, GroupAdvantage,
-    KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection, SapoConfig,
-    SequenceReduce, SingletonGroup, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
-    baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output, entropy_loss_output,
-    gmpo_loss_output, group_advantages, gspo_loss_output, kl_cov_loss_output, kl_penalty_output,
-    off_policy_sequence_mask, opo_advantages, ppo_clip_loss_output, reinforce_pp_advantages,
+    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, DpoMix, EntropyConfig, GmpoConfig,
+    GroupAdvantage, KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection,
+    SapoConfig, SequenceReduce, SingletonGroup, TokenLogProbs, ToprConfig, ToprDiagnostics, ToprTokenConfig,
+    apply_token_weights, baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output,
+    dpo_mix_loss_output, entropy_loss_output, gmpo_loss_output, group_advantages, gspo_loss_output, kl_cov_loss_output,
+    kl_penalty_output, off_policy_sequence_mask, opo_advantages, ppo_clip_loss_output, reinforce_pp_advantages,
     reinforce_pp_baseline_advantages, rollout_rejection_mask, rollout_weights, sapo_loss_output, sequence_logprobs,
     top_entropy_mask, topr_token_loss_output,
 };
@@ -225,6 +225,8 @@ pub enum Loss {
     KlCov(KlCovConfig),
     /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
     Dpo(DpoConfig, SequenceReduce),
+    /// A weighted sum of DPO-family losses on the same pairs (TRL's `loss_weights`).
+    DpoMix(DpoMix, SequenceReduce),
 }
 
 impl Loss {
@@ -240,6 +242,12 @@ impl Loss {
             Objective::Ppo => Loss::Ppo(PpoConfig::ppo().with_checks(fast)),
             Objective::Grpo => {
                 Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean).with_checks(fast))
+            }
+            Objective::Dpo if !o.dpo_mix.is_empty() => {
+                let term = |l: DpoLoss| l.config(o.dpo_beta, o.dpo_label_smoothing).with_checks(fast);
+                let (first, rest) = (o.dpo_mix[0], &o.dpo_mix[1..]);
+                let mix = rest.iter().fold(DpoMix::of(term(first.0), first.1), |m, &(l, w)| m.with_term(term(l), w));
+                Loss::DpoMix(mix, first.0.reduce())
             }
             Objective::Dpo => {
                 Loss::Dpo(o.dpo_loss.config(o.dpo_beta, o.dpo_label_smoothing).with_checks(fast), o.dpo_loss.reduce())
@@ -313,19 +321,34 @@ impl Loss {
                 (out.loss, out.terms, cfg.aggregation)
             }
             Loss::Dpo(cfg, reduce) => {
-                let n = lp.logp.size()[0] / 2;
-                let seq = sequence_logprobs(&lp.logp, &lp.mask, *reduce)?;
-                let mu = sequence_logprobs(&p.logp_mu, &lp.mask, *reduce)?;
-                let (pw, pl) = (seq.narrow(0, 0, n), seq.narrow(0, n, n));
-                let (rw, rl) = (mu.narrow(0, 0, n), mu.narrow(0, n, n));
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
+                let (pw, pl, rw, rl, n) = dpo_pairs(lp, p, *reduce)?;
                 let out = dpo_loss_output(&pw, &pl, &rw, &rl, cfg, &Normalizer::sequences(pairs_in_step))?;
-                tally.dpo.push((out.diagnostics, n as f64));
+                tally.dpo.push((out.diagnostics, n));
+                return Ok(out.loss);
+            }
+            Loss::DpoMix(mix, reduce) => {
+                let (pw, pl, rw, rl, n) = dpo_pairs(lp, p, *reduce)?;
+                let out = dpo_mix_loss_output(&pw, &pl, &rw, &rl, mix, &Normalizer::sequences(pairs_in_step))?;
+                tally.dpo.push((out.diagnostics, n));
                 return Ok(out.loss);
             }
         };
         extras.apply(loss, &terms, mode, lp, p, norm)
     }
+}
+
+/// A DPO micro-batch's sequence log-probs of π and μ for its chosen (first half) and rejected
+/// (second half) completions, and its number of pairs.
+fn dpo_pairs(
+    lp: &TokenLogProbs,
+    p: &MicroBatch,
+    reduce: SequenceReduce,
+) -> Result<(Tensor, Tensor, Tensor, Tensor, f64), LossError> {
+    let n = lp.logp.size()[0] / 2;
+    let seq = sequence_logprobs(&lp.logp, &lp.mask, reduce)?;
+    let mu = sequence_logprobs(&p.logp_mu, &lp.mask, reduce)?;
+    Ok((seq.narrow(0, 0, n), seq.narrow(0, n, n), mu.narrow(0, 0, n), mu.narrow(0, n, n), n as f64))
 }
 
 /// Clip-Cov's random keys `[B, T]`: uniform draws from the example's own generator, seeded per
