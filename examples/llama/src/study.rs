@@ -34,11 +34,15 @@ pub enum Claim {
     Composition,
     /// TOPR against PPO, GRPO and DPO on the same data and budget.
     Peers,
+    /// Stability far off-policy: four epochs on each sampled data set with the gradient clipped
+    /// at 100 (the paper's setting for IS): TOPR against IS, TIS, naive REINFORCE and PPO.
+    OffPolicy,
 }
 
 impl Claim {
     /// Every claim.
-    pub const ALL: [Claim; 4] = [Claim::Negatives, Claim::Degeneration, Claim::Composition, Claim::Peers];
+    pub const ALL: [Claim; 5] =
+        [Claim::Negatives, Claim::Degeneration, Claim::Composition, Claim::Peers, Claim::OffPolicy];
 
     /// The claim's name on the command line and in file names.
     pub fn name(self) -> &'static str {
@@ -47,6 +51,7 @@ impl Claim {
             Self::Degeneration => "degeneration",
             Self::Composition => "composition",
             Self::Peers => "peers",
+            Self::OffPolicy => "off-policy",
         }
     }
 
@@ -61,6 +66,9 @@ impl Claim {
             }
             Self::Composition => "How does accuracy depend on the effective positive proportion p̃ of the TOPR data?",
             Self::Peers => "TOPR against PPO, GRPO and DPO on the same data and budget.",
+            Self::OffPolicy => {
+                "Far off-policy (4 epochs per data set, gradient norm clipped at 100): does TOPR stay stable where IS, TIS, naive REINFORCE or PPO do not?"
+            }
         }
     }
 
@@ -77,6 +85,16 @@ impl Claim {
                 Arm::new("grpo", Objective::Grpo, Baseline::Zero),
                 Arm::new("dpo", Objective::Dpo, Baseline::Zero),
             ],
+            Self::OffPolicy => [
+                ("topr", Objective::Topr, Baseline::TargetPositiveProportion(demo::DEMO_P_TILDE)),
+                ("is", Objective::Is, Baseline::Zero),
+                ("tis", Objective::Tis, Baseline::Zero),
+                ("reinforce", Objective::Reinforce, Baseline::Zero),
+                ("ppo", Objective::Ppo, Baseline::Zero),
+            ]
+            .into_iter()
+            .map(|(n, o, b)| Arm { epochs: 4, max_grad_norm: Some(100.0), ..Arm::new(&format!("{n}-offpolicy"), o, b) })
+            .collect(),
         }
     }
 
@@ -94,11 +112,15 @@ pub struct Arm {
     pub name: String,
     pub objective: Objective,
     pub baseline: Baseline,
+    /// Epochs on each iteration's data (the demo's: 1).
+    pub epochs: usize,
+    /// The gradient-norm clip (the demo's: 1).
+    pub max_grad_norm: Option<f64>,
 }
 
 impl Arm {
     fn new(name: &str, objective: Objective, baseline: Baseline) -> Self {
-        Self { name: name.into(), objective, baseline }
+        Self { name: name.into(), objective, baseline, epochs: 1, max_grad_norm: Some(1.0) }
     }
 
     /// TOPR with the baseline that gives positives the share `p̃` of the weight.
@@ -171,7 +193,14 @@ pub fn run(s: &StudySettings) -> Result<()> {
 /// objective and baseline.
 fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<IterateSettings> {
     let base = demo::topr_settings()?;
-    let train = TrainSettings { objective: arm.objective, baseline: arm.baseline, seed, ..base };
+    let train = TrainSettings {
+        objective: arm.objective,
+        baseline: arm.baseline,
+        epochs: arm.epochs,
+        max_grad_norm: arm.max_grad_norm,
+        seed,
+        ..base
+    };
     Ok(IterateSettings {
         task: demo::task(demo::prompt_seed(seed), scale.prompts),
         train,

@@ -170,7 +170,8 @@ pub enum Command {
         /// Working directory (one folder per seed, one per arm inside it).
         #[arg(long, default_value = "runs/study")]
         work: PathBuf,
-        /// The claims to test, comma-separated: negatives, degeneration, composition, peers, or all.
+        /// The claims to test, comma-separated: negatives, degeneration, composition, peers,
+        /// off-policy, or all.
         #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
         claims: Claims,
         /// Number of seeds (the seeds 0..n).
@@ -324,7 +325,9 @@ fn parse_claims(s: &str) -> Result<Claims, String> {
             Claim::ALL.to_vec()
         } else {
             vec![Claim::parse(name).ok_or_else(|| {
-                format!("unknown claim {name:?}: expected negatives, degeneration, composition, peers or all")
+                format!(
+                    "unknown claim {name:?}: expected negatives, degeneration, composition, peers, off-policy or all"
+                )
             })?]
         };
         for c in found {
