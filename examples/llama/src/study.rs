@@ -243,7 +243,7 @@ pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
     Ok(out)
 }
 
-/// Mean and standard error (sample standard deviation over √n; 0 for one value).
+/// Mean and standard error (sample standard deviation over √n; NaN for fewer than two values).
 pub fn mean_se(v: &[f64]) -> (f64, f64) {
     let n = v.len() as f64;
     if v.is_empty() {
@@ -251,14 +251,18 @@ pub fn mean_se(v: &[f64]) -> (f64, f64) {
     }
     let m = v.iter().sum::<f64>() / n;
     if v.len() < 2 {
-        return (m, 0.0);
+        return (m, f64::NAN);
     }
     let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0);
     (m, (var / n).sqrt())
 }
 
 fn fmt(ms: (f64, f64)) -> String {
-    if ms.0.is_nan() { "–".into() } else { format!("{:.3} ± {:.3}", ms.0, ms.1) }
+    match (ms.0.is_nan(), ms.1.is_nan()) {
+        (true, _) => "–".into(),
+        (false, true) => format!("{:.3} (one seed)", ms.0),
+        (false, false) => format!("{:.3} ± {:.3}", ms.0, ms.1),
+    }
 }
 
 /// `study.jsonl`, `study.md` and one plot per claim, from the finished iterations.
@@ -397,7 +401,8 @@ mod tests {
         assert_eq!(m, 3.0);
         // sample variance (4 + 1 + 0 + 9) / 3, over n = 4
         assert!((se - (14.0f64 / 3.0 / 4.0).sqrt()).abs() < 1e-15);
-        assert_eq!(mean_se(&[0.25]), (0.25, 0.0));
+        assert_eq!(mean_se(&[0.25]).0, 0.25);
+        assert!(mean_se(&[0.25]).1.is_nan());
         assert!(mean_se(&[]).0.is_nan());
     }
 
