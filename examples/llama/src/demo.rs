@@ -168,6 +168,23 @@ pub fn warm_up(dir: &Path, scale: Scale, seed: u64, at: Placement) -> Result<std
     Ok(warm)
 }
 
+/// The demo's iterations (step 4) for a run seeded `seed`, training with `train`, in `work`.
+pub fn iterate_settings(work: std::path::PathBuf, scale: Scale, seed: u64, train: TrainSettings) -> IterateSettings {
+    IterateSettings {
+        task: task(prompt_seed(seed), scale.prompts),
+        train,
+        sampling: Sampling::sample(SamplingParams::default(), scale.max_new_tokens),
+        work,
+        iterations: scale.iterations,
+        samples_per_prompt: scale.samples_per_prompt,
+        batch_prompts: 16,
+        curate: Curation::All,
+        eval_data: None,
+        eval_n: scale.eval_n,
+        eval_batch_size: 64,
+    }
+}
+
 /// Runs (or, with `resume`, continues) the demo in `work` on `device`.
 pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()> {
     if work.join("init").exists() && !resume {
@@ -180,19 +197,7 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
     let warm = warm_up(work, scale, 0, at)?;
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
-    let settings = IterateSettings {
-        task: task(prompt_seed(0), scale.prompts),
-        train: topr_settings()?,
-        sampling: Sampling::sample(SamplingParams::default(), scale.max_new_tokens),
-        work: work.join("topr"),
-        iterations: scale.iterations,
-        samples_per_prompt: scale.samples_per_prompt,
-        batch_prompts: 16,
-        curate: Curation::All,
-        eval_data: None,
-        eval_n: scale.eval_n,
-        eval_batch_size: 64,
-    };
+    let settings = iterate_settings(work.join("topr"), scale, 0, topr_settings()?);
     iterate::run(&warm, at, &settings)?;
     eprintln!("[demo {:.0} s] done; plots: {}", t0.elapsed().as_secs_f64(), work.join("topr/iterations.png").display());
     Ok(())

@@ -14,7 +14,7 @@
 
 use crate::checkpoint::Placement;
 use crate::demo::{self, Scale};
-use crate::iterate::{self, Curation, IterateSettings};
+use crate::iterate::{self, IterateSettings};
 use crate::metrics::{IterationRecord, read_jsonl};
 use crate::plot::{Panel, Series};
 use crate::train::{Baseline, Objective, TrainSettings};
@@ -171,7 +171,7 @@ pub fn run(s: &StudySettings) -> Result<()> {
     let total = arms.len() * s.seeds.len();
     let mut done = 0;
     for &seed in &s.seeds {
-        let dir = s.work.join(format!("seed-{seed}"));
+        let dir = seed_dir(&s.work, seed);
         let warm = demo::warm_up(&dir, s.scale, seed, s.at)?;
         for arm in &arms {
             eprintln!(
@@ -201,19 +201,7 @@ fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<Iterat
         seed,
         ..base
     };
-    Ok(IterateSettings {
-        task: demo::task(demo::prompt_seed(seed), scale.prompts),
-        train,
-        sampling: crate::generate::Sampling::sample(crate::generate::SamplingParams::default(), scale.max_new_tokens),
-        work: dir.join(&arm.name),
-        iterations: scale.iterations,
-        samples_per_prompt: scale.samples_per_prompt,
-        batch_prompts: 16,
-        curate: Curation::All,
-        eval_data: None,
-        eval_n: scale.eval_n,
-        eval_batch_size: 64,
-    })
+    Ok(demo::iterate_settings(dir.join(&arm.name), scale, seed, train))
 }
 
 /// The rows of every finished iteration of the study's runs.
@@ -222,7 +210,7 @@ pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
     for c in &s.claims {
         for arm in c.arms() {
             for &seed in &s.seeds {
-                let path = s.work.join(format!("seed-{seed}")).join(&arm.name).join("iterations.jsonl");
+                let path = seed_dir(&s.work, seed).join(&arm.name).join("iterations.jsonl");
                 if !path.exists() {
                     continue;
                 }
