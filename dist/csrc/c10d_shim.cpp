@@ -1,0 +1,128 @@
+// A C interface to PyTorch's c10d process groups (the engine of torch.distributed and PyTorch
+// DDP), for the Rust crate topr-dist. It creates a TCPStore rendezvous and a Gloo (CPU) process
+// group from libtorch, and runs three collectives on tensors handed over by tch: all-reduce
+// (sum), broadcast and barrier. Every C++ exception becomes an error message for Rust; nothing
+// throws across the C boundary.
+//
+// tch passes a tensor as `torch::Tensor*` (torch-sys's `tensor` type), the `at::Tensor*` these
+// functions take.
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+struct topr_process_group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::chrono::milliseconds timeout;
+};
+
+namespace {
+
+// The message of an exception without libtorch's C++ backtrace, into `err` (NUL-terminated).
+void set_error(char* err, size_t cap, const char* msg) {
+  if (err == nullptr || cap == 0) {
+    return;
+  }
+  std::strncpy(err, msg, cap - 1);
+  err[cap - 1] = '\0';
+}
+
+template <typename F>
+int guarded(char* err, size_t cap, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::Error& e) {
+    set_error(err, cap, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    set_error(err, cap, e.what());
+  } catch (...) {
+    set_error(err, cap, "unknown C++ exception");
+  }
+  return 1;
+}
+
+void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+  if (!work->wait(timeout)) {
+    throw std::runtime_error("the collective did not complete within the time-out");
+  }
+}
+
+} // namespace
+
+extern "C" {
+
+// Joins the group of `world_size` processes whose rank 0 serves the rendezvous store at
+// host:port (rank 0 listens there, the others connect); NULL with `err` set on failure.
+topr_process_group* topr_pg_new_gloo(
+    const char* host,
+    uint16_t port,
+    int rank,
+    int world_size,
+    int64_t timeout_ms,
+    char* err,
+    size_t cap) {
+  topr_process_group* out = nullptr;
+  guarded(err, cap, [&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = rank == 0;
+    opts.numWorkers = static_cast<size_t>(world_size);
+    opts.waitWorkers = true;
+    opts.timeout = timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    // Devices as torch.distributed makes them: GLOO_SOCKET_IFNAME if set, else this host's
+    // address (falling back to loopback).
+    auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+    c10::intrusive_ptr<c10d::Backend> backend =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
+    out = new topr_process_group{store, backend, timeout};
+  });
+  return out;
+}
+
+void topr_pg_free(topr_process_group* pg) {
+  delete pg;
+}
+
+// Sums `tensor` (contiguous, on the CPU) over the group, in place.
+int topr_pg_all_reduce_sum(topr_process_group* pg, at::Tensor* tensor, char* err, size_t cap) {
+  return guarded(err, cap, [&] {
+    std::vector<at::Tensor> tensors{*tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.timeout = pg->timeout;
+    wait(pg->backend->allreduce(tensors, opts), pg->timeout);
+  });
+}
+
+// Copies `tensor` of rank `root` into the same tensor of every other rank.
+int topr_pg_broadcast(topr_process_group* pg, at::Tensor* tensor, int root, char* err, size_t cap) {
+  return guarded(err, cap, [&] {
+    std::vector<at::Tensor> tensors{*tensor};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = pg->timeout;
+    wait(pg->backend->broadcast(tensors, opts), pg->timeout);
+  });
+}
+
+// Returns once every rank has called it.
+int topr_pg_barrier(topr_process_group* pg, char* err, size_t cap) {
+  return guarded(err, cap, [&] {
+    c10d::BarrierOptions opts;
+    opts.timeout = pg->timeout;
+    wait(pg->backend->barrier(opts), pg->timeout);
+  });
+}
+
+} // extern "C"

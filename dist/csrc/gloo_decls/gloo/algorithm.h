@@ -1,0 +1,2 @@
+// Declarations only: see ../README.md. Nothing from gloo/algorithm.h is used by the shim.
+#pragma once
