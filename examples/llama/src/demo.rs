@@ -163,7 +163,7 @@ pub fn warm_up(dir: &Path, scale: Scale, seed: u64, at: Placement) -> Result<std
             seed,
             ..topr_settings()?
         };
-        train::train_dir(&init_dir, at, &sft, &o, &warm)?;
+        train::train_dir(&init_dir, at, &sft, &o, &warm, None)?;
     }
     Ok(warm)
 }
@@ -198,7 +198,7 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
     let settings = iterate_settings(work.join("topr"), scale, 0, topr_settings()?);
-    iterate::run(&warm, at, &settings)?;
+    iterate::run(&warm, at, &settings, None)?;
     eprintln!("[demo {:.0} s] done; plots: {}", t0.elapsed().as_secs_f64(), work.join("topr/iterations.png").display());
     Ok(())
 }

@@ -3,6 +3,8 @@
 
 use crate::generate::{self, Sampling, SamplingParams};
 use crate::model::Llama;
+use crate::parallel::{self, ProcessGroup};
+use crate::shard::Shard;
 use crate::task::{self, Problem};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
@@ -27,7 +29,7 @@ pub fn prompt_ids(tok: &Tokenizer, style: &PromptStyle, p: &Problem) -> Result<V
 }
 
 /// One question's results.
-#[derive(Serialize)]
+#[derive(Serialize, serde::Deserialize)]
 pub struct QuestionResult {
     pub id: String,
     pub question: String,
@@ -87,9 +89,15 @@ pub struct EvalSettings {
     pub sampling: SamplingParams,
     /// Rows per generation batch.
     pub batch_size: usize,
+    /// Each batch of `batch_size` questions reseeds the sampler with this plus the index of its
+    /// first question, so that a shard samples what one process samples.
+    pub seed: i64,
+    /// The share of the batches of questions this process evaluates ([`Shard::WHOLE`]: all).
+    pub shard: Shard,
 }
 
-/// Evaluates `problems`, writing one JSON line per question to `out` when given.
+/// Evaluates `problems` (the shard of them `settings.shard` names), writing one JSON line per
+/// question to `out` when given.
 pub fn evaluate(
     model: &Llama,
     tok: &Tokenizer,
@@ -98,14 +106,19 @@ pub fn evaluate(
     settings: &EvalSettings,
     mut out: Option<&mut dyn Write>,
 ) -> Result<Summary> {
-    let EvalSettings { max_new_tokens, samples, batch_size, .. } = *settings;
+    let EvalSettings { max_new_tokens, samples, batch_size, seed, shard, .. } = *settings;
     let batch_size = batch_size.max(1);
+    // Whole batches of questions, so that each is seeded and shaped as in one process.
+    let batches = shard.range(problems.len().div_ceil(batch_size));
+    let first = (batches.start * batch_size).min(problems.len());
+    let problems = &problems[first..(batches.end * batch_size).min(problems.len())];
     let greedy = Sampling::greedy(max_new_tokens);
     let sampled = Sampling::sample(settings.sampling, max_new_tokens);
     let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
     let pb = bar((problems.len() * (1 + samples)) as u64, "eval");
     let mut results = vec![];
-    for (chunk_p, chunk_ids) in problems.chunks(batch_size).zip(prompts.chunks(batch_size)) {
+    for (k, (chunk_p, chunk_ids)) in problems.chunks(batch_size).zip(prompts.chunks(batch_size)).enumerate() {
+        tch::manual_seed(seed.wrapping_add((first + k * batch_size) as i64));
         let g = generate::generate(model, chunk_ids, &greedy, &tok.eos_ids, tok.pad_id)?;
         pb.inc(chunk_p.len() as u64);
         let mut sample_answers = vec![vec![]; chunk_p.len()];
@@ -145,6 +158,31 @@ pub fn evaluate(
     }
     pb.finish_and_clear();
     Ok(summarize(&results, samples))
+}
+
+/// [`evaluate`] spread over the ranks of a process `group` (one process without one): each rank
+/// evaluates its shard, the per-question lines are gathered to every rank through the group, and
+/// every rank returns the summary of all questions; rank 0 writes `out` (whole, atomically),
+/// exactly the file one process writes. `settings.shard` is ignored: the group decides.
+pub fn evaluate_parallel(
+    model: &Llama,
+    tok: &Tokenizer,
+    problems: &[Problem],
+    style: &PromptStyle,
+    settings: &EvalSettings,
+    out: Option<&std::path::Path>,
+    group: Option<&ProcessGroup>,
+) -> Result<Summary> {
+    let settings = EvalSettings { shard: parallel::shard(group), ..*settings };
+    let mut lines = vec![];
+    evaluate(model, tok, problems, style, &settings, Some(&mut lines))?;
+    let all = parallel::gather_bytes(group, &lines)?.concat();
+    if let Some(path) = out.filter(|_| parallel::is_main(group)) {
+        crate::io::write_atomic(path, |w| Ok(w.write_all(&all)?))?;
+    }
+    let text = String::from_utf8(all)?;
+    let results = text.lines().map(serde_json::from_str).collect::<Result<Vec<QuestionResult>, _>>()?;
+    Ok(summarize(&results, settings.samples))
 }
 
 pub fn summarize(results: &[QuestionResult], samples: usize) -> Summary {

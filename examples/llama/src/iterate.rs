@@ -10,6 +10,7 @@ use crate::generate::{Decoding, Sampling};
 use crate::identity::ModelId;
 use crate::io::{Append, Lock};
 use crate::metrics::IterationRecord;
+use crate::parallel::{self, ProcessGroup};
 use crate::sample::{self, Sample};
 use crate::task::{self, Source, TaskSpec};
 use crate::train::{self, TrainSettings};
@@ -83,6 +84,8 @@ fn eval_problems(s: &IterateSettings) -> Result<Vec<task::Problem>> {
 /// The loop's fixed inputs: where models are loaded, the problems and the held-out evaluation.
 struct Loop<'a> {
     at: Placement,
+    /// The ranks the stages are spread over (`None`: one process).
+    group: Option<&'a ProcessGroup>,
     s: &'a IterateSettings,
     problems: Vec<task::Problem>,
     style: PromptStyle,
@@ -91,11 +94,13 @@ struct Loop<'a> {
 
 impl Loop<'_> {
     /// Evaluates the model in `dir` once (greedy); the summary is cached in `out`, the
-    /// per-question results beside it.
+    /// per-question results beside it. With a group, the ranks share the questions and rank 0
+    /// writes both files.
     fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
-        if let Some(s) = std::fs::read_to_string(out).ok().and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok())
-        {
-            return Ok(s);
+        let cached = || std::fs::read_to_string(out).ok().and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok());
+        let main = parallel::is_main(self.group);
+        if parallel::main_says(self.group, main && cached().is_some())? {
+            return cached().with_context(|| format!("reading {} (written by rank 0)", out.display()));
         }
         let (m, tok) = checkpoint::open(dir, self.at)?;
         let settings = EvalSettings {
@@ -106,11 +111,14 @@ impl Loop<'_> {
                 Decoding::Greedy => Default::default(),
             },
             batch_size: self.s.eval_batch_size,
+            seed: 0,
+            shard: crate::shard::Shard::WHOLE,
         };
-        let s = crate::io::write_atomic(&out.with_extension("questions.jsonl"), |w| {
-            eval::evaluate(&m, &tok, &self.held_out, &self.style, &settings, Some(w))
-        })?;
-        crate::io::write_file(out, serde_json::to_string(&s)?)?;
+        let questions = out.with_extension("questions.jsonl");
+        let s = eval::evaluate_parallel(&m, &tok, &self.held_out, &self.style, &settings, Some(&questions), self.group)?;
+        if main {
+            crate::io::write_file(out, serde_json::to_string(&s)?)?;
+        }
         Ok(s)
     }
 
@@ -120,7 +128,8 @@ impl Loop<'_> {
     fn sample_and_train(&self, i: usize, mu_dir: &Path, dir: &Path, model_dir: &Path) -> Result<train::Summary> {
         let done = dir.join("train.done.json");
         let data = dir.join("data.jsonl");
-        if done.exists() && data.exists() {
+        let main = parallel::is_main(self.group);
+        if parallel::main_says(self.group, main && done.exists() && data.exists())? {
             return serde_json::from_str(&std::fs::read_to_string(&done)?)
                 .with_context(|| format!("reading {}", done.display()));
         }
@@ -132,8 +141,9 @@ impl Loop<'_> {
             sampling: s.sampling,
             seed,
             batch_prompts: s.batch_prompts,
+            shard: crate::shard::Shard::WHOLE,
         };
-        sample::sample_dataset(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &data)?;
+        sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &data, self.group)?;
         let samples = train::load_data(
             &data,
             m.cfg.max_position_embeddings as usize,
@@ -142,10 +152,14 @@ impl Loop<'_> {
         )?;
         let samples = s.curate.apply(samples);
         let record = train::RunRecord::new(mu_dir, &data, &samples, &s.train)?;
-        let summary = train::run(&m, &samples, &s.train, &record, dir)?;
-        checkpoint::save(&m, mu_dir, model_dir)?;
-        train::finish(dir);
-        crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
+        let summary = train::run(&m, &samples, &s.train, &record, dir, self.group)?;
+        if main {
+            checkpoint::save(&m, mu_dir, model_dir)?;
+            train::finish(dir);
+            crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
+        }
+        // The next stage loads the saved model on every rank.
+        parallel::barrier(self.group)?;
         Ok(summary)
     }
 }
@@ -216,23 +230,54 @@ impl Table {
 /// Refused before anything is written: a work directory that is, contains or lies inside
 /// `model`; one in use by another run (it is locked while this one runs); an earlier loop without
 /// `resume`, or one started with other settings.
-pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
+///
+/// With a process `group`, every rank runs this with the same arguments: sampling and
+/// evaluation are sharded over the ranks and training is data-parallel ([`crate::parallel`]);
+/// rank 0 writes `s.work`, which must be on a file system every rank sees (each stage loads
+/// the model the previous one saved).
+pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&ProcessGroup>) -> Result<()> {
     crate::io::refuse_overlap(model, &s.work, "work directory")?;
     // The inputs first: a bad data file or model is reported before anything is written.
     let (problems, style) = s.task.load()?;
     let held_out = eval_problems(s)?;
     let run = IterateRun { model: ModelId::of(model)?, settings: s.clone() };
-    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
-    let _lock = Lock::dir(&s.work)?;
-    let started = s.work.join("eval-initial.json").exists() || s.work.join("iter-1").exists();
-    if started && !s.train.resume {
-        bail!(Refusal::EarlierIterations(s.work.clone()));
+    let main = parallel::is_main(group);
+    let _lock = if main {
+        std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
+        let lock = Lock::dir(&s.work)?;
+        let started = s.work.join("eval-initial.json").exists() || s.work.join("iter-1").exists();
+        if started && !s.train.resume {
+            bail!(Refusal::EarlierIterations(s.work.clone()));
+        }
+        check_run(&s.work, started, &run)?;
+        Some(lock)
+    } else {
+        None
+    };
+    // The others start once rank 0 has accepted the work directory.
+    parallel::barrier(group)?;
+    let lp = Loop { at, group, s, problems, style, held_out };
+    if !main {
+        return run_stages(&lp, model, None);
     }
-    check_run(&s.work, started, &run)?;
-    let lp = Loop { at, s, problems, style, held_out };
     let mut table = Table::open(&s.work.join("iterations.jsonl"))?;
+    run_stages(&lp, model, Some(&mut table))?;
+    crate::plot::report("iterations", || crate::plot::plot_iterations(&s.work));
+    print_table(&table.rows);
+    Ok(())
+}
+
+/// The loop's stages, on every rank; rank 0 keeps the `table` (the others pass `None`).
+fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<()> {
+    let s = lp.s;
+    let mut add = |row: IterationRecord| table.as_deref_mut().map_or(Ok(()), |t| t.add(row));
+    let say = |line: String| {
+        if parallel::is_main(lp.group) {
+            eprintln!("{line}");
+        }
+    };
     let before = lp.evaluate_cached(model, &s.work.join("eval-initial.json"))?;
-    table.add(IterationRecord {
+    add(IterationRecord {
         accuracy: before.pass1_greedy,
         data_positive_fraction: None,
         invalid_rate: before.invalid_rate_greedy,
@@ -241,10 +286,10 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
         settings: Some(s.clone()),
         truncated_fraction_neg: None,
     })?;
-    eprintln!(
+    say(format!(
         "iteration 0 (initial model): held-out pass@1 {:.3}, invalid {:.3}",
         before.pass1_greedy, before.invalid_rate_greedy
-    );
+    ));
     let mut mu_dir = model.to_path_buf();
     for i in 1..=s.iterations {
         let dir = s.work.join(format!("iter-{i}"));
@@ -253,15 +298,15 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
         let summary = lp.sample_and_train(i, &mu_dir, &dir, &model_dir)?;
         let e = lp.evaluate_cached(&model_dir, &dir.join("eval.json"))?;
         let opt = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
-        eprintln!(
+        say(format!(
             "iteration {i}: held-out pass@1 {:.3}, invalid {:.3}, data {:.1}% positive, p~ {}, truncated (neg) {}",
             e.pass1_greedy,
             e.invalid_rate_greedy,
             100.0 * summary.positive_fraction,
             opt(summary.p_tilde),
             opt(summary.truncated_fraction_neg)
-        );
-        table.add(IterationRecord {
+        ));
+        add(IterationRecord {
             accuracy: e.pass1_greedy,
             data_positive_fraction: Some(summary.positive_fraction),
             invalid_rate: e.invalid_rate_greedy,
@@ -272,8 +317,6 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings) -> Result<()> {
         })?;
         mu_dir = model_dir;
     }
-    crate::plot::report("iterations", || crate::plot::plot_iterations(&s.work));
-    print_table(&table.rows);
     Ok(())
 }
 

@@ -19,7 +19,9 @@
 //! | [`generate`] | batched generation (greedy or sampled), teacher-forced scoring |
 //! | [`task`] | GSM8K and the synthetic task: prompts, answer extraction, grading |
 //! | [`eval`] | greedy and sampled pass@1, maj@k, pass@k |
-//! | [`sample`] | sampling a graded off-policy data set, resumable |
+//! | [`sample`] | sampling a graded off-policy data set, resumable, in shards that merge |
+//! | [`shard`] | a share of the work of several processes |
+//! | [`parallel`] | data-parallel training over a c10d process group |
 //! | [`train`] | off-policy training with every objective, micro-batching, resume |
 //! | [`optim`] | AdamW and Adafactor with savable state |
 //! | [`iterate`] | the self-taught loop |
@@ -42,8 +44,10 @@ pub mod iterate;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod plot;
 pub mod sample;
+pub mod shard;
 pub mod study;
 pub mod task;
 pub mod tokenizer;

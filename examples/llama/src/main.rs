@@ -37,7 +37,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = cli::run(parsed.command) {
+    if let Err(e) = cli::run(parsed) {
         eprintln!("error: {}", cli::message(&e));
         std::process::exit(1);
     }

@@ -10,6 +10,8 @@ use crate::eval::{PromptStyle, prompt_ids};
 use crate::generate::{self, Decoding, Sampling};
 use crate::identity::{Digest, ModelId};
 use crate::model::Llama;
+use crate::parallel::{self, ProcessGroup};
+use crate::shard::Shard;
 use crate::task::{self, Problem};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
@@ -131,6 +133,17 @@ fn read_records(
     let text = String::from_utf8(text).map_err(|e| {
         anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())
     })?;
+    parse_records(path, &text, vocab, skip_bad, cut)
+}
+
+/// [`read_records`] of the text of `path`.
+fn parse_records(
+    path: &Path,
+    text: &str,
+    vocab: Option<i64>,
+    skip_bad: bool,
+    cut: CutLine,
+) -> Result<(Vec<(String, Sample)>, usize)> {
     let ends_with_newline = text.ends_with('\n');
     let lines: Vec<&str> = text.lines().collect();
     let last = lines.len();
@@ -175,6 +188,10 @@ pub struct SampleSettings {
     pub seed: i64,
     /// Prompts per generation batch (each with all its samples).
     pub batch_prompts: usize,
+    /// The share of the batches this process samples ([`Shard::WHOLE`]: all). Shards are runs
+    /// of whole batches, so each batch has the seed and the rows it has in a one-process run,
+    /// and [`merge_shards`] joins the shards' files into exactly the file one process writes.
+    pub shard: Shard,
 }
 
 /// What a data set was sampled from, recorded in `OUT.run.json` beside it: a rerun that would
@@ -190,6 +207,20 @@ pub struct SampleRun {
     pub samples_per_prompt: usize,
     pub batch_prompts: usize,
     pub sampling: SamplingRecord,
+    /// The shard this file holds (absent: the whole data set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Shard>,
+}
+
+impl SampleRun {
+    /// The problems (indices into the task's list) the shard of this run covers: its share of
+    /// the batches of `batch_prompts` prompts.
+    pub fn shard_problems(&self) -> std::ops::Range<usize> {
+        let bp = self.batch_prompts.max(1);
+        let batches = self.problems.div_ceil(bp);
+        let r = self.shard.unwrap_or(Shard::WHOLE).range(batches);
+        (r.start * bp).min(self.problems)..(r.end * bp).min(self.problems)
+    }
 }
 
 /// The file beside a data set `out` that records how it was sampled.
@@ -210,7 +241,7 @@ pub fn sample_dataset(
     settings: &SampleSettings,
     out: &Path,
 ) -> Result<usize> {
-    let SampleSettings { samples_per_prompt: n, sampling: s, seed, batch_prompts } = *settings;
+    let SampleSettings { samples_per_prompt: n, sampling: s, seed, batch_prompts, shard } = *settings;
     s.check()?;
     let Decoding::Sample(params) = s.decoding else {
         bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
@@ -238,8 +269,12 @@ pub fn sample_dataset(
         samples_per_prompt: n,
         batch_prompts,
         sampling: record.clone(),
+        shard: (!shard.is_whole()).then_some(shard),
     };
     check_run(out, &run)?;
+    // This shard's problems (all of them for the whole): whole batches, seeded as in one process.
+    let mine = run.shard_problems();
+    let problems = &problems[mine.clone()];
     // Prompts are sampled in order, in batches of `batch_prompts`. What is there already is kept
     // up to the last whole batch whose prompts all have their `n` samples; the rest is redone, so
     // batches (and their seeds) are the same as in an uninterrupted run.
@@ -256,6 +291,7 @@ pub fn sample_dataset(
             *count.entry(smp.id.as_str()).or_default() += 1;
         }
         let complete = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
+        // Shards start on a batch boundary, so rounding within the shard keeps the batches.
         start = if complete == problems.len() { complete } else { complete - complete % batch_prompts };
         let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
         crate::io::write_atomic(out, |w| {
@@ -271,7 +307,8 @@ pub fn sample_dataset(
         eprintln!("{}: all {} prompts already sampled", out.display(), problems.len());
         return Ok(0);
     }
-    let todo: Vec<(usize, &Problem)> = problems.iter().enumerate().skip(start).collect();
+    // Indices into the whole task list: they seed the batches.
+    let todo: Vec<(usize, &Problem)> = problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
     let mut w = crate::io::Append::open(out)?;
     let pb = indicatif::ProgressBar::new((problems.len() * n) as u64);
     pb.set_style(
@@ -353,6 +390,155 @@ fn check_run(out: &Path, run: &SampleRun) -> Result<()> {
         return Ok(());
     }
     crate::io::write_file(&file, serde_json::to_string_pretty(run)?)
+}
+
+/// The file shard `shard` of a data set `out` is sampled into when [`sample_parallel`] runs it
+/// as one rank of a group: `OUT.shard-I-of-N`.
+pub fn shard_file(out: &Path, shard: Shard) -> PathBuf {
+    crate::io::with_suffix(out, &format!(".shard-{}-of-{}", shard.index, shard.count))
+}
+
+/// One shard's file as it will be merged: its run record and its lines.
+struct ShardPart {
+    run: SampleRun,
+    text: String,
+}
+
+impl ShardPart {
+    /// Reads and checks the shard file `path`: every record whole and valid, as many as its
+    /// shard's problems times the samples per prompt.
+    fn read(path: &Path) -> Result<Self> {
+        let file = run_file(path);
+        let run: SampleRun = serde_json::from_str(
+            &std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?,
+        )
+        .with_context(|| format!("parsing {}", file.display()))?;
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let part = Self { run, text };
+        part.check(path)?;
+        Ok(part)
+    }
+
+    fn check(&self, path: &Path) -> Result<()> {
+        let (records, _) = parse_records(path, &self.text, None, false, CutLine::Refuse)?;
+        let want = self.run.shard_problems().len() * self.run.samples_per_prompt;
+        if records.len() != want {
+            bail!(
+                "{}: {} of its {want} completions are sampled (an unfinished shard: rerun its `sample`)",
+                path.display(),
+                records.len()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Joins the files of shards `0/n … n−1/n` of one data set (each written by `sample` with a
+/// shard, in any order) into `out` and its run record, exactly as one process sampling the
+/// whole writes them. Refused: shards of different runs (models, problems or settings), a
+/// shard missing or given twice, an unfinished shard, and an `out` that exists already. Returns
+/// the number of completions written.
+pub fn merge_shards(shards: &[PathBuf], out: &Path) -> Result<usize> {
+    crate::io::refuse_special(out)?;
+    let parts = shards.iter().map(|p| ShardPart::read(p)).collect::<Result<Vec<_>>>()?;
+    let names: Vec<String> = shards.iter().map(|p| p.display().to_string()).collect();
+    write_merged(parts, &names, out)
+}
+
+fn write_merged(mut parts: Vec<ShardPart>, names: &[String], out: &Path) -> Result<usize> {
+    if std::fs::metadata(out).is_ok_and(|m| m.len() > 0) {
+        bail!("{} exists: merged shards go to a new file (remove it, or choose another)", out.display());
+    }
+    let Some(first) = parts.first() else { bail!("no shard to merge") };
+    let count = first.run.shard.unwrap_or(Shard::WHOLE).count;
+    let whole = SampleRun { shard: None, ..first.run.clone() };
+    let mut seen = vec![None; count];
+    for (part, name) in parts.iter().zip(names) {
+        let shard = part.run.shard.unwrap_or(Shard::WHOLE);
+        let same = SampleRun { shard: None, ..part.run.clone() };
+        let differences =
+            crate::identity::differences(&serde_json::to_value(&whole)?, &serde_json::to_value(&same)?, &[]);
+        if !differences.is_empty() {
+            bail!("{name} and {} were sampled by different runs: {}", names[0], differences.join(", "));
+        }
+        if shard.count != count {
+            bail!("{name} is shard {shard}, {} is one of {count}", names[0]);
+        }
+        if let Some(other) = seen[shard.index].replace(name) {
+            bail!("{name} and {other} are both shard {shard}");
+        }
+    }
+    if let Some(i) = seen.iter().position(Option::is_none) {
+        bail!("shard {i}/{count} is missing");
+    }
+    parts.sort_by_key(|p| p.run.shard.map_or(0, |s| s.index));
+    let _lock = crate::io::Lock::file(out)?;
+    let mut written = 0;
+    crate::io::write_atomic(out, |w| {
+        for p in &parts {
+            w.write_all(p.text.as_bytes())?;
+            written += p.text.lines().filter(|l| !l.trim().is_empty()).count();
+        }
+        Ok(())
+    })?;
+    crate::io::write_file(&run_file(out), serde_json::to_string_pretty(&whole)?)?;
+    Ok(written)
+}
+
+/// [`sample_dataset`] spread over the ranks of a process `group` (one process without one):
+/// rank `r` of `n` samples shard `r/n` into [`shard_file`]`(out)` (resumable, like any data
+/// set), the shards' files are gathered to rank 0 through the group, and rank 0 writes `out`
+/// exactly as one process would; the shard files are then removed. When `out` is complete
+/// already (a rerun), nothing is sampled. `settings.shard` is ignored: the group decides.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_parallel(
+    model: &Llama,
+    tok: &Tokenizer,
+    model_dir: &Path,
+    problems: &[Problem],
+    style: &PromptStyle,
+    settings: &SampleSettings,
+    out: &Path,
+    group: Option<&ProcessGroup>,
+) -> Result<usize> {
+    let Some(g) = group else {
+        return sample_dataset(model, tok, model_dir, problems, style, &SampleSettings { shard: Shard::WHOLE, ..*settings }, out);
+    };
+    let done = g.is_main() && out.exists() && run_file(out).exists() && {
+        let (records, _) = read_dataset(out, false)?;
+        records.len() == problems.len() * settings.samples_per_prompt
+    };
+    if parallel::main_says(group, done)? {
+        return Ok(0);
+    }
+    let shard = parallel::shard(group);
+    let part = shard_file(out, shard);
+    let written = sample_dataset(model, tok, model_dir, problems, style, &SampleSettings { shard, ..*settings }, &part)?;
+    let run_text = std::fs::read(run_file(&part)).with_context(|| format!("reading {}", run_file(&part).display()))?;
+    let text = std::fs::read(&part).with_context(|| format!("reading {}", part.display()))?;
+    let runs = parallel::gather_bytes(group, &run_text)?;
+    let texts = parallel::gather_bytes(group, &text)?;
+    if g.is_main() {
+        let mut parts = vec![];
+        let mut names = vec![];
+        for (k, (run, text)) in runs.iter().zip(texts).enumerate() {
+            let name = format!("shard {k}/{} of {}", g.world_size(), out.display());
+            let run: SampleRun = serde_json::from_slice(run).with_context(|| format!("parsing the run of {name}"))?;
+            let text = String::from_utf8(text).with_context(|| format!("{name}: not UTF-8"))?;
+            let part = ShardPart { run, text };
+            part.check(Path::new(&name))?;
+            parts.push(part);
+            names.push(name);
+        }
+        // What one process would have recorded: refuses an `out` started with other settings.
+        check_run(out, &SampleRun { shard: None, ..parts[0].run.clone() })?;
+        let _ = std::fs::remove_file(out);
+        write_merged(parts, &names, out)?;
+    }
+    parallel::barrier(group)?;
+    let _ = std::fs::remove_file(&part);
+    let _ = std::fs::remove_file(run_file(&part));
+    Ok(written)
 }
 
 /// Writes the worked solutions of `problems` as a data set in the same format, for supervised

@@ -180,7 +180,7 @@ pub fn run(s: &StudySettings) -> Result<()> {
                 arm.name,
                 done + 1
             );
-            iterate::run(&warm, s.at, &arm_settings(&dir, s.scale, seed, arm)?)?;
+            iterate::run(&warm, s.at, &arm_settings(&dir, s.scale, seed, arm)?, None)?;
             done += 1;
             report(s)?;
         }

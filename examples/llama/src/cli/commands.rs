@@ -6,6 +6,8 @@ use anyhow::{Context, Result, bail};
 use std::path::Path;
 use topr_llama::eval::{self, EvalSettings};
 use topr_llama::model::Llama;
+use topr_llama::parallel::{self, ProcessGroup};
+use topr_llama::shard::Shard;
 use topr_llama::tokenizer::Tokenizer;
 use topr_llama::{checkpoint, config, generate, init as new_model, io, plot, sample as sampling, train as training};
 
@@ -33,20 +35,32 @@ pub fn generate(model: &ModelArgs, prompt: &str, chat: bool, decoding: &Decoding
     Ok(())
 }
 
+/// How `eval` runs, besides the model, task and sampling.
+pub struct EvalRun {
+    pub samples: usize,
+    pub batch_size: usize,
+    pub seed: i64,
+    /// `--shard`: only this share of the questions.
+    pub shard: Option<Shard>,
+}
+
 pub fn eval(
     model: &ModelArgs,
     task: &TaskArgs,
     sampling: &SamplingArgs,
-    samples: usize,
-    batch_size: usize,
-    seed: i64,
+    how: &EvalRun,
     out: Option<&Path>,
+    group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    if how.shard.is_some() && group.is_some() {
+        bail!("--shard and a launched group (WORLD_SIZE) both say which questions to take: use one");
+    }
     // Everything that can be refused is, before the model is loaded.
     let spec = task.spec()?;
     let (problems, style) = spec.load()?;
     sampling.sampling().check()?;
-    let _lock = match out {
+    let main = parallel::is_main(group);
+    let _lock = match out.filter(|_| main) {
         Some(p) => {
             io::refuse_special(p)?;
             io::refuse_overlap(&model.model, p, "output file")?;
@@ -55,27 +69,46 @@ pub fn eval(
         None => None,
     };
     let (m, tok) = load(model)?;
-    tch::manual_seed(seed);
-    let settings =
-        EvalSettings { max_new_tokens: sampling.max_new_tokens, samples, sampling: sampling.params(), batch_size };
-    // The per-question file appears (whole) only once the evaluation has finished.
-    let s = match out {
-        Some(p) => io::write_atomic(p, |w| eval::evaluate(&m, &tok, &problems, &style, &settings, Some(w)))?,
-        None => eval::evaluate(&m, &tok, &problems, &style, &settings, None)?,
+    let settings = EvalSettings {
+        max_new_tokens: sampling.max_new_tokens,
+        samples: how.samples,
+        sampling: sampling.params(),
+        batch_size: how.batch_size,
+        seed: how.seed,
+        shard: how.shard.unwrap_or(Shard::WHOLE),
     };
-    println!("{}", serde_json::to_string(&s)?);
+    // The per-question file appears (whole) only once the evaluation has finished.
+    let s = match (out, group) {
+        (_, Some(_)) => eval::evaluate_parallel(&m, &tok, &problems, &style, &settings, out, group)?,
+        (Some(p), None) => io::write_atomic(p, |w| eval::evaluate(&m, &tok, &problems, &style, &settings, Some(w)))?,
+        (None, None) => eval::evaluate(&m, &tok, &problems, &style, &settings, None)?,
+    };
+    if main {
+        println!("{}", serde_json::to_string(&s)?);
+    }
     Ok(())
+}
+
+/// How `sample` runs, besides the model, task, output and sampling distribution.
+pub struct SampleRunArgs {
+    pub samples_per_prompt: usize,
+    pub batch_prompts: usize,
+    pub seed: i64,
+    /// `--shard`: only this share of the prompts, into `--out`.
+    pub shard: Option<Shard>,
 }
 
 pub fn sample(
     model: &ModelArgs,
     task: &TaskArgs,
     out: &Path,
-    samples_per_prompt: usize,
     sampling: &SamplingArgs,
-    batch_prompts: usize,
-    seed: i64,
+    how: &SampleRunArgs,
+    group: Option<&ProcessGroup>,
 ) -> Result<()> {
+    if how.shard.is_some() && group.is_some() {
+        bail!("--shard and a launched group (WORLD_SIZE) both say which prompts to take: use one");
+    }
     let spec = task.spec()?;
     let (problems, style) = spec.load()?;
     let s = sampling.sampling();
@@ -83,8 +116,20 @@ pub fn sample(
     io::refuse_special(out)?;
     io::refuse_overlap(&model.model, out, "output file")?;
     let (m, tok) = load(model)?;
-    let settings = sampling::SampleSettings { samples_per_prompt, sampling: s, seed, batch_prompts };
-    let n = sampling::sample_dataset(&m, &tok, &model.model, &problems, &style, &settings, out)?;
+    let settings = sampling::SampleSettings {
+        samples_per_prompt: how.samples_per_prompt,
+        sampling: s,
+        seed: how.seed,
+        batch_prompts: how.batch_prompts,
+        shard: how.shard.unwrap_or(Shard::WHOLE),
+    };
+    let n = match group {
+        Some(_) => sampling::sample_parallel(&m, &tok, &model.model, &problems, &style, &settings, out, group)?,
+        None => sampling::sample_dataset(&m, &tok, &model.model, &problems, &style, &settings, out)?,
+    };
+    if !parallel::is_main(group) {
+        return Ok(());
+    }
     let (all, _) = sampling::read_dataset(out, false)?;
     let correct = all.iter().filter(|x| x.correct).count();
     let invalid = all.iter().filter(|x| x.invalid).count();
@@ -96,10 +141,18 @@ pub fn sample(
     Ok(())
 }
 
-pub fn train(model: &ModelArgs, data: &Path, out: &Path, train: &TrainArgs) -> Result<()> {
-    let summary = training::train_dir(&model.model, model.placement(), data, &train.settings()?, out)?;
-    eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
-    println!("{}", serde_json::to_string(&summary)?);
+pub fn merge(shards: &[std::path::PathBuf], out: &Path) -> Result<()> {
+    let n = sampling::merge_shards(shards, out)?;
+    eprintln!("merged {} shard(s), {n} completion(s), into {}", shards.len(), out.display());
+    Ok(())
+}
+
+pub fn train(model: &ModelArgs, data: &Path, out: &Path, train: &TrainArgs, group: Option<&ProcessGroup>) -> Result<()> {
+    let summary = training::train_dir(&model.model, model.placement(), data, &train.settings()?, out, group)?;
+    if parallel::is_main(group) {
+        eprintln!("saved the trained model and metrics.jsonl to {}", out.display());
+        println!("{}", serde_json::to_string(&summary)?);
+    }
     Ok(())
 }
 

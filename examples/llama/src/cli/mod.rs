@@ -12,6 +12,8 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use tch::Device;
 use topr_llama::Refusal;
+use topr_llama::parallel::{Launch, ProcessGroup};
+use topr_llama::shard::Shard;
 
 #[derive(Parser)]
 #[command(
@@ -21,6 +23,11 @@ use topr_llama::Refusal;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Launched as one rank of a group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun
+    /// sets them): seconds the rendezvous and each collective may wait for the other ranks
+    /// before failing.
+    #[arg(long, global = true, default_value_t = 600, value_parser = args::whole(1u64, 86_400))]
+    pub dist_timeout: u64,
 }
 
 // Parsed once per run: the size difference between subcommands does not matter.
@@ -59,6 +66,10 @@ pub enum Command {
         /// Per-question results (JSONL).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Evaluate only shard INDEX/COUNT of the batches of questions (0-based); the shards'
+        /// --out files, concatenated in shard order, are the file of one process.
+        #[arg(long)]
+        shard: Option<Shard>,
     },
     /// Sample N completions per prompt from the model (μ), grade them and write a JSONL data set
     /// (prompt and completion ids, μ's per-token and sequence log-probs, reward, correct/invalid
@@ -80,6 +91,20 @@ pub enum Command {
         batch_prompts: usize,
         #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
+        /// Sample only shard INDEX/COUNT of the batches of prompts (0-based) into --out; `merge`
+        /// joins the shards' files into the file of one process.
+        #[arg(long)]
+        shard: Option<Shard>,
+    },
+    /// Join the files of the shards of one data set (`sample --shard I/N`) into the file one
+    /// process sampling everything writes, byte for byte.
+    Merge {
+        /// The merged data set (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+        /// The shards' files, in any order.
+        #[arg(required = true)]
+        shards: Vec<PathBuf>,
     },
     /// Train the model off-policy on a sampled data set (see `sample`) with an objective of the
     /// TOPR family; writes the trained model (Hugging Face layout) and metrics.jsonl to --out.
@@ -243,21 +268,50 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// Whether the command runs as one rank of a group when launched as one (the others would
+    /// all write the same files).
+    fn data_parallel(&self) -> bool {
+        matches!(self, Self::Eval { .. } | Self::Sample { .. } | Self::Train { .. } | Self::Iterate { .. })
+    }
+}
+
+/// The process group of a launched run (`None`: launched alone). Commands that do not run
+/// data-parallel are refused under a group of more than one process.
+fn join(command: &Command, timeout: std::time::Duration) -> anyhow::Result<Option<ProcessGroup>> {
+    let Some(launch) = Launch::from_env()? else { return Ok(None) };
+    if !command.data_parallel() {
+        if launch.world_size > 1 {
+            anyhow::bail!(
+                "WORLD_SIZE={}: only eval, sample, train and iterate run as a group; run this command as one process (without WORLD_SIZE)",
+                launch.world_size
+            );
+        }
+        return Ok(None);
+    }
+    Ok(Some(ProcessGroup::join(&launch, timeout)?))
+}
+
 /// Runs one subcommand.
-pub fn run(command: Command) -> anyhow::Result<()> {
+pub fn run(cli: Cli) -> anyhow::Result<()> {
     use commands as c;
-    match command {
+    let group = join(&cli.command, std::time::Duration::from_secs(cli.dist_timeout))?;
+    let group = group.as_ref();
+    match cli.command {
         Command::Generate { model, prompt, chat, decoding } => c::generate(&model, &prompt, chat, &decoding),
-        Command::Eval { model, task, sampling, samples, batch_size, seed, out } => {
-            c::eval(&model, &task, &sampling, samples, batch_size, seed, out.as_deref())
+        Command::Eval { model, task, sampling, samples, batch_size, seed, out, shard } => {
+            let how = c::EvalRun { samples, batch_size, seed, shard };
+            c::eval(&model, &task, &sampling, &how, out.as_deref(), group)
         }
-        Command::Sample { model, task, out, samples_per_prompt, sampling, batch_prompts, seed } => {
-            c::sample(&model, &task, &out, samples_per_prompt, &sampling, batch_prompts, seed)
+        Command::Sample { model, task, out, samples_per_prompt, sampling, batch_prompts, seed, shard } => {
+            let how = c::SampleRunArgs { samples_per_prompt, batch_prompts, seed, shard };
+            c::sample(&model, &task, &out, &sampling, &how, group)
         }
-        Command::Train { model, data, out, train } => c::train(&model, &data, &out, &train),
+        Command::Merge { out, shards } => c::merge(&shards, &out),
+        Command::Train { model, data, out, train } => c::train(&model, &data, &out, &train, group),
         Command::Iterate { model, task, train, sampling, iterate } => {
             let settings = iterate.settings(&task, &train, &sampling)?;
-            topr_llama::iterate::run(&model.model, model.placement(), &settings)
+            topr_llama::iterate::run(&model.model, model.placement(), &settings, group)
         }
         Command::Init { out, size, vocab_size, seed } => c::init(&out, &size, vocab_size, seed),
         Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),

@@ -2,13 +2,14 @@
 //! accumulation of their losses' gradients with the counts of the whole step, gradient clipping
 //! and the learning-rate schedule.
 
-use super::objective::{Extras, Loss, Tally, Unit, topr_stats};
-use crate::metrics::StepStats;
+use super::objective::{Extras, Loss, Tally, TallySums, Unit};
+use crate::metrics::{StepStats, ToprStats};
 use crate::model::Llama;
+use crate::parallel::{self, ProcessGroup};
 use crate::sample::Sample;
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
-use topr_loss::{LogProbConfig, Normalizer, backward_through_logprobs};
+use topr_loss::{BatchCounts, LogProbConfig, Normalizer, backward_through_logprobs};
 
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
 /// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
@@ -84,6 +85,11 @@ fn micro_batches(batch: &[Unit], micro: usize, device: tch::Device) -> Result<Ve
 /// micro-batches is the full-batch loss and its gradient. `extras` adds what every token-level
 /// loss of the step gets (rollout correction, top-entropy tokens, KL to μ, entropy bonus); `seed`
 /// seeds the step's random choices (Clip-Cov).
+///
+/// With a process `group`, `batch` is the whole step and this rank computes its contiguous share
+/// of it ([`parallel::shard`]): the counts are summed over ranks before any loss, the gradients
+/// after the backward passes, and the metrics are those of the whole step. Every rank then holds
+/// the gradient one process would hold (up to the order of float additions).
 pub fn accumulate(
     model: &Llama,
     batch: &[Unit],
@@ -91,44 +97,159 @@ pub fn accumulate(
     loss: &Loss,
     extras: &Extras,
     seed: u64,
+    group: Option<&ProcessGroup>,
 ) -> Result<StepStats> {
-    let parts = micro_batches(batch, micro, model.device())?;
+    if batch.is_empty() {
+        bail!("an optimiser step needs at least one completion");
+    }
+    let share = parallel::shard(group).range(batch.len());
+    let mine = &batch[share.clone()];
+    let parts = if mine.is_empty() { vec![] } else { micro_batches(mine, micro, model.device())? };
     let masks: Vec<&Tensor> = parts.iter().map(|p| &p.mask).collect();
-    let normalizer = Normalizer::from_masks(&masks)?;
-    let pairs_in_step = batch.len() as f64;
+    let local = Normalizer::from_masks(&masks)?;
+    let mut counts = [local.tokens.unwrap_or(0.0), local.sequences.unwrap_or(0.0), mine.len() as f64];
+    parallel::sum(group, &mut counts)?;
+    let normalizer = Normalizer::global(BatchCounts { tokens: counts[0], sequences: counts[1] });
+    let pairs_in_step = counts[2];
     let lp_cfg = LogProbConfig::default().with_entropy(extras.needs_entropy());
-    let mut stats = StepStats { sequences: batch.iter().map(Unit::completions).sum(), ..Default::default() };
     let mut tally = Tally::default();
     let (mut values, mut tokens) = (vec![], vec![]);
     for (k, p) in parts.iter().enumerate() {
         let logits = model.logits(&p.ids, &p.attn);
         let l = p.ids.size()[1];
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
-            let keys_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(k as u64);
+            // Keyed by the position of the micro-batch's first unit in the step: ranks differ.
+            let keys_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add((share.start + k) as u64);
             loss.micro_batch(lp, p, normalizer, pairs_in_step, extras, keys_seed, &mut tally)
         })?;
         values.push(value.detach());
         tokens.push(p.mask.sum(Kind::Int64));
     }
-    // Every micro-batch is queued: the metrics are read now, in micro-batch order.
+    parallel::sum_gradients(group, &model.vs.trainable_variables())?;
+    // Every micro-batch is queued: the metrics are read now, in micro-batch order, and combined
+    // over ranks.
+    let mut part = StepPart::default();
     for (v, n) in values.iter().zip(&tokens) {
-        stats.loss += v.double_value(&[]);
-        stats.tokens += n.int64_value(&[]) as usize;
+        part.loss += v.double_value(&[]);
+        part.tokens += n.int64_value(&[]) as f64;
     }
-    let tally = tally.read()?;
-    stats.log_ratio_mean = tally.log_ratio / stats.tokens.max(1) as f64;
-    match loss {
-        Loss::Topr(_) => stats.topr = Some(topr_stats(&tally.diags)),
-        Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => {
-            stats.clip_fraction = Some(tally.clipped / stats.tokens.max(1) as f64)
-        }
-        Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) => {}
-        Loss::Dpo(..) | Loss::DpoMix(..) => {
-            stats.dpo_accuracy = Some(tally.dpo_accuracy / pairs_in_step);
-            stats.dpo_margin = Some(tally.dpo_margin / pairs_in_step);
+    part.sequences = mine.iter().map(Unit::completions).sum::<usize>() as f64;
+    part.add_tally(&tally.read()?);
+    let rows = parallel::gather(group, &part.row())?;
+    Ok(StepPart::combine(&rows).stats(loss, pairs_in_step))
+}
+
+/// One rank's sums of a step's metrics; [`StepPart::combine`] adds them over ranks (and takes
+/// the maximum where the metric is one).
+#[derive(Default)]
+struct StepPart {
+    loss: f64,
+    tokens: f64,
+    sequences: f64,
+    log_ratio: f64,
+    clipped: f64,
+    dpo_accuracy: f64,
+    dpo_margin: f64,
+    /// The TOPR diagnostics: Σ samples, Σ samples · (negative fraction, truncated fractions,
+    /// weight mean, log-ratio mean), the largest weight, Σ and count of the effective positive
+    /// proportions.
+    topr_samples: f64,
+    topr_weighted: [f64; 5],
+    topr_weight_max: f64,
+    epp_sum: f64,
+    epp_count: f64,
+}
+
+impl StepPart {
+    const LEN: usize = 16;
+
+    fn add_tally(&mut self, t: &TallySums) {
+        self.log_ratio += t.log_ratio;
+        self.clipped += t.clipped;
+        self.dpo_accuracy += t.dpo_accuracy;
+        self.dpo_margin += t.dpo_margin;
+        for d in &t.diags {
+            let s = d.samples as f64;
+            self.topr_samples += s;
+            let fields =
+                [d.negative_fraction, d.truncated_fraction_pos, d.truncated_fraction_neg, d.weight_mean, d.log_ratio_mean];
+            for (acc, f) in self.topr_weighted.iter_mut().zip(fields) {
+                *acc += f * s;
+            }
+            self.topr_weight_max = self.topr_weight_max.max(d.weight_max);
+            if let Some(p) = d.effective_positive_proportion {
+                self.epp_sum += p;
+                self.epp_count += 1.0;
+            }
         }
     }
-    Ok(stats)
+
+    fn row(&self) -> Vec<f64> {
+        let mut r = vec![self.loss, self.tokens, self.sequences, self.log_ratio, self.clipped];
+        r.extend([self.dpo_accuracy, self.dpo_margin, self.topr_samples]);
+        r.extend(self.topr_weighted);
+        r.extend([self.topr_weight_max, self.epp_sum, self.epp_count]);
+        debug_assert_eq!(r.len(), Self::LEN);
+        r
+    }
+
+    fn combine(rows: &[Vec<f64>]) -> Self {
+        let mut sum = [0.0; Self::LEN];
+        let mut max = 0.0f64;
+        for r in rows {
+            for (acc, v) in sum.iter_mut().zip(r) {
+                *acc += v;
+            }
+            max = max.max(r[13]);
+        }
+        Self {
+            loss: sum[0],
+            tokens: sum[1],
+            sequences: sum[2],
+            log_ratio: sum[3],
+            clipped: sum[4],
+            dpo_accuracy: sum[5],
+            dpo_margin: sum[6],
+            topr_samples: sum[7],
+            topr_weighted: [sum[8], sum[9], sum[10], sum[11], sum[12]],
+            topr_weight_max: max,
+            epp_sum: sum[14],
+            epp_count: sum[15],
+        }
+    }
+
+    fn stats(&self, loss: &Loss, pairs_in_step: f64) -> StepStats {
+        let tokens = self.tokens.max(1.0);
+        let mut stats = StepStats {
+            sequences: self.sequences as usize,
+            tokens: self.tokens as usize,
+            loss: self.loss,
+            log_ratio_mean: self.log_ratio / tokens,
+            ..Default::default()
+        };
+        match loss {
+            Loss::Topr(_) => {
+                let n = self.topr_samples.max(1.0);
+                let [neg, pos_t, neg_t, wmean, lrm] = self.topr_weighted.map(|v| v / n);
+                stats.topr = Some(ToprStats {
+                    negative_fraction: neg,
+                    truncated_fraction_pos: pos_t,
+                    truncated_fraction_neg: neg_t,
+                    weight_mean: wmean,
+                    weight_max: self.topr_weight_max,
+                    log_ratio_mean: lrm,
+                    effective_positive_proportion: (self.epp_count > 0.0).then(|| self.epp_sum / self.epp_count),
+                })
+            }
+            Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => stats.clip_fraction = Some(self.clipped / tokens),
+            Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) => {}
+            Loss::Dpo(..) | Loss::DpoMix(..) => {
+                stats.dpo_accuracy = Some(self.dpo_accuracy / pairs_in_step);
+                stats.dpo_margin = Some(self.dpo_margin / pairs_in_step);
+            }
+        }
+        stats
+    }
 }
 
 /// `sqrt(Σ g²)` over the trainable parameters, then scales the gradients so that it is at most

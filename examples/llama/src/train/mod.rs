@@ -30,6 +30,7 @@ use crate::identity::{Digest, FileId, ModelId};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::{Optimizer, OptimizerConfig};
+use crate::parallel::{self, ProcessGroup};
 use crate::sample::Sample;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -397,15 +398,16 @@ struct Plan<'a> {
 }
 
 impl<'a> Plan<'a> {
-    fn new(samples: &'a [Sample], o: &TrainSettings) -> Result<Self> {
+    /// `report`: say on stderr what the data set holds (one rank of a group does).
+    fn new(samples: &'a [Sample], o: &TrainSettings, report: bool) -> Result<Self> {
         let (c, p) = resolve_baseline(samples, o.baseline)?;
         let p_tilde = p_tilde(o.objective, p, c)?;
-        eprintln!(
+        if report { eprintln!(
             "{} completions, {:.1}% positive; baseline c = {c:.4}{}",
             samples.len(),
             100.0 * p,
             p_tilde.map(|v| format!(", effective positive proportion p~ = {v:.3}")).unwrap_or_default()
-        );
+        ); }
         let loss = Loss::new(o, c);
         let units = units_with(samples, o.objective, c, o.advantage)?;
         let units_per_step = (o.batch_size / units[0].completions()).max(1);
@@ -439,10 +441,11 @@ fn optimizer_step(
     o: &TrainSettings,
     (epoch, step): (usize, usize),
     batch: &[Unit],
+    group: Option<&ProcessGroup>,
 ) -> Result<StepRecord> {
     opt.zero_grad();
     let seed = o.seed.wrapping_mul(1_000_003).wrapping_add(step as u64);
-    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &o.extras(), seed)?;
+    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &o.extras(), seed, group)?;
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }
@@ -466,31 +469,57 @@ fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
 /// metrics per optimiser step to `dir/metrics.jsonl`; the training state in `dir/state` every
 /// `save_every` steps (removed when the run finishes), with `record`, which a resumed run must
 /// match. The caller holds `dir` (see [`crate::io::Lock`]).
-pub fn run(model: &Llama, samples: &[Sample], o: &TrainSettings, record: &RunRecord, dir: &Path) -> Result<Summary> {
+///
+/// With a process `group` (data parallelism, [`crate::parallel`]), every rank calls this with
+/// the same model, samples and settings: each computes its share of every step, and all take
+/// the same update. Only rank 0 writes `dir`; on resume, rank 0 settles the saved state first,
+/// then the others load it (so `dir` must be on a file system every rank sees).
+pub fn run(
+    model: &Llama,
+    samples: &[Sample],
+    o: &TrainSettings,
+    record: &RunRecord,
+    dir: &Path,
+    group: Option<&ProcessGroup>,
+) -> Result<Summary> {
     o.check()?;
+    let main = parallel::is_main(group);
     let state = StateDir { dir: dir.to_path_buf() };
-    state.check(record, o)?;
-    let plan = Plan::new(samples, o)?;
+    if main {
+        state.check(record, o)?;
+    }
+    let plan = Plan::new(samples, o, main)?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let named: Vec<(String, Tensor)> = model.vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
     let mut opt = Optimizer::new(o.optimizer, named);
-    let mut progress: Progress = state.resume(model, &mut opt, record, o)?;
-    let mut metrics = MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?;
-    let pb = progress_bar(plan.total, progress.step);
+    let mut progress = match main {
+        true => state.resume(model, &mut opt, record, o),
+        false => Ok(Progress::default()),
+    };
+    // The other ranks read the state rank 0 has settled (or start afresh with it).
+    parallel::barrier(group)?;
+    if !main {
+        progress = state.resume(model, &mut opt, record, o);
+    }
+    let mut progress: Progress = progress?;
+    let mut metrics = if main { Some(MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?) } else { None };
+    let pb = if main { progress_bar(plan.total, progress.step) } else { indicatif::ProgressBar::hidden() };
     let vars: Vec<Tensor> = model.vs.trainable_variables();
     for epoch in 0..o.epochs {
         for (step, batch) in plan.epoch(epoch, o.seed) {
             if step < progress.step {
                 continue; // done before the run was interrupted
             }
-            let record = optimizer_step(model, &mut opt, &vars, &plan, o, (epoch, step), &batch)?;
-            metrics.write(&record)?;
+            let record = optimizer_step(model, &mut opt, &vars, &plan, o, (epoch, step), &batch, group)?;
+            if let Some(m) = metrics.as_mut() {
+                m.write(&record)?;
+            }
             pb.set_message(format!("loss {:.4}", record.stats.loss));
             pb.inc(1);
             progress.step = step + 1;
             progress.last_loss = record.stats.loss;
             progress.truncated_sum += record.stats.topr.as_ref().map_or(0.0, |t| t.truncated_fraction_neg);
-            if o.save_every > 0 && progress.step % o.save_every == 0 && progress.step < plan.total {
+            if main && o.save_every > 0 && progress.step % o.save_every == 0 && progress.step < plan.total {
                 state.save(model, &opt, &progress)?;
             }
         }
@@ -522,7 +551,17 @@ pub fn finish(dir: &Path) {
 /// Refused before anything is loaded or written: an `out` that is, contains or lies inside
 /// `model_dir`; an `out` in use by another run (it is locked while this one runs); an `out`
 /// holding a finished model ([`Refusal::FinishedModel`]) or the state of another run.
-pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings, out: &Path) -> Result<Summary> {
+///
+/// With a process `group`, every rank runs this with the same arguments ([`run`]); rank 0 locks
+/// and writes `out`.
+pub fn train_dir(
+    model_dir: &Path,
+    at: Placement,
+    data: &Path,
+    o: &TrainSettings,
+    out: &Path,
+    group: Option<&ProcessGroup>,
+) -> Result<Summary> {
     o.check()?;
     crate::io::refuse_overlap(model_dir, out, "output directory")?;
     // The data is checked against the model's config before the weights are loaded (and before
@@ -531,17 +570,22 @@ pub fn train_dir(model_dir: &Path, at: Placement, data: &Path, o: &TrainSettings
         crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
     let samples = load_data(data, cfg.max_position_embeddings as usize, cfg.vocab_size, o.skip_bad_records)?;
     let record = RunRecord::new(model_dir, data, &samples, o)?;
+    let main = parallel::is_main(group);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let _lock = crate::io::Lock::dir(out)?;
+    let _lock = if main { Some(crate::io::Lock::dir(out)?) } else { None };
     let state = StateDir { dir: out.to_path_buf() };
-    if crate::io::holds_model(out) && !state.exists() {
+    if main && crate::io::holds_model(out) && !state.exists() {
         bail!(Refusal::FinishedModel(out.to_path_buf()));
     }
-    state.check(&record, o)?;
+    if main {
+        state.check(&record, o)?;
+    }
     let (m, _) = checkpoint::open(model_dir, at)?;
-    let summary = run(&m, &samples, o, &record, out)?;
-    checkpoint::save(&m, model_dir, out)?;
-    finish(out);
-    crate::plot::report("training", || crate::plot::plot_training(out));
+    let summary = run(&m, &samples, o, &record, out, group)?;
+    if main {
+        checkpoint::save(&m, model_dir, out)?;
+        finish(out);
+        crate::plot::report("training", || crate::plot::plot_training(out));
+    }
     Ok(summary)
 }

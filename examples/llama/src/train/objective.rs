@@ -3,7 +3,6 @@
 //! (TOPR family, PPO-clip, DPO) with the diagnostics a step logs.
 
 use super::batch::MicroBatch;
-use crate::metrics::ToprStats;
 use crate::sample::Sample;
 use anyhow::{Result, bail};
 use std::collections::BTreeMap;
@@ -475,22 +474,6 @@ impl Tally {
 /// Σ over the masked tokens of `x`, as an f64 scalar on the device.
 fn masked_sum(x: &Tensor, mask: &Tensor) -> Tensor {
     x.detach().to_kind(Kind::Double).masked_select(mask).sum(Kind::Double)
-}
-
-/// The TOPR-family statistics, weighted by each micro-batch's sample count.
-pub(super) fn topr_stats(diags: &[ToprDiagnostics]) -> ToprStats {
-    let total: f64 = diags.iter().map(|d| d.samples as f64).sum::<f64>().max(1.0);
-    let avg = |f: &dyn Fn(&ToprDiagnostics) -> f64| diags.iter().map(|d| f(d) * d.samples as f64).sum::<f64>() / total;
-    let pos: Vec<f64> = diags.iter().filter_map(|d| d.effective_positive_proportion).collect();
-    ToprStats {
-        negative_fraction: avg(&|d| d.negative_fraction),
-        truncated_fraction_pos: avg(&|d| d.truncated_fraction_pos),
-        truncated_fraction_neg: avg(&|d| d.truncated_fraction_neg),
-        weight_mean: avg(&|d| d.weight_mean),
-        weight_max: diags.iter().map(|d| d.weight_max).fold(0.0, f64::max),
-        log_ratio_mean: avg(&|d| d.log_ratio_mean),
-        effective_positive_proportion: (!pos.is_empty()).then(|| pos.iter().sum::<f64>() / pos.len() as f64),
-    }
 }
 
 /// A training unit: one completion with the value its loss weighs it by (the reward for the TOPR
