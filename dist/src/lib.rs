@@ -150,13 +150,7 @@ unsafe extern "C" {
     ) -> *mut RawGroup;
     fn topr_pg_free(pg: *mut RawGroup);
     fn topr_pg_all_reduce_sum(pg: *mut RawGroup, t: *mut c_void, err: *mut c_char, cap: usize) -> c_int;
-    fn topr_pg_broadcast(
-        pg: *mut RawGroup,
-        t: *mut c_void,
-        root: c_int,
-        err: *mut c_char,
-        cap: usize,
-    ) -> c_int;
+    fn topr_pg_broadcast(pg: *mut RawGroup, t: *mut c_void, root: c_int, err: *mut c_char, cap: usize) -> c_int;
     fn topr_pg_barrier(pg: *mut RawGroup, err: *mut c_char, cap: usize) -> c_int;
 }
 
@@ -287,8 +281,7 @@ impl ProcessGroup {
         }
         let mut t = Tensor::from_slice(values);
         self.all_reduce_sum(&mut t)?;
-        t.f_copy_data(values, values.len())
-            .map_err(|e| DistError::Tensor { arg: "values", reason: e.to_string() })
+        t.f_copy_data(values, values.len()).map_err(|e| DistError::Tensor { arg: "values", reason: e.to_string() })
     }
 
     /// Sums the gradients of `params` over ranks, in place, in buckets of at most

@@ -115,7 +115,8 @@ impl Loop<'_> {
             shard: crate::shard::Shard::WHOLE,
         };
         let questions = out.with_extension("questions.jsonl");
-        let s = eval::evaluate_parallel(&m, &tok, &self.held_out, &self.style, &settings, Some(&questions), self.group)?;
+        let s =
+            eval::evaluate_parallel(&m, &tok, &self.held_out, &self.style, &settings, Some(&questions), self.group)?;
         if main {
             crate::io::write_file(out, serde_json::to_string(&s)?)?;
         }

@@ -308,7 +308,8 @@ pub fn sample_dataset(
         return Ok(0);
     }
     // Indices into the whole task list: they seed the batches.
-    let todo: Vec<(usize, &Problem)> = problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
+    let todo: Vec<(usize, &Problem)> =
+        problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
     let mut w = crate::io::Append::open(out)?;
     let pb = indicatif::ProgressBar::new((problems.len() * n) as u64);
     pb.set_style(
@@ -502,7 +503,15 @@ pub fn sample_parallel(
     group: Option<&ProcessGroup>,
 ) -> Result<usize> {
     let Some(g) = group else {
-        return sample_dataset(model, tok, model_dir, problems, style, &SampleSettings { shard: Shard::WHOLE, ..*settings }, out);
+        return sample_dataset(
+            model,
+            tok,
+            model_dir,
+            problems,
+            style,
+            &SampleSettings { shard: Shard::WHOLE, ..*settings },
+            out,
+        );
     };
     let done = g.is_main() && out.exists() && run_file(out).exists() && {
         let (records, _) = read_dataset(out, false)?;
@@ -513,7 +522,8 @@ pub fn sample_parallel(
     }
     let shard = parallel::shard(group);
     let part = shard_file(out, shard);
-    let written = sample_dataset(model, tok, model_dir, problems, style, &SampleSettings { shard, ..*settings }, &part)?;
+    let written =
+        sample_dataset(model, tok, model_dir, problems, style, &SampleSettings { shard, ..*settings }, &part)?;
     let run_text = std::fs::read(run_file(&part)).with_context(|| format!("reading {}", run_file(&part).display()))?;
     let text = std::fs::read(&part).with_context(|| format!("reading {}", part.display()))?;
     let runs = parallel::gather_bytes(group, &run_text)?;

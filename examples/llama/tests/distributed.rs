@@ -67,8 +67,7 @@ fn spawn_group(args: &[&str], world: usize, extra_env: &[(&str, &str)]) -> Vec<C
 }
 
 fn run_group(args: &[&str], world: usize) -> Vec<Output> {
-    let outs: Vec<Output> =
-        spawn_group(args, world, &[]).into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outs: Vec<Output> = spawn_group(args, world, &[]).into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for (rank, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {rank} of llama {args:?} failed:\n{}", text(o));
     }
@@ -84,13 +83,37 @@ fn setup(name: &str) -> (PathBuf, PathBuf, PathBuf) {
     std::fs::create_dir_all(&dir).unwrap();
     let m0 = dir.join("m0");
     run(&[
-        "init", "--out", s(&m0), "--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
-        "--intermediate", "64",
+        "init",
+        "--out",
+        s(&m0),
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "64",
     ]);
     let sampled = dir.join("sampled.jsonl");
     run(&[
-        "sample", "--model", s(&m0), "--out", s(&sampled), "--task", "synthetic", "--synthetic-n", "8",
-        "--difficulty", "1", "--samples-per-prompt", "4", "--max-new-tokens", "8",
+        "sample",
+        "--model",
+        s(&m0),
+        "--out",
+        s(&sampled),
+        "--task",
+        "synthetic",
+        "--synthetic-n",
+        "8",
+        "--difficulty",
+        "1",
+        "--samples-per-prompt",
+        "4",
+        "--max-new-tokens",
+        "8",
     ]);
     let data = dir.join("data.jsonl");
     let mut out = String::new();
@@ -132,8 +155,19 @@ fn sharded_sampling_and_evaluation_merge_into_the_file_of_one_process() {
     let (dir, m0, _) = setup("dist_shards");
     let sample = |out: &Path, extra: &[&str]| {
         let mut a = vec![
-            "sample", "--model", s(&m0), "--out", s(out), "--samples-per-prompt", "3", "--max-new-tokens", "8",
-            "--batch-prompts", "3", "--seed", "5",
+            "sample",
+            "--model",
+            s(&m0),
+            "--out",
+            s(out),
+            "--samples-per-prompt",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--batch-prompts",
+            "3",
+            "--seed",
+            "5",
         ];
         a.extend_from_slice(&TASK);
         a.extend_from_slice(extra);
@@ -200,8 +234,23 @@ fn sharded_sampling_and_evaluation_merge_into_the_file_of_one_process() {
 
 fn train_args<'a>(m0: &'a Path, data: &'a Path, out: &'a Path, objective: &'a str, epochs: &'a str) -> Vec<&'a str> {
     vec![
-        "train", "--model", s(m0), "--data", s(data), "--out", s(out), "--objective", objective, "--lr", "3e-3",
-        "--batch-size", "8", "--micro-batch-size", "3", "--epochs", epochs,
+        "train",
+        "--model",
+        s(m0),
+        "--data",
+        s(data),
+        "--out",
+        s(out),
+        "--objective",
+        objective,
+        "--lr",
+        "3e-3",
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "3",
+        "--epochs",
+        epochs,
     ]
 }
 
@@ -233,22 +282,34 @@ fn two_ranks_train_as_one_process_does_for_topr_and_ppo() {
         // negatives, the positives, the tokens) averaged over micro-batches, which depend on how
         // the step is split even in one process.
         let fields = [
-            "/grad_norm", "/stats/loss", "/stats/tokens", "/stats/sequences", "/stats/log_ratio_mean",
-            "/stats/clip_fraction", "/stats/topr/negative_fraction", "/stats/topr/weight_max",
+            "/grad_norm",
+            "/stats/loss",
+            "/stats/tokens",
+            "/stats/sequences",
+            "/stats/log_ratio_mean",
+            "/stats/clip_fraction",
+            "/stats/topr/negative_fraction",
+            "/stats/topr/weight_max",
             "/stats/topr/weight_mean",
         ];
         for (x, y) in a.iter().zip(&b) {
             for f in fields {
                 match (x.pointer(f).and_then(Value::as_f64), y.pointer(f).and_then(Value::as_f64)) {
                     (Some(u), Some(v)) => {
-                        assert!((u - v).abs() <= 1e-4 * (1.0 + u.abs()), "{objective} step {}: {f} {u} vs {v}", x["step"])
+                        assert!(
+                            (u - v).abs() <= 1e-4 * (1.0 + u.abs()),
+                            "{objective} step {}: {f} {u} vs {v}",
+                            x["step"]
+                        )
                     }
                     (None, None) => {}
                     other => panic!("{objective}: {f}: {other:?}"),
                 }
             }
         }
-        assert!(a[0].pointer(if objective == "ppo" { "/stats/clip_fraction" } else { "/stats/topr/weight_max" }).is_some());
+        assert!(
+            a[0].pointer(if objective == "ppo" { "/stats/clip_fraction" } else { "/stats/topr/weight_max" }).is_some()
+        );
         // Rank 0 prints the summary; the other rank prints nothing.
         assert!(String::from_utf8_lossy(&outs[0].stdout).contains("\"steps\":12"));
         assert!(outs[1].stdout.is_empty());
@@ -302,9 +363,29 @@ fn two_ranks_iterate_as_one_process_does() {
     let (dir, m0, _) = setup("dist_iterate");
     let args = |work: &Path| -> Vec<String> {
         let mut a = vec![
-            "iterate", "--model", s(&m0), "--work", s(work), "--iterations", "1", "--samples-per-prompt", "3",
-            "--max-new-tokens", "8", "--batch-prompts", "3", "--eval-n", "6", "--lr", "3e-3", "--batch-size", "6",
-            "--micro-batch-size", "3", "--eval-batch-size", "2",
+            "iterate",
+            "--model",
+            s(&m0),
+            "--work",
+            s(work),
+            "--iterations",
+            "1",
+            "--samples-per-prompt",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--batch-prompts",
+            "3",
+            "--eval-n",
+            "6",
+            "--lr",
+            "3e-3",
+            "--batch-size",
+            "6",
+            "--micro-batch-size",
+            "3",
+            "--eval-batch-size",
+            "2",
         ];
         a.extend_from_slice(&TASK);
         a.into_iter().map(String::from).collect()

@@ -34,7 +34,13 @@ fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
     let _ = std::fs::remove_dir_all(&data);
     std::fs::create_dir_all(&data).unwrap();
     let full = data.join("full.jsonl");
-    let settings = |sampling| sample::SampleSettings { samples_per_prompt: 3, sampling, seed: 42, batch_prompts: 2, shard: Shard::WHOLE };
+    let settings = |sampling| sample::SampleSettings {
+        samples_per_prompt: 3,
+        sampling,
+        seed: 42,
+        batch_prompts: 2,
+        shard: Shard::WHOLE,
+    };
     let n = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &full).unwrap();
     assert_eq!(n, 21);
     // A run killed during its third batch: the first two batches are written, the third cut short
@@ -94,15 +100,14 @@ fn evaluation_metrics_are_consistent() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
     let (m, tok, dir) = setup("pipeline_eval");
     let problems = task::synthetic_problems(9, 5, 1);
-    let settings =
-        eval::EvalSettings {
-            max_new_tokens: 8,
-            samples: 3,
-            sampling: SamplingParams::default(),
-            batch_size: 4,
-            seed: 0,
-            shard: Shard::WHOLE,
-        };
+    let settings = eval::EvalSettings {
+        max_new_tokens: 8,
+        samples: 3,
+        sampling: SamplingParams::default(),
+        batch_size: 4,
+        seed: 0,
+        shard: Shard::WHOLE,
+    };
     let out = dir.join("eval.jsonl");
     let mut f = std::fs::File::create(&out).unwrap();
     let summary = eval::evaluate(&m, &tok, &problems, &eval::PromptStyle::Chat, &settings, Some(&mut f)).unwrap();
@@ -127,7 +132,8 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
     let path = dir.with_extension("data.jsonl");
     let _ = std::fs::remove_file(&path);
     let _ = std::fs::remove_file(sample::run_file(&path));
-    let settings = sample::SampleSettings { samples_per_prompt: 2, sampling: s, seed: 3, batch_prompts: 3, shard: Shard::WHOLE };
+    let settings =
+        sample::SampleSettings { samples_per_prompt: 2, sampling: s, seed: 3, batch_prompts: 3, shard: Shard::WHOLE };
     sample::sample_dataset(&m, &tok, &dir, &problems, &eval::PromptStyle::Chat, &settings, &path).unwrap();
     let (mut data, _) = sample::read_dataset(&path, false).unwrap();
     // Mixed rewards and lengths, so that every branch and the padding are exercised.

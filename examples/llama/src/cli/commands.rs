@@ -147,7 +147,13 @@ pub fn merge(shards: &[std::path::PathBuf], out: &Path) -> Result<()> {
     Ok(())
 }
 
-pub fn train(model: &ModelArgs, data: &Path, out: &Path, train: &TrainArgs, group: Option<&ProcessGroup>) -> Result<()> {
+pub fn train(
+    model: &ModelArgs,
+    data: &Path,
+    out: &Path,
+    train: &TrainArgs,
+    group: Option<&ProcessGroup>,
+) -> Result<()> {
     let summary = training::train_dir(&model.model, model.placement(), data, &train.settings()?, out, group)?;
     if parallel::is_main(group) {
         eprintln!("saved the trained model and metrics.jsonl to {}", out.display());

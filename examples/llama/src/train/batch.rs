@@ -171,8 +171,13 @@ impl StepPart {
         for d in &t.diags {
             let s = d.samples as f64;
             self.topr_samples += s;
-            let fields =
-                [d.negative_fraction, d.truncated_fraction_pos, d.truncated_fraction_neg, d.weight_mean, d.log_ratio_mean];
+            let fields = [
+                d.negative_fraction,
+                d.truncated_fraction_pos,
+                d.truncated_fraction_neg,
+                d.weight_mean,
+                d.log_ratio_mean,
+            ];
             for (acc, f) in self.topr_weighted.iter_mut().zip(fields) {
                 *acc += f * s;
             }

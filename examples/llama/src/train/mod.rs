@@ -402,12 +402,14 @@ impl<'a> Plan<'a> {
     fn new(samples: &'a [Sample], o: &TrainSettings, report: bool) -> Result<Self> {
         let (c, p) = resolve_baseline(samples, o.baseline)?;
         let p_tilde = p_tilde(o.objective, p, c)?;
-        if report { eprintln!(
-            "{} completions, {:.1}% positive; baseline c = {c:.4}{}",
-            samples.len(),
-            100.0 * p,
-            p_tilde.map(|v| format!(", effective positive proportion p~ = {v:.3}")).unwrap_or_default()
-        ); }
+        if report {
+            eprintln!(
+                "{} completions, {:.1}% positive; baseline c = {c:.4}{}",
+                samples.len(),
+                100.0 * p,
+                p_tilde.map(|v| format!(", effective positive proportion p~ = {v:.3}")).unwrap_or_default()
+            );
+        }
         let loss = Loss::new(o, c);
         let units = units_with(samples, o.objective, c, o.advantage)?;
         let units_per_step = (o.batch_size / units[0].completions()).max(1);
@@ -436,7 +438,6 @@ impl<'a> Plan<'a> {
 fn optimizer_step(
     model: &Llama,
     opt: &mut Optimizer,
-    vars: &[Tensor],
     plan: &Plan,
     o: &TrainSettings,
     (epoch, step): (usize, usize),
@@ -449,7 +450,7 @@ fn optimizer_step(
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }
-    let grad_norm = clip_grad_norm(vars, o.max_grad_norm);
+    let grad_norm = clip_grad_norm(&model.vs.trainable_variables(), o.max_grad_norm);
     let lr = learning_rate(o.lr, step, plan.total, o.warmup_steps, o.lr_decay);
     opt.step(lr)?;
     Ok(StepRecord { baseline: plan.c, epoch, grad_norm, lr, p_tilde: plan.p_tilde, stats, step: step + 1 })
@@ -504,13 +505,12 @@ pub fn run(
     let mut progress: Progress = progress?;
     let mut metrics = if main { Some(MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?) } else { None };
     let pb = if main { progress_bar(plan.total, progress.step) } else { indicatif::ProgressBar::hidden() };
-    let vars: Vec<Tensor> = model.vs.trainable_variables();
     for epoch in 0..o.epochs {
         for (step, batch) in plan.epoch(epoch, o.seed) {
             if step < progress.step {
                 continue; // done before the run was interrupted
             }
-            let record = optimizer_step(model, &mut opt, &vars, &plan, o, (epoch, step), &batch, group)?;
+            let record = optimizer_step(model, &mut opt, &plan, o, (epoch, step), &batch, group)?;
             if let Some(m) = metrics.as_mut() {
                 m.write(&record)?;
             }
