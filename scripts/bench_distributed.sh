@@ -3,24 +3,37 @@
 # on this machine (loopback), for docs/distributed.md. Writes one JSON line per run to OUT
 # (default target/bench-distributed.jsonl) and prints a table. Run after `source scripts/env.sh`.
 #
-#   scripts/bench_distributed.sh [OUT] [REPEATS]
+#   scripts/bench_distributed.sh [OUT] [REPEATS] [MODEL_DIR]
 #
-# The model is the README demo's (4 layers, hidden 128); `train` takes 512 worked solutions of the
-# synthetic task (16 steps of 32 completions, TOPR, micro-batches of 8); `sample` draws 4
-# completions of up to 96 tokens for 64 prompts. Configurations: one process with libtorch's
-# default threads (one per core) and with one thread; two ranks with one thread each
-# (OMP_NUM_THREADS=1, a core each) and with the default threads each (oversubscribed).
+# Without MODEL_DIR the model is the README demo's (4 layers, hidden 128, 0.8 M parameters):
+# `train` takes 512 worked solutions of the synthetic task (16 steps of 32 completions, TOPR,
+# micro-batches of 8); `sample` draws 4 completions of up to 96 tokens for 64 prompts.
+# Configurations: one process with libtorch's default threads (one per core) and with one
+# thread; two ranks with one thread each (OMP_NUM_THREADS=1, a core each) and with the default
+# threads each (oversubscribed). With MODEL_DIR (e.g. models/smollm2-135m-instruct, whose
+# gradients make the all-reduce cost something): 64 solutions (4 steps of 16, micro-batches of
+# 4), 2 completions of up to 32 tokens for 16 prompts (batches of 4), and only the first and third
+# configurations.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/bench-distributed.jsonl}
 reps=${2:-2}
+model=${3:-}
 cargo build --release -q -p topr-llama --bin llama
 bin=target/release/llama
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
-"$bin" init --out "$W/m0" >/dev/null 2>&1
 task=(--task synthetic --difficulty 1)
-"$bin" sft-data --model "$W/m0" "${task[@]}" --synthetic-n 512 --out "$W/sft.jsonl" 2>/dev/null
+if [ -z "$model" ]; then
+    "$bin" init --out "$W/m0" >/dev/null 2>&1
+    model="$W/m0"
+    n_sft=512; train_size=(--batch-size 32 --micro-batch-size 8); sample_size=(--synthetic-n 64 --samples-per-prompt 4 --max-new-tokens 96 --batch-prompts 8)
+    configs=("1 process|1|" "1 process, 1 thread|1|1" "2 ranks, 1 thread each|2|1" "2 ranks, default threads each|2|")
+else
+    n_sft=64; train_size=(--batch-size 16 --micro-batch-size 4); sample_size=(--synthetic-n 16 --samples-per-prompt 2 --max-new-tokens 32 --batch-prompts 4)
+    configs=("1 process|1|" "2 ranks, 1 thread each|2|1")
+fi
+"$bin" sft-data --model "$model" "${task[@]}" --synthetic-n "$n_sft" --out "$W/sft.jsonl" 2>/dev/null
 : > "$out"
 
 port=29600
@@ -47,13 +60,13 @@ timed() {
 }
 
 for ((k = 0; k < reps; k++)); do
-    for cfg in "1 process|1|" "1 process, 1 thread|1|1" "2 ranks, 1 thread each|2|1" "2 ranks, default threads each|2|"; do
+    for cfg in "${configs[@]}"; do
         IFS='|' read -r name ranks threads <<< "$cfg"
         rm -rf "$W/train" "$W/s.jsonl" "$W/s.jsonl.run.json"
-        timed train "$name" "$ranks" "$threads" "$bin" train --model "$W/m0" --data "$W/sft.jsonl" --out "$W/train" \
-            --objective topr --lr 1e-4 --batch-size 32 --micro-batch-size 8 --save-every 0
-        timed sample "$name" "$ranks" "$threads" "$bin" sample --model "$W/m0" "${task[@]}" --synthetic-n 64 \
-            --samples-per-prompt 4 --batch-prompts 8 --max-new-tokens 96 --out "$W/s.jsonl"
+        timed train "$name" "$ranks" "$threads" "$bin" train --model "$model" --data "$W/sft.jsonl" --out "$W/train" \
+            --objective topr --lr 1e-5 "${train_size[@]}" --save-every 0
+        timed sample "$name" "$ranks" "$threads" "$bin" sample --model "$model" "${task[@]}" "${sample_size[@]}" \
+            --out "$W/s.jsonl"
     done
 done
 python3 - "$out" <<'PY'

@@ -85,6 +85,23 @@ impl Launch {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
+    /// A group of this process alone, its rendezvous on a free loopback port: what a
+    /// data-parallel code path runs on with one process (every collective is then the identity),
+    /// and what the examples of this crate use.
+    ///
+    /// ```
+    /// let l = topr_dist::Launch::single()?;
+    /// assert_eq!((l.rank, l.world_size, l.master_addr.as_str()), (0, 1, "127.0.0.1"));
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
+    pub fn single() -> Result<Self, DistError> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| DistError::Env { var: "MASTER_PORT", value: "0".into(), reason: e.to_string() })?
+            .port();
+        Ok(Self { rank: 0, world_size: 1, master_addr: "127.0.0.1".into(), master_port: port })
+    }
+
     /// [`Launch::from_env`] over any source of variables (for tests and launchers).
     ///
     /// ```
@@ -185,6 +202,17 @@ impl ProcessGroup {
     /// Joins the group `launch` describes: rank 0 serves the rendezvous at
     /// `master_addr:master_port`, the others connect to it; returns when all `world_size`
     /// ranks have joined. `timeout` bounds the rendezvous and every later collective.
+    ///
+    /// This is `torch.distributed.init_process_group("gloo", rank=…, world_size=…)` with the
+    /// `env://` rendezvous: c10d's `TCPStore` and `ProcessGroupGloo`, with Gloo's devices made as
+    /// PyTorch makes them (`GLOO_SOCKET_IFNAME` if set, else this host's address).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// assert_eq!((pg.rank(), pg.world_size(), pg.is_main()), (0, 1, true));
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
     pub fn join(launch: &Launch, timeout: Duration) -> Result<Self, DistError> {
         let join_err = |message: String| DistError::Join {
             rank: launch.rank,
@@ -209,7 +237,7 @@ impl ProcessGroup {
         }
     }
 
-    /// This process's rank.
+    /// This process's rank, `0..world_size`.
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -247,14 +275,32 @@ impl ProcessGroup {
     }
 
     /// Replaces `t` on every rank with the sum over ranks of `t` (same shape and kind
-    /// everywhere; contiguous).
+    /// everywhere; contiguous): `t ← Σ_r t_r`, c10d's `allreduce` with `ReduceOp::SUM`.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # let pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// let mut t = tch::Tensor::from_slice(&[1.0f32, 2.0]);
+    /// pg.all_reduce_sum(&mut t)?; // one rank: the sum is itself
+    /// assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![1.0, 2.0]);
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
     pub fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError> {
         self.check("t", t)?;
         // SAFETY: `t` is a live tensor handle for the call's duration.
         self.run("all-reduce", |pg, err, cap| unsafe { topr_pg_all_reduce_sum(pg, t.as_mut_ptr().cast(), err, cap) })
     }
 
-    /// Copies rank `root`'s `t` into `t` on every other rank.
+    /// Copies rank `root`'s `t` into `t` on every other rank (c10d's `broadcast`).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # let pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// let mut t = tch::Tensor::from_slice(&[7i64]);
+    /// pg.broadcast(&mut t, 0)?;
+    /// assert!(pg.broadcast(&mut t, 1).is_err()); // no rank 1 in a group of one
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
     pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
         self.check("t", t)?;
         if root >= self.world_size {
@@ -268,13 +314,29 @@ impl ProcessGroup {
         self.run("broadcast", |pg, err, cap| unsafe { topr_pg_broadcast(pg, t.as_mut_ptr().cast(), root, err, cap) })
     }
 
-    /// Returns once every rank has called it.
+    /// Returns once every rank has called it (c10d's `barrier`).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # let pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// pg.barrier()?;
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
     pub fn barrier(&self) -> Result<(), DistError> {
         // SAFETY: the group is live.
         self.run("barrier", |pg, err, cap| unsafe { topr_pg_barrier(pg, err, cap) })
     }
 
-    /// Sums `values` over ranks, in place (in f64, on the CPU).
+    /// Sums `values` over ranks, in place (in f64, on the CPU): counts, metrics.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # let pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// let mut counts = [120.0, 8.0]; // this rank's tokens and sequences
+    /// pg.all_reduce_f64(&mut counts)?; // now the whole batch's
+    /// assert_eq!(counts, [120.0, 8.0]);
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
     pub fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), DistError> {
         if values.is_empty() {
             return Ok(());
@@ -291,7 +353,18 @@ impl ProcessGroup {
     ///
     /// Divide by the world size afterwards only if each rank's loss was a mean over its own
     /// share; with a loss normalised by the counts of the whole batch (`topr_loss::Normalizer::
-    /// global`), the sum is the gradient of the whole batch.
+    /// global`), the sum is the gradient of the whole batch:
+    /// `∇L = Σ_r ∇(Σ_{i ∈ share_r} ℓ_i / N)` with `N` the whole batch's count.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # let pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// let w = tch::Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+    /// (&w * 3.0).sum(tch::Kind::Float).backward();
+    /// pg.all_reduce_gradients(&[w.shallow_clone()])?;
+    /// assert_eq!(Vec::<f32>::try_from(w.grad()).unwrap(), vec![3.0, 3.0]);
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
     pub fn all_reduce_gradients(&self, params: &[Tensor]) -> Result<(), DistError> {
         let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
         if let Some(i) = grads.iter().position(|g| !g.defined()) {
