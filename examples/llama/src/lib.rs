@@ -31,6 +31,7 @@
 //! | [`io`] | atomic and checked writes, locks, the refusal to write into an input |
 //! | [`identity`] | what a resumable run was made from, and what differs on resume |
 //! | [`demo`] | the README's demo |
+//! | [`verify`] | the generative verifier: trained with TOPR to judge solutions, then picking among k |
 
 pub mod checkpoint;
 pub mod config;
@@ -52,6 +53,7 @@ pub mod study;
 pub mod task;
 pub mod tokenizer;
 pub mod train;
+pub mod verify;
 
 use std::path::PathBuf;
 

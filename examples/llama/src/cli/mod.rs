@@ -135,6 +135,51 @@ pub enum Command {
         #[command(flatten)]
         iterate: LoopArgs,
     },
+    /// The generative verifier (the paper's second use of TOPR): samples K graded solutions per
+    /// question, trains a copy of the model to judge them ("is this solution correct?", answered
+    /// "The answer is 1/0.") with `iterate` on its own sampled judgements, then lets it pick one of
+    /// K solutions per held-out question; prints verifier@K against pass@1, maj@K and pass@K with
+    /// standard errors, and writes verify.json and verify.jsonl to --work. Rerun to resume.
+    Verify {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        task: TaskArgs,
+        /// How the solutions are sampled (--max-new-tokens: their budget).
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        /// The verifier's training (TOPR by default).
+        #[command(flatten)]
+        train: TrainArgs,
+        /// Working directory: the solutions, the judge problems, the verifier's `iterate` run and
+        /// the results.
+        #[arg(long)]
+        work: PathBuf,
+        /// Solutions sampled per question (training and held-out; >= 1).
+        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        samples: usize,
+        /// Iterations of the verifier's training (0: the model judges untrained).
+        #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
+        judge_iterations: usize,
+        /// Judgements sampled per judge problem and iteration (>= 1).
+        #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        judge_samples: usize,
+        /// The token budget of a judgement.
+        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1i64, 4096))]
+        judge_max_new_tokens: i64,
+        /// Prompts per generation batch.
+        #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        batch_prompts: usize,
+        /// Held-out questions: a GSM8K file (needed with --task gsm8k).
+        #[arg(long)]
+        eval_data: Option<PathBuf>,
+        /// Held-out questions used (the first N of --eval-data, or N synthetic ones).
+        #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(1usize, 1_000_000))]
+        eval_n: usize,
+        /// Seeds the solutions.
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+        seed: i64,
+    },
     /// Create a small Llama from scratch (random weights, byte-level tokenizer, chat template) in
     /// the Hugging Face layout: a model that needs nothing downloaded.
     Init {
@@ -312,6 +357,42 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Iterate { model, task, train, sampling, iterate } => {
             let settings = iterate.settings(&task, &train, &sampling)?;
             topr_llama::iterate::run(&model.model, model.placement(), &settings, group)
+        }
+        Command::Verify {
+            model,
+            task,
+            sampling,
+            train,
+            work,
+            samples,
+            judge_iterations,
+            judge_samples,
+            judge_max_new_tokens,
+            batch_prompts,
+            eval_data,
+            eval_n,
+            seed,
+        } => {
+            if task.task == args::TaskArg::Gsm8k && eval_data.is_none() {
+                anyhow::bail!("--task gsm8k needs --eval-data PATH (e.g. the test file) for the held-out questions");
+            }
+            let settings = topr_llama::verify::VerifySettings {
+                task: task.spec()?,
+                eval_data,
+                eval_n,
+                k: samples,
+                sampling: sampling.sampling(),
+                train: train.settings()?,
+                judge_iterations,
+                judge_samples,
+                judge_max_new_tokens,
+                batch_prompts,
+                seed,
+                work,
+            };
+            let summary = topr_llama::verify::run(&model.model, model.placement(), &settings)?;
+            topr_llama::verify::print_summary(&summary);
+            Ok(())
         }
         Command::Init { out, size, vocab_size, seed } => c::init(&out, &size, vocab_size, seed),
         Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),

@@ -1,0 +1,311 @@
+//! The generative verifier, the paper's second use of TOPR (Le Roux et al. 2025, section 5.3):
+//! the model learns to judge a completion — "is this solution correct?", answered in text — from
+//! graded samples, with TOPR on its own sampled judgements, and its judgement then picks one of
+//! `k` sampled solutions per question.
+//!
+//! The verifier's task is an ordinary task of this crate: each graded completion becomes a
+//! problem whose question shows the original problem and the completion and asks for "The answer
+//! is 1." (correct) or "The answer is 0." (not), so sampling, grading, `train` and `iterate` work
+//! on it unchanged ([`judge_problem`]). [`run`] chains the stages in a work directory, each
+//! reused when it is done:
+//!
+//! 1. `solutions.jsonl`: `k` graded solutions per training question, sampled from the solver;
+//! 2. `heldout-solutions.jsonl`: `k` per held-out question;
+//! 3. `judge-train.jsonl`, `judge-heldout.jsonl`: their judge problems (GSM8K layout);
+//! 4. `verifier/`: an `iterate` run from the solver on the judge problems (TOPR by default: it
+//!    samples judgements, grades them against the truth, trains off-policy), evaluated on the
+//!    held-out judge problems (its `iterations.jsonl` accuracy is the verifier's judgement
+//!    accuracy);
+//! 5. `verify.jsonl` (one line per held-out question) and `verify.json` ([`VerifySummary`]): the
+//!    verifier scores every held-out solution by `P(1) = σ(log p(“…1.”) − log p(“…0.”))`, teacher
+//!    forced, and picks the highest; against the first sample (pass@1), majority voting (maj@k)
+//!    and the oracle (pass@k), each with its standard error over questions.
+
+use crate::checkpoint::{self, Placement};
+use crate::eval::{PromptStyle, majority};
+use crate::generate::{self, Sampling};
+use crate::iterate::{self, IterateSettings};
+use crate::sample::{self, Sample, SampleSettings};
+use crate::shard::Shard;
+use crate::task::{self, Problem, Source, TaskSpec};
+use crate::train::TrainSettings;
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The judge's question about `completion` as an answer to `question`.
+pub fn judge_question(question: &str, completion: &str) -> String {
+    format!(
+        "Problem: {question}\nProposed solution: {}\nIs the proposed solution correct? The answer is 1 if it is correct, 0 if it is not.",
+        completion.trim()
+    )
+}
+
+/// The judge problem of a graded completion: answer 1 when it is correct, else 0.
+///
+/// ```
+/// # use topr_llama::{generate::Stop, sample::{Sample, SamplingRecord}, verify::judge_problem};
+/// let s = Sample {
+///     id: "q7".into(), sample: 2, question: "What is 2 + 3?".into(), prompt_ids: vec![1],
+///     completion: "2 + 3 = 5. The answer is 5.".into(), completion_ids: vec![2], logp_mu: vec![0.0],
+///     logp_sampling: vec![0.0], seq_logp_mu: 0.0, seq_logp_sampling: 0.0, answer: Some(5.0),
+///     reference: 5.0, correct: true, invalid: false, reward: 1.0, stop: Stop::Eos,
+///     sampling: SamplingRecord { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8, seed: 0 },
+/// };
+/// let p = judge_problem(&s);
+/// assert_eq!((p.id.as_str(), p.answer), ("judge:q7:2", 1.0));
+/// assert!(p.question.contains("Proposed solution: 2 + 3 = 5."));
+/// ```
+pub fn judge_problem(s: &Sample) -> Problem {
+    let answer = if s.correct { 1.0 } else { 0.0 };
+    Problem {
+        id: format!("judge:{}:{}", s.id, s.sample),
+        question: judge_question(&s.question, &s.completion),
+        solution: format!("The answer is {answer}."),
+        answer,
+    }
+}
+
+/// Writes the judge problems of `samples` to `out` in the GSM8K layout (`question`, `answer`
+/// ending in `#### 1` or `#### 0`), so that `--task gsm8k --data OUT` reads them.
+pub fn write_judge_problems(samples: &[Sample], out: &Path) -> Result<usize> {
+    crate::io::write_atomic(out, |w| {
+        for s in samples {
+            let p = judge_problem(s);
+            let line =
+                serde_json::json!({"question": p.question, "answer": format!("{}\n#### {}", p.solution, p.answer)});
+            writeln!(w, "{line}")?;
+        }
+        Ok(())
+    })?;
+    Ok(samples.len())
+}
+
+use std::io::Write as _;
+
+/// What [`run`] does.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerifySettings {
+    /// The solver's training questions (their graded solutions teach the verifier).
+    pub task: TaskSpec,
+    /// Held-out questions: a GSM8K file, else (synthetic task) `eval_n` problems from another seed.
+    pub eval_data: Option<PathBuf>,
+    pub eval_n: usize,
+    /// Solutions sampled per question, for training (`solutions.jsonl`) and selection.
+    pub k: usize,
+    /// How the solver samples them.
+    pub sampling: Sampling,
+    /// The verifier's training: its objective and optimiser (TOPR by default).
+    pub train: TrainSettings,
+    /// `iterate` iterations of the verifier (0: the solver judges untrained).
+    pub judge_iterations: usize,
+    /// Judgements sampled per judge problem and iteration.
+    pub judge_samples: usize,
+    /// The token budget of a judgement ("The answer is 1." and an end of text).
+    pub judge_max_new_tokens: i64,
+    /// Prompts per generation batch.
+    pub batch_prompts: usize,
+    /// Seeds the solutions (the held-out ones with `seed + 1`).
+    pub seed: i64,
+    #[serde(skip)]
+    pub work: PathBuf,
+}
+
+/// One held-out question's solutions, their verifier scores and what each rule picks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VerifiedQuestion {
+    pub id: String,
+    pub reference: f64,
+    pub answers: Vec<Option<f64>>,
+    pub correct: Vec<bool>,
+    /// The verifier's `P(correct)` of each solution.
+    pub p_correct: Vec<f64>,
+    /// The solution the verifier picks (the first of equal scores).
+    pub picked: usize,
+    pub majority_correct: bool,
+}
+
+/// A mean over questions with its standard error (standard deviation / √n).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    pub mean: f64,
+    pub se: f64,
+}
+
+impl Estimate {
+    pub fn of(values: &[f64]) -> Self {
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n.max(1.0);
+        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        Self { mean, se: (var / n.max(1.0)).sqrt() }
+    }
+}
+
+/// What the selection measured on the held-out questions.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VerifySummary {
+    pub questions: usize,
+    pub k: usize,
+    /// The share of correct solutions (sampled pass@1).
+    pub pass1: Estimate,
+    pub maj_at_k: Estimate,
+    /// The verifier's pick.
+    pub verifier_at_k: Estimate,
+    /// Any of the `k` correct (the oracle's pick).
+    pub pass_at_k: Estimate,
+    /// `verifier@k − maj@k`, paired by question.
+    pub verifier_minus_majority: Estimate,
+    /// The verifier's judgement accuracy on the held-out solutions (`P(correct) > 0.5` iff correct).
+    pub judgement_accuracy: Estimate,
+    /// Share of correct solutions among those judged (the base rate of the judgement).
+    pub positive_fraction: f64,
+}
+
+/// The held-out problems: the file, else synthetic problems from another seed (as `iterate`).
+fn held_out(s: &VerifySettings) -> Result<Vec<Problem>> {
+    match (&s.eval_data, &s.task.source) {
+        (Some(p), _) => Ok(task::load_gsm8k(p, s.train.skip_bad_records)?.0.into_iter().take(s.eval_n).collect()),
+        (None, Source::Synthetic { difficulty, .. }) => {
+            Ok(task::synthetic_problems(s.task.seed.wrapping_add(999_983), s.eval_n, *difficulty))
+        }
+        (None, Source::Gsm8k(_)) => bail!("GSM8K held-out questions need a file (e.g. the test file)"),
+    }
+}
+
+/// Runs (or continues: finished stages are reused) the generative-verifier pipeline from the
+/// solver in `model`, loaded with `at`, in `s.work`; returns and writes its summary.
+pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySummary> {
+    if s.k == 0 || s.judge_samples == 0 {
+        bail!("the number of solutions per question and of judgements per problem must be >= 1");
+    }
+    crate::io::refuse_overlap(model, &s.work, "work directory")?;
+    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
+    let (problems, style) = s.task.load()?;
+    let held = held_out(s)?;
+    // 1–2. The solver's graded solutions.
+    let (solutions, held_solutions) = (s.work.join("solutions.jsonl"), s.work.join("heldout-solutions.jsonl"));
+    {
+        let (m, tok) = checkpoint::open(model, at)?;
+        for (path, probs, seed) in [(&solutions, &problems, s.seed), (&held_solutions, &held, s.seed.wrapping_add(1))] {
+            let settings = SampleSettings {
+                samples_per_prompt: s.k,
+                sampling: s.sampling,
+                seed,
+                batch_prompts: s.batch_prompts,
+                shard: Shard::WHOLE,
+            };
+            sample::sample_dataset(&m, &tok, model, probs, &style, &settings, path)?;
+        }
+    }
+    // 3. The judge problems.
+    let (judge_train, judge_held) = (s.work.join("judge-train.jsonl"), s.work.join("judge-heldout.jsonl"));
+    let held_samples = sample::read_dataset(&held_solutions, false)?.0;
+    write_judge_problems(&sample::read_dataset(&solutions, false)?.0, &judge_train)?;
+    write_judge_problems(&held_samples, &judge_held)?;
+    // 4. The verifier, trained with `iterate` from the solver.
+    let verifier = if s.judge_iterations == 0 {
+        model.to_path_buf()
+    } else {
+        let work = s.work.join("verifier");
+        let settings = IterateSettings {
+            task: TaskSpec {
+                source: Source::Gsm8k(judge_train.clone()),
+                seed: s.task.seed,
+                limit: 0,
+                prompting: task::Prompting::Chat,
+                skip_bad_lines: false,
+            },
+            train: TrainSettings { resume: true, skip_bad_records: true, ..s.train.clone() },
+            sampling: Sampling { max_new_tokens: s.judge_max_new_tokens, ..s.sampling },
+            work: work.clone(),
+            iterations: s.judge_iterations,
+            samples_per_prompt: s.judge_samples,
+            batch_prompts: s.batch_prompts,
+            curate: iterate::Curation::All,
+            eval_data: Some(judge_held.clone()),
+            eval_n: held_samples.len(),
+            eval_batch_size: 64,
+        };
+        iterate::run(model, at, &settings, None)?;
+        work.join(format!("iter-{}", s.judge_iterations)).join("model")
+    };
+    // 5. Selection on the held-out questions.
+    let (v, tok) = checkpoint::open(&verifier, at)?;
+    let style_judge = PromptStyle::Chat;
+    let answer_ids = |d: u8| tok.encode(&format!("The answer is {d}."), false);
+    let (one, zero) = (answer_ids(1)?, answer_ids(0)?);
+    let mut by_question: BTreeMap<usize, Vec<&Sample>> = BTreeMap::new();
+    let index: BTreeMap<&str, usize> = held.iter().enumerate().map(|(i, p)| (p.id.as_str(), i)).collect();
+    for smp in &held_samples {
+        let i = *index.get(smp.id.as_str()).with_context(|| format!("{}: not a held-out question", smp.id))?;
+        by_question.entry(i).or_default().push(smp);
+    }
+    let pb = indicatif::ProgressBar::new(held_samples.len() as u64);
+    let mut rows = vec![];
+    for (i, sols) in by_question {
+        let mut p_correct = vec![];
+        for smp in &sols {
+            let prompt = crate::eval::prompt_ids(&tok, &style_judge, &judge_problem(smp))?;
+            let l1: f64 = generate::score(&v, &prompt, &one)?.iter().map(|&x| f64::from(x)).sum();
+            let l0: f64 = generate::score(&v, &prompt, &zero)?.iter().map(|&x| f64::from(x)).sum();
+            // σ(l1 − l0), in a form that cannot overflow.
+            let d = l1 - l0;
+            p_correct.push(if d >= 0.0 { 1.0 / (1.0 + (-d).exp()) } else { d.exp() / (1.0 + d.exp()) });
+            pb.inc(1);
+        }
+        let picked = (0..p_correct.len()).fold(0, |b, j| if p_correct[j] > p_correct[b] { j } else { b });
+        let answers: Vec<Option<f64>> = sols.iter().map(|x| x.answer).collect();
+        rows.push(VerifiedQuestion {
+            id: held[i].id.clone(),
+            reference: held[i].answer,
+            majority_correct: task::is_correct(majority(&answers), held[i].answer),
+            correct: sols.iter().map(|x| x.correct).collect(),
+            answers,
+            p_correct,
+            picked,
+        });
+    }
+    pb.finish_and_clear();
+    crate::io::write_atomic(&s.work.join("verify.jsonl"), |w| {
+        for r in &rows {
+            writeln!(w, "{}", serde_json::to_string(r)?)?;
+        }
+        Ok(())
+    })?;
+    let summary = summarize(&rows, s.k);
+    crate::io::write_file(&s.work.join("verify.json"), serde_json::to_string_pretty(&summary)?)?;
+    Ok(summary)
+}
+
+/// The summary of the held-out questions' rows.
+pub fn summarize(rows: &[VerifiedQuestion], k: usize) -> VerifySummary {
+    let per = |f: &dyn Fn(&VerifiedQuestion) -> f64| Estimate::of(&rows.iter().map(f).collect::<Vec<_>>());
+    let b = |x: bool| f64::from(u8::from(x));
+    let judged: Vec<(bool, f64)> =
+        rows.iter().flat_map(|r| r.correct.iter().copied().zip(r.p_correct.iter().copied())).collect();
+    VerifySummary {
+        questions: rows.len(),
+        k,
+        pass1: per(&|r| r.correct.iter().filter(|c| **c).count() as f64 / r.correct.len().max(1) as f64),
+        maj_at_k: per(&|r| b(r.majority_correct)),
+        verifier_at_k: per(&|r| b(r.correct.get(r.picked).copied().unwrap_or(false))),
+        pass_at_k: per(&|r| b(r.correct.iter().any(|c| *c))),
+        verifier_minus_majority: per(&|r| b(r.correct.get(r.picked).copied().unwrap_or(false)) - b(r.majority_correct)),
+        judgement_accuracy: Estimate::of(&judged.iter().map(|(c, p)| b((*p > 0.5) == *c)).collect::<Vec<_>>()),
+        positive_fraction: judged.iter().filter(|(c, _)| *c).count() as f64 / judged.len().max(1) as f64,
+    }
+}
+
+/// The summary as a small table (stdout).
+pub fn print_summary(s: &VerifySummary) {
+    println!("{} held-out questions, {} solutions each (mean ± standard error over questions)", s.questions, s.k);
+    let row = |name: &str, e: Estimate| println!("{name:>26} {:>7.3} ± {:.3}", e.mean, e.se);
+    row("pass@1 (a sampled solution)", s.pass1);
+    row("maj@k (majority vote)", s.maj_at_k);
+    row("verifier@k (its pick)", s.verifier_at_k);
+    row("pass@k (oracle)", s.pass_at_k);
+    row("verifier − majority", s.verifier_minus_majority);
+    row("judgement accuracy", s.judgement_accuracy);
+    println!("{:>26} {:>7.3}", "correct among judged", s.positive_fraction);
+}

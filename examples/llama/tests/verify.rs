@@ -1,0 +1,130 @@
+//! `llama verify` end to end at CI size: a tiny model from scratch judges its own solutions after
+//! one TOPR iteration on its sampled judgements; the files and the summary are consistent, and a
+//! rerun reuses every stage.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn llama(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_llama")).args(args).output().unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn verify_trains_a_judge_and_picks_among_k() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("verify_cli");
+    let _ = std::fs::remove_dir_all(&dir);
+    let m0 = dir.join("m0");
+    let o = llama(&[
+        "init",
+        "--out",
+        s(&m0),
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "64",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let work = dir.join("work");
+    let args = [
+        "verify",
+        "--model",
+        s(&m0),
+        "--work",
+        s(&work),
+        "--task",
+        "synthetic",
+        "--synthetic-n",
+        "6",
+        "--difficulty",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--samples",
+        "3",
+        "--judge-iterations",
+        "1",
+        "--judge-samples",
+        "2",
+        "--eval-n",
+        "5",
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--lr",
+        "1e-3",
+    ];
+    let o = llama(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(table.contains("verifier@k") && table.contains("maj@k"), "{table}");
+    // The stages' files.
+    let lines = |f: &str| std::fs::read_to_string(work.join(f)).unwrap().lines().count();
+    assert_eq!(lines("solutions.jsonl"), 6 * 3);
+    assert_eq!(lines("heldout-solutions.jsonl"), 5 * 3);
+    assert_eq!(lines("judge-train.jsonl"), 6 * 3);
+    assert_eq!(lines("judge-heldout.jsonl"), 5 * 3);
+    assert_eq!(lines("verifier/iter-1/data.jsonl"), 6 * 3 * 2);
+    assert!(work.join("verifier/iter-1/model/model.safetensors").exists());
+    // Judge problems carry the truth of the solution they judge.
+    let sol: Vec<Value> = std::fs::read_to_string(work.join("heldout-solutions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let judge: Vec<Value> = std::fs::read_to_string(work.join("judge-heldout.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (a, b) in sol.iter().zip(&judge) {
+        let want = if a["correct"].as_bool().unwrap() { "#### 1" } else { "#### 0" };
+        assert!(b["answer"].as_str().unwrap().ends_with(want));
+        assert!(b["question"].as_str().unwrap().contains(a["completion"].as_str().unwrap().trim()));
+    }
+    // One row per held-out question; the pick is the highest score; the summary follows the rows.
+    let rows: Vec<Value> = std::fs::read_to_string(work.join("verify.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 5);
+    let mut picked_correct = 0.0;
+    for r in &rows {
+        let p: Vec<f64> = r["p_correct"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        assert_eq!(p.len(), 3);
+        assert!(p.iter().all(|v| (0.0..=1.0).contains(v)));
+        let k = r["picked"].as_u64().unwrap() as usize;
+        assert!(p.iter().all(|v| *v <= p[k]));
+        picked_correct += f64::from(u8::from(r["correct"][k].as_bool().unwrap()));
+    }
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(work.join("verify.json")).unwrap()).unwrap();
+    assert_eq!(summary["questions"], 5);
+    assert!((summary["verifier_at_k"]["mean"].as_f64().unwrap() - picked_correct / 5.0).abs() < 1e-12);
+    let mean = |k: &str| summary[k]["mean"].as_f64().unwrap();
+    assert!(mean("pass_at_k") >= mean("verifier_at_k") && mean("pass_at_k") >= mean("maj_at_k"));
+    assert!(mean("pass_at_k") >= mean("pass1"));
+    // A rerun reuses every stage: nothing is sampled or trained again, the results are the same.
+    let before = std::fs::read(work.join("solutions.jsonl")).unwrap();
+    let o = llama(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(log.contains("all 6 prompts already sampled") && !log.contains("resuming"), "{log}");
+    assert!(std::fs::read(work.join("solutions.jsonl")).unwrap() == before);
+    assert_eq!(String::from_utf8_lossy(&o.stdout), table);
+    // Bad settings: a GSM8K task without held-out questions is refused in one line.
+    let o = llama(&["verify", "--model", s(&m0), "--work", s(&dir.join("w2")), "--task", "gsm8k", "--data", "x"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--eval-data"));
+}
