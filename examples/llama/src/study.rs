@@ -18,6 +18,7 @@ use crate::iterate::{self, IterateSettings};
 use crate::metrics::{IterationRecord, read_jsonl};
 use crate::plot::{Panel, Series};
 use crate::train::{Baseline, Objective, TrainSettings};
+use crate::verify::{self, VerifySettings, VerifySummary};
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -37,12 +38,16 @@ pub enum Claim {
     /// Stability far off-policy: four epochs on each sampled data set with the gradient clipped
     /// at 100 (the paper's setting for IS): TOPR against IS, TIS, naive REINFORCE and PPO.
     OffPolicy,
+    /// The generative verifier: trained with TOPR on the warm model's own judgements of its
+    /// solutions, it picks one of k held-out solutions; against pass@1 and majority voting
+    /// ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
+    Verifier,
 }
 
 impl Claim {
     /// Every claim.
-    pub const ALL: [Claim; 5] =
-        [Claim::Negatives, Claim::Degeneration, Claim::Composition, Claim::Peers, Claim::OffPolicy];
+    pub const ALL: [Claim; 6] =
+        [Claim::Negatives, Claim::Degeneration, Claim::Composition, Claim::Peers, Claim::OffPolicy, Claim::Verifier];
 
     /// The claim's name on the command line and in file names.
     pub fn name(self) -> &'static str {
@@ -52,6 +57,7 @@ impl Claim {
             Self::Composition => "composition",
             Self::Peers => "peers",
             Self::OffPolicy => "off-policy",
+            Self::Verifier => "verifier",
         }
     }
 
@@ -69,13 +75,18 @@ impl Claim {
             Self::OffPolicy => {
                 "Far off-policy (4 epochs per data set, gradient norm clipped at 100): does TOPR stay stable where IS, TIS, naive REINFORCE or PPO do not?"
             }
+            Self::Verifier => {
+                "Does a verifier trained with TOPR on the model's own judgements pick a better solution among k than majority voting?"
+            }
         }
     }
 
-    /// The claim's arms; the first is the reference the others are compared with.
+    /// The claim's arms; the first is the reference the others are compared with. The verifier
+    /// claim has none (it runs [`crate::verify::run`] per seed).
     pub fn arms(self) -> Vec<Arm> {
         let topr = Arm::topr(demo::DEMO_P_TILDE);
         match self {
+            Self::Verifier => vec![],
             Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
             Self::Degeneration => vec![topr, Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)],
             Self::Composition => [0.05, 0.2, 0.5, 0.9].into_iter().map(Arm::topr).collect(),
@@ -184,6 +195,11 @@ pub fn run(s: &StudySettings) -> Result<()> {
             done += 1;
             report(s)?;
         }
+        if s.claims.contains(&Claim::Verifier) {
+            eprintln!("[study {:.0} s] seed {seed}, the verifier", t0.elapsed().as_secs_f64());
+            verify::run(&warm, s.at, &verifier_settings(&dir, s.scale, seed)?)?;
+            report(s)?;
+        }
     }
     eprintln!("[study {:.0} s] done: {}", t0.elapsed().as_secs_f64(), s.work.join("study.md").display());
     Ok(())
@@ -202,6 +218,130 @@ fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<Iterat
         ..base
     };
     Ok(demo::iterate_settings(dir.join(&arm.name), scale, seed, train))
+}
+
+/// The verifier's pipeline for `seed`, from the warm model: the demo's training questions and
+/// sampling, k = 4 solutions a question, two TOPR iterations of the judge (2 judgements per
+/// solution, 16 tokens each), the arms' held-out questions.
+pub fn verifier_settings(dir: &Path, scale: Scale, seed: u64) -> Result<VerifySettings> {
+    let it = demo::iterate_settings(dir.join("verifier"), scale, seed, demo::topr_settings()?);
+    Ok(VerifySettings {
+        task: it.task,
+        eval_data: None,
+        eval_n: scale.eval_n,
+        k: 4,
+        sampling: it.sampling,
+        train: TrainSettings { seed, ..it.train },
+        judge_iterations: 2,
+        judge_samples: 2,
+        judge_max_new_tokens: 16,
+        batch_prompts: 16,
+        seed: seed as i64,
+        work: dir.join("verifier"),
+    })
+}
+
+/// One seed's verifier result, a line of `verifier.jsonl`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VerifierRow {
+    pub seed: u64,
+    pub summary: VerifySummary,
+}
+
+/// The verifier results of the seeds that have one.
+pub fn verifier_rows(s: &StudySettings) -> Result<Vec<VerifierRow>> {
+    let mut out = vec![];
+    for &seed in &s.seeds {
+        let path = seed_dir(&s.work, seed).join("verifier").join("verify.json");
+        if path.exists() {
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let summary = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+            out.push(VerifierRow { seed, summary });
+        }
+    }
+    Ok(out)
+}
+
+/// The verifier claim's section of `study.md` and its plot.
+fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
+    let rows = verifier_rows(s)?;
+    let mut jsonl = String::new();
+    for r in &rows {
+        writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
+    }
+    write_text(&s.work.join("verifier.jsonl"), &jsonl)?;
+    let c = Claim::Verifier;
+    writeln!(
+        md,
+        "## {}
+
+{}
+",
+        c.name(),
+        c.question()
+    )?;
+    writeln!(
+        md,
+        "Each cell: mean ± standard error over seeds of the held-out share (k = 4 solutions per question,          the seeds' warm models, two TOPR iterations of the judge). `SE questions`: the mean over seeds          of each seed's standard error over its questions.
+"
+    )?;
+    writeln!(
+        md,
+        "| measure | seeds | mean ± SE over seeds | SE questions |
+|---|---|---|---|"
+    )?;
+    type Pick = fn(&VerifySummary) -> crate::verify::Estimate;
+    let measures: [(&str, Pick); 6] = [
+        ("pass@1 (a sampled solution)", |v| v.pass1),
+        ("maj@k (majority vote)", |v| v.maj_at_k),
+        ("verifier@k (its pick)", |v| v.verifier_at_k),
+        ("pass@k (oracle)", |v| v.pass_at_k),
+        ("verifier − majority (paired)", |v| v.verifier_minus_majority),
+        ("judgement accuracy", |v| v.judgement_accuracy),
+    ];
+    let mut series = vec![];
+    for (name, pick) in measures {
+        let v: Vec<f64> = rows.iter().map(|r| pick(&r.summary).mean).collect();
+        let se_q: Vec<f64> = rows.iter().map(|r| pick(&r.summary).se).collect();
+        writeln!(
+            md,
+            "| {name} | {} | {} | {} |",
+            v.len(),
+            fmt(mean_se(&v)),
+            fmt((mean_se(&se_q).0, f64::NAN)).replace(" (one seed)", "")
+        )?;
+        if !name.starts_with("verifier −") && !name.starts_with("judgement") {
+            series.push(Series {
+                label: name.split(' ').next().unwrap_or(name).to_string(),
+                points: rows.iter().map(|r| (r.seed as f64, pick(&r.summary).mean)).collect(),
+            });
+        }
+    }
+    let base: Vec<f64> = rows.iter().map(|r| r.summary.positive_fraction).collect();
+    writeln!(
+        md,
+        "| correct among judged (base rate) | {} | {} | |
+",
+        base.len(),
+        fmt(mean_se(&base))
+    )?;
+    let png = s.work.join("claim-verifier.png");
+    let panels = [Panel {
+        title: "verifier: held-out accuracy of each pick, per seed".into(),
+        x: "seed".into(),
+        y: "share of questions".into(),
+        series,
+    }];
+    crate::plot::report("study", || {
+        crate::plot::draw(&png, &panels, 1)?;
+        Ok(png.clone())
+    });
+    writeln!(
+        md,
+        "![verifier](claim-verifier.png)
+"
+    )?;
+    Ok(())
 }
 
 /// The rows of every finished iteration of the study's runs.
@@ -278,6 +418,10 @@ pub fn report(s: &StudySettings) -> Result<()> {
          standard error of the pooled accuracy over all seeds' questions.\n"
     )?;
     for c in &s.claims {
+        if *c == Claim::Verifier {
+            verifier_section(s, &mut md)?;
+            continue;
+        }
         writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
         let iters = s.scale.iterations;
         let mut header = "| arm | seeds |".to_string();
@@ -398,7 +542,7 @@ mod tests {
     fn claims_parse_and_share_the_topr_arm() {
         for c in Claim::ALL {
             assert_eq!(Claim::parse(c.name()), Some(c));
-            assert!(!c.arms().is_empty());
+            assert_eq!(c.arms().is_empty(), c == Claim::Verifier);
         }
         assert_eq!(Claim::Negatives.arms()[0], Claim::Degeneration.arms()[0]);
         assert_eq!(Claim::parse("stability"), None);

@@ -22,12 +22,13 @@
 //!    and the oracle (pass@k), each with its standard error over questions.
 
 use crate::checkpoint::{self, Placement};
-use crate::eval::{PromptStyle, majority};
+use crate::eval::{PromptStyle, majority, prompt_ids};
 use crate::generate::{self, Sampling};
 use crate::iterate::{self, IterateSettings};
 use crate::sample::{self, Sample, SampleSettings};
 use crate::shard::Shard;
 use crate::task::{self, Problem, Source, TaskSpec};
+use crate::tokenizer::Tokenizer;
 use crate::train::TrainSettings;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -36,10 +37,7 @@ use std::path::{Path, PathBuf};
 
 /// The judge's question about `completion` as an answer to `question`.
 pub fn judge_question(question: &str, completion: &str) -> String {
-    format!(
-        "Problem: {question}\nProposed solution: {}\nIs the proposed solution correct? The answer is 1 if it is correct, 0 if it is not.",
-        completion.trim()
-    )
+    format!("Problem: {question}\nSolution: {}\nIs the solution correct? 1 if yes, 0 if no.", completion.trim())
 }
 
 /// The judge problem of a graded completion: answer 1 when it is correct, else 0.
@@ -53,33 +51,70 @@ pub fn judge_question(question: &str, completion: &str) -> String {
 ///     reference: 5.0, correct: true, invalid: false, reward: 1.0, stop: Stop::Eos,
 ///     sampling: SamplingRecord { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8, seed: 0 },
 /// };
-/// let p = judge_problem(&s);
+/// let p = judge_problem(&s, &s.completion);
 /// assert_eq!((p.id.as_str(), p.answer), ("judge:q7:2", 1.0));
-/// assert!(p.question.contains("Proposed solution: 2 + 3 = 5."));
+/// assert!(p.question.contains("Solution: 2 + 3 = 5."));
 /// ```
-pub fn judge_problem(s: &Sample) -> Problem {
+pub fn judge_problem(s: &Sample, shown: &str) -> Problem {
     let answer = if s.correct { 1.0 } else { 0.0 };
     Problem {
         id: format!("judge:{}:{}", s.id, s.sample),
-        question: judge_question(&s.question, &s.completion),
+        question: judge_question(&s.question, shown),
         solution: format!("The answer is {answer}."),
         answer,
     }
 }
 
-/// Writes the judge problems of `samples` to `out` in the GSM8K layout (`question`, `answer`
-/// ending in `#### 1` or `#### 0`), so that `--task gsm8k --data OUT` reads them.
-pub fn write_judge_problems(samples: &[Sample], out: &Path) -> Result<usize> {
+/// The judge problems of `samples` for a model of context `context` that answers in at most
+/// `answer_tokens`: a completion too long for the judge's prompt to fit is shown by its end (its
+/// answer line), cut at the front with "…". Returns them with the number so cut.
+pub fn judge_problems(
+    tok: &Tokenizer,
+    samples: &[Sample],
+    context: i64,
+    answer_tokens: i64,
+) -> Result<(Vec<Problem>, usize)> {
+    let mut out = vec![];
+    let mut cut = 0;
+    for s in samples {
+        let mut shown: &str = &s.completion;
+        loop {
+            let p =
+                judge_problem(s, &if shown.len() < s.completion.len() { format!("…{shown}") } else { shown.into() });
+            let n = prompt_ids(tok, &PromptStyle::Chat, &p)?.len() as i64;
+            if n + answer_tokens <= context {
+                cut += usize::from(shown.len() < s.completion.len());
+                out.push(p);
+                break;
+            }
+            if shown.is_empty() {
+                bail!(
+                    "{}: the judge's prompt without the solution ({n} tokens) exceeds the context of {context}",
+                    s.id
+                );
+            }
+            // Keep the last 80 % (at a character boundary).
+            let mut at = shown.len() - shown.len() * 4 / 5;
+            while !shown.is_char_boundary(at) {
+                at += 1;
+            }
+            shown = &shown[at..];
+        }
+    }
+    Ok((out, cut))
+}
+
+/// Writes `problems` to `out` in the GSM8K layout (`question`, `answer` ending in `#### N`), so
+/// that `--task gsm8k --data OUT` reads them.
+pub fn write_problems(problems: &[Problem], out: &Path) -> Result<()> {
     crate::io::write_atomic(out, |w| {
-        for s in samples {
-            let p = judge_problem(s);
+        for p in problems {
             let line =
                 serde_json::json!({"question": p.question, "answer": format!("{}\n#### {}", p.solution, p.answer)});
             writeln!(w, "{line}")?;
         }
         Ok(())
-    })?;
-    Ok(samples.len())
+    })
 }
 
 use std::io::Write as _;
@@ -198,11 +233,19 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
             sample::sample_dataset(&m, &tok, model, probs, &style, &settings, path)?;
         }
     }
-    // 3. The judge problems.
+    // 3. The judge problems (solutions too long for the judge's context shown by their end).
     let (judge_train, judge_held) = (s.work.join("judge-train.jsonl"), s.work.join("judge-heldout.jsonl"));
     let held_samples = sample::read_dataset(&held_solutions, false)?.0;
-    write_judge_problems(&sample::read_dataset(&solutions, false)?.0, &judge_train)?;
-    write_judge_problems(&held_samples, &judge_held)?;
+    let cfg = crate::config::LlamaConfig::load(model)?;
+    let tok = Tokenizer::load(model, &cfg)?;
+    let fit = |samples: &[Sample]| judge_problems(&tok, samples, cfg.max_position_embeddings, s.judge_max_new_tokens);
+    let (train_problems, cut_train) = fit(&sample::read_dataset(&solutions, false)?.0)?;
+    let (held_problems, cut_held) = fit(&held_samples)?;
+    if cut_train + cut_held > 0 {
+        eprintln!("{} solution(s) shown by their end only, to fit the judge's context", cut_train + cut_held);
+    }
+    write_problems(&train_problems, &judge_train)?;
+    write_problems(&held_problems, &judge_held)?;
     // 4. The verifier, trained with `iterate` from the solver.
     let verifier = if s.judge_iterations == 0 {
         model.to_path_buf()
@@ -231,22 +274,21 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         work.join(format!("iter-{}", s.judge_iterations)).join("model")
     };
     // 5. Selection on the held-out questions.
-    let (v, tok) = checkpoint::open(&verifier, at)?;
-    let style_judge = PromptStyle::Chat;
+    let (v, _) = checkpoint::open(&verifier, at)?;
     let answer_ids = |d: u8| tok.encode(&format!("The answer is {d}."), false);
     let (one, zero) = (answer_ids(1)?, answer_ids(0)?);
-    let mut by_question: BTreeMap<usize, Vec<&Sample>> = BTreeMap::new();
+    let mut by_question: BTreeMap<usize, Vec<(&Sample, &Problem)>> = BTreeMap::new();
     let index: BTreeMap<&str, usize> = held.iter().enumerate().map(|(i, p)| (p.id.as_str(), i)).collect();
-    for smp in &held_samples {
+    for (smp, judge) in held_samples.iter().zip(&held_problems) {
         let i = *index.get(smp.id.as_str()).with_context(|| format!("{}: not a held-out question", smp.id))?;
-        by_question.entry(i).or_default().push(smp);
+        by_question.entry(i).or_default().push((smp, judge));
     }
     let pb = indicatif::ProgressBar::new(held_samples.len() as u64);
     let mut rows = vec![];
     for (i, sols) in by_question {
         let mut p_correct = vec![];
-        for smp in &sols {
-            let prompt = crate::eval::prompt_ids(&tok, &style_judge, &judge_problem(smp))?;
+        for (_, judge) in &sols {
+            let prompt = prompt_ids(&tok, &PromptStyle::Chat, judge)?;
             let l1: f64 = generate::score(&v, &prompt, &one)?.iter().map(|&x| f64::from(x)).sum();
             let l0: f64 = generate::score(&v, &prompt, &zero)?.iter().map(|&x| f64::from(x)).sum();
             // σ(l1 − l0), in a form that cannot overflow.
@@ -255,12 +297,12 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
             pb.inc(1);
         }
         let picked = (0..p_correct.len()).fold(0, |b, j| if p_correct[j] > p_correct[b] { j } else { b });
-        let answers: Vec<Option<f64>> = sols.iter().map(|x| x.answer).collect();
+        let answers: Vec<Option<f64>> = sols.iter().map(|x| x.0.answer).collect();
         rows.push(VerifiedQuestion {
             id: held[i].id.clone(),
             reference: held[i].answer,
             majority_correct: task::is_correct(majority(&answers), held[i].answer),
-            correct: sols.iter().map(|x| x.correct).collect(),
+            correct: sols.iter().map(|x| x.0.correct).collect(),
             answers,
             p_correct,
             picked,

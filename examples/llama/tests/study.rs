@@ -55,6 +55,30 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
 }
 
 #[test]
+fn the_verifier_claim_runs_its_pipeline_per_seed_and_reports() {
+    let work = std::env::temp_dir().join(format!("llama_study_verifier_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let out = study(&work, &["--claims", "verifier"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(work.join("verifier.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for (seed, r) in rows.iter().enumerate() {
+        assert_eq!(r["seed"], seed);
+        let v = r["summary"]["verifier_at_k"]["mean"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&v));
+        assert!(work.join(format!("seed-{seed}/verifier/verifier/iter-2/model/model.safetensors")).exists());
+    }
+    let md = std::fs::read_to_string(work.join("study.md")).unwrap();
+    assert!(md.contains("## verifier") && md.contains("| verifier@k (its pick) | 2 |"), "{md}");
+    assert!(work.join("claim-verifier.png").exists());
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
 fn bad_study_options_are_refused_in_one_line() {
     let work = std::env::temp_dir().join(format!("llama_study_bad_{}", std::process::id()));
     for (args, needle) in [

@@ -241,7 +241,7 @@ pub enum Command {
         #[arg(long, default_value = "runs/study")]
         work: PathBuf,
         /// The claims to test, comma-separated: negatives, degeneration, composition, peers,
-        /// off-policy, or all.
+        /// off-policy, verifier, or all.
         #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
         claims: Claims,
         /// Number of seeds (the seeds 0..n).
@@ -461,7 +461,7 @@ fn parse_claims(s: &str) -> Result<Claims, String> {
         } else {
             vec![Claim::parse(name).ok_or_else(|| {
                 format!(
-                    "unknown claim {name:?}: expected negatives, degeneration, composition, peers, off-policy or all"
+                    "unknown claim {name:?}: expected negatives, degeneration, composition, peers, off-policy, verifier or all"
                 )
             })?]
         };
