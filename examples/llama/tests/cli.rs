@@ -1,6 +1,8 @@
 //! The `llama` binary's commands end to end, as a user runs them: a CI-sized run of `init`,
 //! `sft-data`, `train`, `eval`, `sample` and `iterate` (resumed), through the built binary.
 
+mod common;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,8 +28,7 @@ fn fresh_tiny_model(name: &str, layers: &str) -> (PathBuf, PathBuf) {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let m0 = dir.join("m0");
-    let args = ["--layers", layers, "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
-    run(&[&["init", "--out", s(&m0)][..], &args[..]].concat());
+    common::tiny_model(&m0, layers);
     (dir, m0)
 }
 
@@ -340,21 +341,7 @@ fn the_demo_runs_end_to_end_at_ci_size() {
 fn init_is_deterministic() {
     let (dir, a) = fresh_tiny_model("llama_cli_init", "2");
     let b = dir.join("again");
-    run(&[
-        "init",
-        "--out",
-        s(&b),
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--intermediate",
-        "64",
-    ]);
+    common::tiny_model(&b, "2");
     let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
     assert!(bytes(&a) == bytes(&b), "two inits with the same seed differ");
 }

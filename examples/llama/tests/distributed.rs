@@ -4,6 +4,8 @@
 //! process takes; a killed rank is an error on the other, not a hang; a killed data-parallel
 //! run resumes.
 
+mod common;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -82,21 +84,7 @@ fn setup(name: &str) -> (PathBuf, PathBuf, PathBuf) {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let m0 = dir.join("m0");
-    run(&[
-        "init",
-        "--out",
-        s(&m0),
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--intermediate",
-        "64",
-    ]);
+    common::tiny_model(&m0, "2");
     let sampled = dir.join("sampled.jsonl");
     run(&[
         "sample",

@@ -2,6 +2,8 @@
 //! one TOPR iteration on its sampled judgements; the files and the summary are consistent, and a
 //! rerun reuses every stage.
 
+mod common;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,22 +21,7 @@ fn verify_trains_a_judge_and_picks_among_k() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("verify_cli");
     let _ = std::fs::remove_dir_all(&dir);
     let m0 = dir.join("m0");
-    let o = llama(&[
-        "init",
-        "--out",
-        s(&m0),
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--intermediate",
-        "64",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    common::tiny_model(&m0, "1");
     let work = dir.join("work");
     let args = [
         "verify",

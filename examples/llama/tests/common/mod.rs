@@ -46,3 +46,12 @@ pub fn random_checkpoint(name: &str, args: &[&str]) -> PathBuf {
     reference(&a);
     dir
 }
+
+/// A tiny model from `llama init` in `dir` (hidden 32, 2 heads, 1 key-value head, MLP 64) with
+/// `layers` layers, through the built binary.
+pub fn tiny_model(dir: &Path, layers: &str) {
+    let d = dir.to_str().unwrap();
+    let args = ["init", "--out", d, "--layers", layers, "--hidden", "32", "--heads", "2", "--kv-heads", "1"];
+    let out = Command::new(env!("CARGO_BIN_EXE_llama")).args(args).args(["--intermediate", "64"]).output().unwrap();
+    assert!(out.status.success(), "llama init failed:\n{}", String::from_utf8_lossy(&out.stderr));
+}
