@@ -1,13 +1,74 @@
 #!/usr/bin/env bash
-# Side-by-side throughput of the Llama example and transformers on the same machine, in one run:
-# generation tokens/s at batch 1 and 16 (greedy, fixed length) and training forward+backward
-# tokens/s, SmolLM2-135M-Instruct in f32 on CPU. Usage: scripts/bench_llama.sh [MODEL_DIR]
+# Every ratio of issue #13 in one run, side by side on this machine: the Llama example against
+# transformers (generation tokens/s at batch 1 and 16 — 16 rows is also what `sample` generates by
+# default, 4 prompts × 4 samples — and training forward + backward tokens/s, plain and through
+# the fused log-prob path, each with its FLOP/s and share of the machine's measured peak), and
+# the token-level losses against the same computations written in PyTorch (TOPR, PPO, DPO at
+# B = 512, T = 2048, forward + backward, the same libtorch). REPS repetitions, alternating the
+# two sides; prints mean ± sd over repetitions and the ratio of each repetition's pair.
+#
+#   scripts/bench_llama.sh [MODEL_DIR] [REPS] [OUT]
+#
+# Defaults: models/smollm2-135m-instruct (made offline by scripts/smollm2.sh), 3, and
+# target/bench-llama.jsonl (every measurement, one JSON line each, with its repetition).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 model="${1:-models/smollm2-135m-instruct}"
+reps="${2:-3}"
+out="${3:-target/bench-llama.jsonl}"
 [ -f "$model/model.safetensors" ] || scripts/smollm2.sh "$model"
-cargo build --release -p topr-llama --bin llama
+cargo build --release -q -p topr-llama --bin llama
 NEW=64 B=8 T=128
-./target/release/llama bench --model "$model" --new-tokens $NEW --train-batch $B --train-len $T
-"$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/bench_hf.py "$model" $NEW $B $T 2>/dev/null
+# The PyTorch side gets the allocator settings the llama binary gives itself (keep_freed_memory).
+malloc=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864)
+: > "$out"
+tag() { python3 -c 'import json,sys; r=int(sys.argv[1]); [print(json.dumps({**json.loads(l), "rep": r})) for l in sys.stdin if l.startswith("{")]' "$1"; }
+for ((r = 0; r < reps; r++)); do
+    echo "repetition $((r + 1)) of $reps" >&2
+    ./target/release/llama bench --model "$model" --new-tokens $NEW --train-batch $B --train-len $T 2>/dev/null | tag $r >> "$out"
+    "$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/bench_hf.py "$model" $NEW $B $T 2>/dev/null | tag $r >> "$out"
+    ./target/release/llama check losses --device cpu --batch 512 --len 2048 --iters 10 2>/dev/null | tag $r >> "$out"
+    env "${malloc[@]}" "$TOPR_REFERENCE_PYTHON" scripts/gpu_bundle/losses_torch.py --device cpu --batch 512 --len 2048 \
+        --iters 10 2>/dev/null | tag $r >> "$out"
+done
+python3 - "$out" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def ms(v):
+    return f"{statistics.mean(v):.3g} ± {statistics.stdev(v):.2g}" if len(v) > 1 else f"{v[0]:.3g}"
+def pick(**kw):
+    out = {}
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            out[r["rep"]] = r
+    return out
+print(f"{'measurement':44} {'topr-loss':>18} {'reference':>18} {'ratio':>14} {'target':>8}")
+def line(name, ours, theirs, key, target, higher_is_better=True):
+    reps = sorted(set(ours) & set(theirs))
+    if not reps:
+        print(f"{name:44} (missing)"); return
+    a = [ours[r][key] for r in reps]; b = [theirs[r][key] for r in reps]
+    ratio = [x / y for x, y in zip(a, b)]
+    print(f"{name:44} {ms(a):>18} {ms(b):>18} {ms(ratio):>14} {target:>8}")
+for batch, target in [(1, "≥ 1.2"), (16, "≥ 2")]:
+    line(f"generate tokens/s, batch {batch}", pick(what="generate", impl="topr-loss", batch=batch),
+         pick(what="generate", impl="transformers", batch=batch), "tokens_per_s", target)
+line("train fwd+bwd tokens/s, 8 × 128", pick(what="train_fwd_bwd", impl="topr-loss"),
+     pick(what="train_fwd_bwd", impl="transformers"), "tokens_per_s", "≥ 1.3")
+line("fused log-prob path / plain (ours)", pick(what="train_fwd_bwd_fused_logprobs", impl="topr-loss"),
+     pick(what="train_fwd_bwd", impl="topr-loss"), "tokens_per_s", "≥ 1")
+for loss in ["topr_token_loss", "ppo_clip_loss", "dpo_loss"]:
+    for checks in ["full", "shapes"]:
+        line(f"{loss} ms, {checks} checks / PyTorch", pick(what="loss", loss=loss, checks=checks, device="cpu"),
+             pick(what="loss", loss=loss, checks="pytorch", device="cpu"), "ms", "≤ 1")
+print("\nroofline (ours): share of the measured peak (a matmul in the same run)")
+peak = [r["tflops"] for r in rows if r.get("what") == "peak"]
+if peak:
+    print(f"  peak {ms([p * 1e3 for p in peak])} GFLOP/s")
+for what in ["generate", "train_fwd_bwd", "train_fwd_bwd_fused_logprobs"]:
+    for r in sorted({(x.get("batch"), x.get("len")) for x in rows if x.get("what") == what and x.get("impl") == "topr-loss"}, key=str):
+        v = [x for x in rows if x.get("what") == what and x.get("impl") == "topr-loss" and (x.get("batch"), x.get("len")) == r]
+        print(f"  {what} batch {r[0]}: {ms([x['achieved_tflops'] * 1e3 for x in v])} GFLOP/s, "
+              f"{ms([100 * x['share_of_peak'] for x in v])} % of peak")
+PY
