@@ -24,8 +24,11 @@ fn text(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
 }
 
+/// Runs `args` as one process, with one intra-op thread like each rank of [`spawn_group`]: the
+/// files of a group and of one process are compared at the same thread count (libtorch's CPU
+/// kernels may round differently with another).
 fn run(args: &[&str]) -> String {
-    let out = Command::new(llama()).args(args).output().unwrap();
+    let out = Command::new(llama()).args(args).env("OMP_NUM_THREADS", "1").output().unwrap();
     assert!(out.status.success(), "llama {args:?} failed:\n{}", text(&out));
     String::from_utf8(out.stdout).unwrap()
 }
@@ -46,6 +49,14 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// The tests of this file run one at a time: each starts several processes, and two tests' ranks
+/// on the same cores would oversubscribe them (libtorch's threads spin while they wait).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Starts `args` as the `world` ranks of a group, as torchrun would (one intra-op thread each:
 /// the two ranks share this machine's cores).
 fn spawn_group(args: &[&str], world: usize, extra_env: &[(&str, &str)]) -> Vec<Child> {
@@ -58,6 +69,7 @@ fn spawn_group(args: &[&str], world: usize, extra_env: &[(&str, &str)]) -> Vec<C
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
+                .env("OMP_NUM_THREADS", "1")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in extra_env {
@@ -140,6 +152,7 @@ const TASK: [&str; 6] = ["--task", "synthetic", "--synthetic-n", "8", "--difficu
 
 #[test]
 fn sharded_sampling_and_evaluation_merge_into_the_file_of_one_process() {
+    let _serial = serial();
     let (dir, m0, _) = setup("dist_shards");
     let sample = |out: &Path, extra: &[&str]| {
         let mut a = vec![
@@ -244,6 +257,7 @@ fn train_args<'a>(m0: &'a Path, data: &'a Path, out: &'a Path, objective: &'a st
 
 #[test]
 fn two_ranks_train_as_one_process_does_for_topr_and_ppo() {
+    let _serial = serial();
     let (dir, m0, data) = setup("dist_train");
     for objective in ["topr", "ppo"] {
         let one = dir.join(format!("{objective}-one"));
@@ -306,6 +320,7 @@ fn two_ranks_train_as_one_process_does_for_topr_and_ppo() {
 
 #[test]
 fn a_killed_rank_is_an_error_on_the_other_and_the_run_resumes() {
+    let _serial = serial();
     let (dir, m0, data) = setup("dist_kill");
     let one = dir.join("one");
     let two = dir.join("two");
@@ -348,6 +363,7 @@ fn a_killed_rank_is_an_error_on_the_other_and_the_run_resumes() {
 
 #[test]
 fn two_ranks_iterate_as_one_process_does() {
+    let _serial = serial();
     let (dir, m0, _) = setup("dist_iterate");
     let args = |work: &Path| -> Vec<String> {
         let mut a = vec![
@@ -394,6 +410,7 @@ fn two_ranks_iterate_as_one_process_does() {
 
 #[test]
 fn commands_that_do_not_run_as_a_group_are_refused_under_one() {
+    let _serial = serial();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dist_refused");
     let _ = std::fs::remove_dir_all(&dir);
     let out = Command::new(llama())
