@@ -194,6 +194,12 @@ fn check_run(work: &Path, started: bool, run: &IterateRun) -> Result<()> {
     })?;
     let saved: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+    // Read as the settings of this version (fields added since then take their defaults, which
+    // mean "off"), so that a record written before a setting existed matches a run without it.
+    let saved = match serde_json::from_value::<IterateRun>(saved.clone()) {
+        Ok(r) => serde_json::to_value(r)?,
+        Err(_) => saved,
+    };
     let differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &MAY_CHANGE);
     if !differences.is_empty() {
         bail!(Refusal::ChangedSettings { dir: work.to_path_buf(), differences, run: crate::Resumable::Iterations });
@@ -338,5 +344,39 @@ fn print_table(rows: &[IterationRecord]) {
             f(r.p_tilde),
             f(r.truncated_fraction_neg)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loop recorded before a setting existed resumes under a version that has it (the field
+    /// absent from `settings.json` reads as its default, "off"); a changed setting is refused.
+    #[test]
+    fn a_record_without_newer_settings_resumes() {
+        let work = std::env::temp_dir().join(format!("iterate_check_run_{}", std::process::id()));
+        std::fs::create_dir_all(&work).unwrap();
+        let settings = crate::demo::iterate_settings(
+            work.clone(),
+            crate::demo::Scale::quick(),
+            0,
+            crate::demo::topr_settings().unwrap(),
+        );
+        let run = IterateRun {
+            model: ModelId { path: "m".into(), config: "c".into(), weights: Default::default() },
+            settings,
+        };
+        let mut old = serde_json::to_value(&run).unwrap();
+        for key in ["dpo_mix", "off_policy_mask", "rejection", "rollout_correction", "kl_coef"] {
+            assert!(old["train"].as_object_mut().unwrap().remove(key).is_some(), "{key}");
+        }
+        std::fs::write(work.join("settings.json"), old.to_string()).unwrap();
+        check_run(&work, true, &run).unwrap();
+        let mut changed = run.clone();
+        changed.settings.train.lr *= 2.0;
+        let err = check_run(&work, true, &changed).unwrap_err();
+        assert!(format!("{err:#}").contains("train.lr"), "{err:#}");
+        let _ = std::fs::remove_dir_all(&work);
     }
 }
