@@ -221,8 +221,8 @@ fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<Iterat
 }
 
 /// The verifier's pipeline for `seed`, from the warm model: the demo's training questions and
-/// sampling, k = 4 solutions a question, two TOPR iterations of the judge (2 judgements per
-/// solution, 16 tokens each), the arms' held-out questions.
+/// sampling, k = 4 solutions a question, two rounds of the judge's TOPR training (the demo's TOPR
+/// settings), the arms' held-out questions.
 pub fn verifier_settings(dir: &Path, scale: Scale, seed: u64) -> Result<VerifySettings> {
     let it = demo::iterate_settings(dir.join("verifier"), scale, seed, demo::topr_settings()?);
     Ok(VerifySettings {
@@ -233,8 +233,6 @@ pub fn verifier_settings(dir: &Path, scale: Scale, seed: u64) -> Result<VerifySe
         sampling: it.sampling,
         train: TrainSettings { seed, ..it.train },
         judge_iterations: 2,
-        judge_samples: 2,
-        judge_max_new_tokens: 16,
         batch_prompts: 16,
         seed: seed as i64,
         work: dir.join("verifier"),
@@ -282,7 +280,7 @@ fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
     )?;
     writeln!(
         md,
-        "Each cell: mean ± standard error over seeds of the held-out share (k = 4 solutions per question,          the seeds' warm models, two TOPR iterations of the judge). `SE questions`: the mean over seeds          of each seed's standard error over its questions.
+        "Each cell: mean ± standard error over seeds of the held-out share (k = 4 solutions per question,          the seeds' warm models, two TOPR rounds of the judge). `SE questions`: the mean over seeds          of each seed's standard error over its questions.
 "
     )?;
     writeln!(

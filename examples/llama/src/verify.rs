@@ -1,21 +1,26 @@
 //! The generative verifier, the paper's second use of TOPR (Le Roux et al. 2025, section 5.3):
 //! the model learns to judge a completion — "is this solution correct?", answered in text — from
-//! graded samples, with TOPR on its own sampled judgements, and its judgement then picks one of
-//! `k` sampled solutions per question.
+//! graded samples, with TOPR, and its judgement then picks one of `k` sampled solutions per
+//! question.
 //!
-//! The verifier's task is an ordinary task of this crate: each graded completion becomes a
-//! problem whose question shows the original problem and the completion and asks for "The answer
-//! is 1." (correct) or "The answer is 0." (not), so sampling, grading, `train` and `iterate` work
-//! on it unchanged ([`judge_problem`]). [`run`] chains the stages in a work directory, each
-//! reused when it is done:
+//! Each graded solution becomes a *judge problem* ([`judge_problem`]): the original problem and
+//! the solution, and the question whether it is correct, answered "The answer is 1." (correct) or
+//! "The answer is 0." (not) — the answer format of every task of this crate. [`run`] chains the
+//! stages in a work directory, each reused when it is done:
 //!
 //! 1. `solutions.jsonl`: `k` graded solutions per training question, sampled from the solver;
 //! 2. `heldout-solutions.jsonl`: `k` per held-out question;
-//! 3. `judge-train.jsonl`, `judge-heldout.jsonl`: their judge problems (GSM8K layout);
-//! 4. `verifier/`: an `iterate` run from the solver on the judge problems (TOPR by default: it
-//!    samples judgements, grades them against the truth, trains off-policy), evaluated on the
-//!    held-out judge problems (its `iterations.jsonl` accuracy is the verifier's judgement
-//!    accuracy);
+//! 3. `judge-train.jsonl`, `judge-heldout.jsonl`: their judge problems (GSM8K layout, so that
+//!    `--task gsm8k --data` reads them);
+//! 4. `verifier/round-R/`: rounds of off-policy training of a copy of the solver. In each round,
+//!    both verdicts of every training judge problem are scored under the current model (μ) and
+//!    become a data set of graded completions — the true verdict with reward +1, the false one
+//!    with −1 — on which the model trains (TOPR by default, with the `train` settings); the round's
+//!    model is μ of the next. Training on both verdicts, rather than on sampled judgements, is
+//!    what makes the stage work from a model that has never judged: a small model asked to judge
+//!    first writes a solution, not a verdict, and its own samples would be all negatives (every
+//!    judgement invalid). It is off-policy data of exactly the kind TOPR is for: completions not
+//!    drawn from the policy, with their log-probabilities under μ, half of them negatives.
 //! 5. `verify.jsonl` (one line per held-out question) and `verify.json` ([`VerifySummary`]): the
 //!    verifier scores every held-out solution by `P(1) = σ(log p(“…1.”) − log p(“…0.”))`, teacher
 //!    forced, and picks the highest; against the first sample (pass@1), majority voting (maj@k)
@@ -24,12 +29,11 @@
 use crate::checkpoint::{self, Placement};
 use crate::eval::{PromptStyle, majority, prompt_ids};
 use crate::generate::{self, Sampling};
-use crate::iterate::{self, IterateSettings};
-use crate::sample::{self, Sample, SampleSettings};
+use crate::sample::{self, Sample, SampleSettings, SamplingRecord};
 use crate::shard::Shard;
 use crate::task::{self, Problem, Source, TaskSpec};
 use crate::tokenizer::Tokenizer;
-use crate::train::TrainSettings;
+use crate::train::{self, TrainSettings};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -133,12 +137,8 @@ pub struct VerifySettings {
     pub sampling: Sampling,
     /// The verifier's training: its objective and optimiser (TOPR by default).
     pub train: TrainSettings,
-    /// `iterate` iterations of the verifier (0: the solver judges untrained).
+    /// Rounds of the verifier's training (0: the solver judges untrained).
     pub judge_iterations: usize,
-    /// Judgements sampled per judge problem and iteration.
-    pub judge_samples: usize,
-    /// The token budget of a judgement ("The answer is 1." and an end of text).
-    pub judge_max_new_tokens: i64,
     /// Prompts per generation batch.
     pub batch_prompts: usize,
     /// Seeds the solutions (the held-out ones with `seed + 1`).
@@ -211,8 +211,8 @@ fn held_out(s: &VerifySettings) -> Result<Vec<Problem>> {
 /// Runs (or continues: finished stages are reused) the generative-verifier pipeline from the
 /// solver in `model`, loaded with `at`, in `s.work`; returns and writes its summary.
 pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySummary> {
-    if s.k == 0 || s.judge_samples == 0 {
-        bail!("the number of solutions per question and of judgements per problem must be >= 1");
+    if s.k == 0 {
+        bail!("the number of solutions per question must be >= 1");
     }
     crate::io::refuse_overlap(model, &s.work, "work directory")?;
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
@@ -238,7 +238,9 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     let held_samples = sample::read_dataset(&held_solutions, false)?.0;
     let cfg = crate::config::LlamaConfig::load(model)?;
     let tok = Tokenizer::load(model, &cfg)?;
-    let fit = |samples: &[Sample]| judge_problems(&tok, samples, cfg.max_position_embeddings, s.judge_max_new_tokens);
+    let verdicts = [tok.encode("The answer is 0.", false)?, tok.encode("The answer is 1.", false)?];
+    let answer_tokens = verdicts.iter().map(Vec::len).max().unwrap_or(0) as i64;
+    let fit = |samples: &[Sample]| judge_problems(&tok, samples, cfg.max_position_embeddings, answer_tokens);
     let (train_problems, cut_train) = fit(&sample::read_dataset(&solutions, false)?.0)?;
     let (held_problems, cut_held) = fit(&held_samples)?;
     if cut_train + cut_held > 0 {
@@ -246,37 +248,14 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     }
     write_problems(&train_problems, &judge_train)?;
     write_problems(&held_problems, &judge_held)?;
-    // 4. The verifier, trained with `iterate` from the solver.
-    let verifier = if s.judge_iterations == 0 {
-        model.to_path_buf()
-    } else {
-        let work = s.work.join("verifier");
-        let settings = IterateSettings {
-            task: TaskSpec {
-                source: Source::Gsm8k(judge_train.clone()),
-                seed: s.task.seed,
-                limit: 0,
-                prompting: task::Prompting::Chat,
-                skip_bad_lines: false,
-            },
-            train: TrainSettings { resume: true, skip_bad_records: true, ..s.train.clone() },
-            sampling: Sampling { max_new_tokens: s.judge_max_new_tokens, ..s.sampling },
-            work: work.clone(),
-            iterations: s.judge_iterations,
-            samples_per_prompt: s.judge_samples,
-            batch_prompts: s.batch_prompts,
-            curate: iterate::Curation::All,
-            eval_data: Some(judge_held.clone()),
-            eval_n: held_samples.len(),
-            eval_batch_size: 64,
-        };
-        iterate::run(model, at, &settings, None)?;
-        work.join(format!("iter-{}", s.judge_iterations)).join("model")
-    };
+    // 4. The verifier: rounds of TOPR on both verdicts of every training judge problem.
+    let mut verifier = model.to_path_buf();
+    for round in 1..=s.judge_iterations {
+        verifier = train_round(&verifier, at, s, round, &tok, &train_problems, &verdicts)?;
+    }
     // 5. Selection on the held-out questions.
     let (v, _) = checkpoint::open(&verifier, at)?;
-    let answer_ids = |d: u8| tok.encode(&format!("The answer is {d}."), false);
-    let (one, zero) = (answer_ids(1)?, answer_ids(0)?);
+    let [zero, one] = &verdicts;
     let mut by_question: BTreeMap<usize, Vec<(&Sample, &Problem)>> = BTreeMap::new();
     let index: BTreeMap<&str, usize> = held.iter().enumerate().map(|(i, p)| (p.id.as_str(), i)).collect();
     for (smp, judge) in held_samples.iter().zip(&held_problems) {
@@ -289,8 +268,8 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         let mut p_correct = vec![];
         for (_, judge) in &sols {
             let prompt = prompt_ids(&tok, &PromptStyle::Chat, judge)?;
-            let l1: f64 = generate::score(&v, &prompt, &one)?.iter().map(|&x| f64::from(x)).sum();
-            let l0: f64 = generate::score(&v, &prompt, &zero)?.iter().map(|&x| f64::from(x)).sum();
+            let l1: f64 = generate::score(&v, &prompt, one)?.iter().map(|&x| f64::from(x)).sum();
+            let l0: f64 = generate::score(&v, &prompt, zero)?.iter().map(|&x| f64::from(x)).sum();
             // σ(l1 − l0), in a form that cannot overflow.
             let d = l1 - l0;
             p_correct.push(if d >= 0.0 { 1.0 / (1.0 + (-d).exp()) } else { d.exp() / (1.0 + d.exp()) });
@@ -318,6 +297,72 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     let summary = summarize(&rows, s.k);
     crate::io::write_file(&s.work.join("verify.json"), serde_json::to_string_pretty(&summary)?)?;
     Ok(summary)
+}
+
+/// One round of the verifier's training from the model in `mu` (μ), in
+/// `work/verifier/round-R/`: the data set of both verdicts of every judge problem with μ's
+/// log-probs, then training; returns the round's model (reused when the round is done).
+fn train_round(
+    mu: &Path,
+    at: Placement,
+    s: &VerifySettings,
+    round: usize,
+    tok: &Tokenizer,
+    problems: &[Problem],
+    verdicts: &[Vec<i64>; 2],
+) -> Result<PathBuf> {
+    let dir = s.work.join("verifier").join(format!("round-{round}"));
+    let (model_dir, done, data) = (dir.join("model"), dir.join("train.done.json"), dir.join("data.jsonl"));
+    if done.exists() {
+        return Ok(model_dir);
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (m, _) = checkpoint::open(mu, at)?;
+    let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
+    if !data.exists() {
+        let pb = indicatif::ProgressBar::new(problems.len() as u64);
+        crate::io::write_atomic(&data, |w| {
+            for p in problems {
+                let prompt = prompt_ids(tok, &PromptStyle::Chat, p)?;
+                for (d, ids) in verdicts.iter().enumerate() {
+                    let logp = generate::score(&m, &prompt, ids)?;
+                    let seq: f64 = logp.iter().map(|&x| f64::from(x)).sum();
+                    let correct = (d as f64 - p.answer).abs() < 0.5;
+                    let smp = Sample {
+                        id: p.id.clone(),
+                        sample: d,
+                        question: p.question.clone(),
+                        prompt_ids: prompt.clone(),
+                        completion: format!("The answer is {d}."),
+                        completion_ids: ids.clone(),
+                        logp_sampling: logp.clone(),
+                        logp_mu: logp,
+                        seq_logp_mu: seq,
+                        seq_logp_sampling: seq,
+                        answer: Some(d as f64),
+                        reference: p.answer,
+                        correct,
+                        invalid: false,
+                        reward: if correct { 1.0 } else { -1.0 },
+                        stop: generate::Stop::Length,
+                        sampling: record.clone(),
+                    };
+                    writeln!(w, "{}", serde_json::to_string(&smp)?)?;
+                }
+                pb.inc(1);
+            }
+            Ok(())
+        })?;
+        pb.finish_and_clear();
+    }
+    let settings = TrainSettings { resume: true, ..s.train.clone() };
+    let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, false)?;
+    let run_record = train::RunRecord::new(mu, &data, &samples, &settings)?;
+    let summary = train::run(&m, &samples, &settings, &run_record, &dir, None)?;
+    checkpoint::save(&m, mu, &model_dir)?;
+    train::finish(&dir);
+    crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
+    Ok(model_dir)
 }
 
 /// The summary of the held-out questions' rows.

@@ -70,7 +70,7 @@ fn the_verifier_claim_runs_its_pipeline_per_seed_and_reports() {
         assert_eq!(r["seed"], seed);
         let v = r["summary"]["verifier_at_k"]["mean"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&v));
-        assert!(work.join(format!("seed-{seed}/verifier/verifier/iter-2/model/model.safetensors")).exists());
+        assert!(work.join(format!("seed-{seed}/verifier/verifier/round-2/model/model.safetensors")).exists());
     }
     let md = std::fs::read_to_string(work.join("study.md")).unwrap();
     assert!(md.contains("## verifier") && md.contains("| verifier@k (its pick) | 2 |"), "{md}");

@@ -1,5 +1,5 @@
 //! `llama verify` end to end at CI size: a tiny model from scratch judges its own solutions after
-//! one TOPR iteration on its sampled judgements; the files and the summary are consistent, and a
+//! one TOPR round on both verdicts of each; the files and the summary are consistent, and a
 //! rerun reuses every stage.
 
 mod common;
@@ -41,8 +41,6 @@ fn verify_trains_a_judge_and_picks_among_k() {
         "3",
         "--judge-iterations",
         "1",
-        "--judge-samples",
-        "2",
         "--eval-n",
         "5",
         "--batch-size",
@@ -62,8 +60,24 @@ fn verify_trains_a_judge_and_picks_among_k() {
     assert_eq!(lines("heldout-solutions.jsonl"), 5 * 3);
     assert_eq!(lines("judge-train.jsonl"), 6 * 3);
     assert_eq!(lines("judge-heldout.jsonl"), 5 * 3);
-    assert_eq!(lines("verifier/iter-1/data.jsonl"), 6 * 3 * 2);
-    assert!(work.join("verifier/iter-1/model/model.safetensors").exists());
+    // Both verdicts of every training solution, the true one rewarded +1, the other -1.
+    assert_eq!(lines("verifier/round-1/data.jsonl"), 6 * 3 * 2);
+    let verdicts: Vec<Value> = std::fs::read_to_string(work.join("verifier/round-1/data.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for pair in verdicts.chunks(2) {
+        assert_eq!(pair[0]["completion"], "The answer is 0.");
+        assert_eq!(pair[1]["completion"], "The answer is 1.");
+        assert_ne!(pair[0]["correct"], pair[1]["correct"]);
+        for v in pair {
+            let r = if v["correct"].as_bool().unwrap() { 1.0 } else { -1.0 };
+            assert_eq!(v["reward"].as_f64().unwrap(), r);
+            assert!(v["logp_mu"].as_array().unwrap().iter().all(|x| x.as_f64().unwrap() < 0.0));
+        }
+    }
+    assert!(work.join("verifier/round-1/model/model.safetensors").exists());
     // Judge problems carry the truth of the solution they judge.
     let sol: Vec<Value> = std::fs::read_to_string(work.join("heldout-solutions.jsonl"))
         .unwrap()
@@ -107,7 +121,7 @@ fn verify_trains_a_judge_and_picks_among_k() {
     let o = llama(&args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let log = String::from_utf8_lossy(&o.stderr);
-    assert!(log.contains("all 6 prompts already sampled") && !log.contains("resuming"), "{log}");
+    assert!(log.contains("all 6 prompts already sampled") && !log.contains("completions,"), "{log}");
     assert!(std::fs::read(work.join("solutions.jsonl")).unwrap() == before);
     assert_eq!(String::from_utf8_lossy(&o.stdout), table);
     // Bad settings: a GSM8K task without held-out questions is refused in one line.

@@ -137,9 +137,10 @@ pub enum Command {
     },
     /// The generative verifier (the paper's second use of TOPR): samples K graded solutions per
     /// question, trains a copy of the model to judge them ("is this solution correct?", answered
-    /// "The answer is 1/0.") with `iterate` on its own sampled judgements, then lets it pick one of
-    /// K solutions per held-out question; prints verifier@K against pass@1, maj@K and pass@K with
-    /// standard errors, and writes verify.json and verify.jsonl to --work. Rerun to resume.
+    /// "The answer is 1/0.") with TOPR on both verdicts of every solution, off-policy, then lets it
+    /// pick one of K solutions per held-out question; prints verifier@K against pass@1, maj@K and
+    /// pass@K with standard errors, and writes verify.json and verify.jsonl to --work. Rerun to
+    /// resume.
     Verify {
         #[command(flatten)]
         model: ModelArgs,
@@ -158,15 +159,10 @@ pub enum Command {
         /// Solutions sampled per question (training and held-out; >= 1).
         #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         samples: usize,
-        /// Iterations of the verifier's training (0: the model judges untrained).
-        #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
+        /// Rounds of the verifier's training, each on both verdicts of every judged solution
+        /// scored under the previous round's model (0: the model judges untrained).
+        #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
         judge_iterations: usize,
-        /// Judgements sampled per judge problem and iteration (>= 1).
-        #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
-        judge_samples: usize,
-        /// The token budget of a judgement.
-        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1i64, 4096))]
-        judge_max_new_tokens: i64,
         /// Prompts per generation batch.
         #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_prompts: usize,
@@ -366,8 +362,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             work,
             samples,
             judge_iterations,
-            judge_samples,
-            judge_max_new_tokens,
             batch_prompts,
             eval_data,
             eval_n,
@@ -384,8 +378,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 sampling: sampling.sampling(),
                 train: train.settings()?,
                 judge_iterations,
-                judge_samples,
-                judge_max_new_tokens,
                 batch_prompts,
                 seed,
                 work,
