@@ -10,7 +10,9 @@
 #   scripts/bench_llama.sh [MODEL_DIR] [REPS] [OUT]
 #
 # Defaults: models/smollm2-135m-instruct (made offline by scripts/smollm2.sh), 3, and
-# target/bench-llama.jsonl (every measurement, one JSON line each, with its repetition).
+# target/bench-llama.jsonl (every measurement, one JSON line each, with its repetition). The sizes
+# can be changed for a quick check of the script: NEW (64 new tokens), B and T (training batch,
+# 8 × 128), LOSS_B and LOSS_T (512 × 2048), ITERS (10 timed calls per loss).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -19,7 +21,8 @@ reps="${2:-3}"
 out="${3:-target/bench-llama.jsonl}"
 [ -f "$model/model.safetensors" ] || scripts/smollm2.sh "$model"
 cargo build --release -q -p topr-llama --bin llama
-NEW=64 B=8 T=128
+NEW=${NEW:-64} B=${B:-8} T=${T:-128}
+LOSS_B=${LOSS_B:-512} LOSS_T=${LOSS_T:-2048} ITERS=${ITERS:-10}
 # The PyTorch side gets the allocator settings the llama binary gives itself (keep_freed_memory).
 malloc=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864)
 : > "$out"
@@ -28,9 +31,9 @@ for ((r = 0; r < reps; r++)); do
     echo "repetition $((r + 1)) of $reps" >&2
     ./target/release/llama bench --model "$model" --new-tokens $NEW --train-batch $B --train-len $T 2>/dev/null | tag $r >> "$out"
     "$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/bench_hf.py "$model" $NEW $B $T 2>/dev/null | tag $r >> "$out"
-    ./target/release/llama check losses --device cpu --batch 512 --len 2048 --iters 10 2>/dev/null | tag $r >> "$out"
-    env "${malloc[@]}" "$TOPR_REFERENCE_PYTHON" scripts/gpu_bundle/losses_torch.py --device cpu --batch 512 --len 2048 \
-        --iters 10 2>/dev/null | tag $r >> "$out"
+    ./target/release/llama check losses --device cpu --batch $LOSS_B --len $LOSS_T --iters $ITERS 2>/dev/null | tag $r >> "$out"
+    env "${malloc[@]}" "$TOPR_REFERENCE_PYTHON" scripts/gpu_bundle/losses_torch.py --device cpu --batch $LOSS_B \
+        --len $LOSS_T --iters $ITERS 2>/dev/null | tag $r >> "$out"
 done
 python3 - "$out" <<'PY'
 import json, statistics, sys
@@ -54,7 +57,7 @@ def line(name, ours, theirs, key, target, higher_is_better=True):
 for batch, target in [(1, "≥ 1.2"), (16, "≥ 2")]:
     line(f"generate tokens/s, batch {batch}", pick(what="generate", impl="topr-loss", batch=batch),
          pick(what="generate", impl="transformers", batch=batch), "tokens_per_s", target)
-line("train fwd+bwd tokens/s, 8 × 128", pick(what="train_fwd_bwd", impl="topr-loss"),
+line("train fwd+bwd tokens/s", pick(what="train_fwd_bwd", impl="topr-loss"),
      pick(what="train_fwd_bwd", impl="transformers"), "tokens_per_s", "≥ 1.3")
 line("fused log-prob path / plain (ours)", pick(what="train_fwd_bwd_fused_logprobs", impl="topr-loss"),
      pick(what="train_fwd_bwd", impl="topr-loss"), "tokens_per_s", "≥ 1")
