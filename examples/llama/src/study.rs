@@ -38,9 +38,9 @@ pub enum Claim {
     /// Stability far off-policy: four epochs on each sampled data set with the gradient clipped
     /// at 100 (the paper's setting for IS): TOPR against IS, TIS, naive REINFORCE and PPO.
     OffPolicy,
-    /// The generative verifier: trained with TOPR on the warm model's own judgements of its
-    /// solutions, it picks one of k held-out solutions; against pass@1 and majority voting
-    /// ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
+    /// The generative verifier: the warm model trained with TOPR to judge its own solutions (on
+    /// both verdicts of each), it picks one of k held-out solutions; against pass@1 and majority
+    /// voting ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
     Verifier,
 }
 
@@ -76,7 +76,7 @@ impl Claim {
                 "Far off-policy (4 epochs per data set, gradient norm clipped at 100): does TOPR stay stable where IS, TIS, naive REINFORCE or PPO do not?"
             }
             Self::Verifier => {
-                "Does a verifier trained with TOPR on the model's own judgements pick a better solution among k than majority voting?"
+                "Does a verifier trained with TOPR to judge the model's own solutions pick a better one among k than majority voting?"
             }
         }
     }
@@ -280,8 +280,12 @@ fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
     )?;
     writeln!(
         md,
-        "Each cell: mean ± standard error over seeds of the held-out share (k = 4 solutions per question,          the seeds' warm models, two TOPR rounds of the judge). `SE questions`: the mean over seeds          of each seed's standard error over its questions.
-"
+        "{}",
+        concat!(
+            "Each cell: mean ± standard error over seeds of the held-out share (k = 4 solutions per question, ",
+            "the seeds' warm models, two TOPR rounds of the judge on both verdicts of its own training solutions). ",
+            "`SE questions`: the mean over seeds of each seed's standard error over its questions.\n"
+        )
     )?;
     writeln!(
         md,
