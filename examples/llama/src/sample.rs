@@ -241,9 +241,9 @@ pub fn sample_dataset(
     settings: &SampleSettings,
     out: &Path,
 ) -> Result<usize> {
-    let SampleSettings { samples_per_prompt: n, sampling: s, seed, batch_prompts, shard } = *settings;
+    let SampleSettings { samples_per_prompt: n, sampling: s, seed, batch_prompts, .. } = *settings;
     s.check()?;
-    let Decoding::Sample(params) = s.decoding else {
+    let Decoding::Sample(_) = s.decoding else {
         bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
     };
     if n == 0 {
@@ -252,25 +252,9 @@ pub fn sample_dataset(
     crate::io::refuse_special(out)?;
     crate::io::refuse_overlap(model_dir, out, "output file")?;
     let _lock = crate::io::Lock::file(out)?;
-    let record = SamplingRecord {
-        temperature: params.temperature,
-        top_p: params.top_p,
-        top_k: params.top_k,
-        max_new_tokens: s.max_new_tokens,
-        seed,
-    };
     let all_prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
-    let run = SampleRun {
-        model: ModelId::of(model_dir)?,
-        prompts: Digest::of_records(
-            problems.iter().zip(&all_prompts).map(|(p, ids)| (&p.id, &p.question, p.answer, ids)),
-        )?,
-        problems: problems.len(),
-        samples_per_prompt: n,
-        batch_prompts,
-        sampling: record.clone(),
-        shard: (!shard.is_whole()).then_some(shard),
-    };
+    let run = sample_run(model_dir, problems, &all_prompts, settings)?;
+    let record = run.sampling.clone();
     check_run(out, &run)?;
     // This shard's problems (all of them for the whole): whole batches, seeded as in one process.
     let mine = run.shard_problems();
@@ -304,6 +288,10 @@ pub fn sample_dataset(
         })?;
     }
     if start == problems.len() {
+        if !out.exists() {
+            // A shard with no batch (fewer batches than shards): its file is empty, and whole.
+            crate::io::write_file(out, "")?;
+        }
         eprintln!("{}: all {} prompts already sampled", out.display(), problems.len());
         return Ok(0);
     }
@@ -360,6 +348,46 @@ pub fn sample_dataset(
     }
     pb.finish_and_clear();
     Ok(written)
+}
+
+/// The record of sampling `problems` (with their prompts `prompts`) from the model of
+/// `model_dir` with `settings`.
+fn sample_run(
+    model_dir: &Path,
+    problems: &[Problem],
+    prompts: &[Vec<i64>],
+    settings: &SampleSettings,
+) -> Result<SampleRun> {
+    let Decoding::Sample(params) = settings.sampling.decoding else {
+        bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
+    };
+    Ok(SampleRun {
+        model: ModelId::of(model_dir)?,
+        prompts: Digest::of_records(problems.iter().zip(prompts).map(|(p, ids)| (&p.id, &p.question, p.answer, ids)))?,
+        problems: problems.len(),
+        samples_per_prompt: settings.samples_per_prompt,
+        batch_prompts: settings.batch_prompts,
+        sampling: SamplingRecord {
+            temperature: params.temperature,
+            top_p: params.top_p,
+            top_k: params.top_k,
+            max_new_tokens: settings.sampling.max_new_tokens,
+            seed: settings.seed,
+        },
+        shard: (!settings.shard.is_whole()).then_some(settings.shard),
+    })
+}
+
+/// Whether `out` holds the whole data set `run` describes: its record equal to `run` and every
+/// completion there (anything unreadable: no).
+fn is_complete(out: &Path, run: &SampleRun) -> bool {
+    let saved =
+        std::fs::read_to_string(run_file(out)).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let same = match (saved, serde_json::to_value(run)) {
+        (Some(a), Ok(b)) => crate::identity::differences(&a, &b, &[]).is_empty(),
+        _ => false,
+    };
+    same && read_dataset(out, false).is_ok_and(|(r, _)| r.len() == run.problems * run.samples_per_prompt)
 }
 
 /// Refuses to extend `out` when it was sampled otherwise than `run` (or its record is missing);
@@ -490,7 +518,9 @@ fn write_merged(mut parts: Vec<ShardPart>, names: &[String], out: &Path) -> Resu
 /// rank `r` of `n` samples shard `r/n` into [`shard_file`]`(out)` (resumable, like any data
 /// set), the shards' files are gathered to rank 0 through the group, and rank 0 writes `out`
 /// exactly as one process would; the shard files are then removed. When `out` is complete
-/// already (a rerun), nothing is sampled. `settings.shard` is ignored: the group decides.
+/// already and was sampled with the same model, problems and settings (a rerun), nothing is
+/// sampled. Returns the completions written by all ranks. `settings.shard` is ignored: the
+/// group decides.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_parallel(
     model: &Llama,
@@ -513,9 +543,10 @@ pub fn sample_parallel(
             out,
         );
     };
-    let done = g.is_main() && out.exists() && run_file(out).exists() && {
-        let (records, _) = read_dataset(out, false)?;
-        records.len() == problems.len() * settings.samples_per_prompt
+    let done = g.is_main() && out.exists() && {
+        let whole = SampleSettings { shard: Shard::WHOLE, ..*settings };
+        let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+        is_complete(out, &sample_run(model_dir, problems, &prompts, &whole)?)
     };
     if parallel::main_says(group, done)? {
         return Ok(0);
@@ -548,7 +579,9 @@ pub fn sample_parallel(
     parallel::barrier(group)?;
     let _ = std::fs::remove_file(&part);
     let _ = std::fs::remove_file(run_file(&part));
-    Ok(written)
+    let mut total = [written as f64];
+    parallel::sum(group, &mut total)?;
+    Ok(total[0] as usize)
 }
 
 /// Writes the worked solutions of `problems` as a data set in the same format, for supervised

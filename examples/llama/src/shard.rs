@@ -5,11 +5,27 @@
 use anyhow::{Result, bail};
 use std::ops::Range;
 
-/// Shard `index` of `count`.
+/// Shard `index` of `count` (read from a file, it is checked as [`Shard::new`] checks it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "ShardFields")]
 pub struct Shard {
     pub index: usize,
     pub count: usize,
+}
+
+/// A shard as written in a file, before its check.
+#[derive(serde::Deserialize)]
+struct ShardFields {
+    index: usize,
+    count: usize,
+}
+
+impl TryFrom<ShardFields> for Shard {
+    type Error = String;
+
+    fn try_from(f: ShardFields) -> Result<Self, String> {
+        Self::new(f.index, f.count).map_err(|e| e.to_string())
+    }
 }
 
 impl Shard {
@@ -91,5 +107,9 @@ mod tests {
         assert!("x/2".parse::<Shard>().unwrap_err().to_string().contains("index"));
         assert!("1".parse::<Shard>().is_err());
         assert_eq!("1/3".parse::<Shard>().unwrap(), Shard { index: 1, count: 3 });
+        // Read from a file, a shard is checked too.
+        assert!(serde_json::from_str::<Shard>(r#"{"index": 2, "count": 2}"#).is_err());
+        assert!(serde_json::from_str::<Shard>(r#"{"index": 0, "count": 0}"#).is_err());
+        assert_eq!(serde_json::from_str::<Shard>(r#"{"index": 1, "count": 2}"#).unwrap(), Shard { index: 1, count: 2 });
     }
 }

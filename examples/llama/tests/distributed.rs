@@ -195,6 +195,33 @@ fn sharded_sampling_and_evaluation_merge_into_the_file_of_one_process() {
     assert!(bytes(&one) == bytes(&group), "the group's file differs from one process's file");
     assert!(bytes(&run_file(&one)) == bytes(&run_file(&group)));
     assert!(!dir.join("group.jsonl.shard-0-of-2").exists() && !dir.join("group.jsonl.shard-1-of-2").exists());
+    // Fewer batches than ranks (3 prompts, one batch): rank 1's shard is empty, and the group
+    // still writes one process's file.
+    let few = |out: &Path| -> Vec<String> {
+        let a = [
+            "sample",
+            "--model",
+            s(&m0),
+            "--out",
+            s(out),
+            "--samples-per-prompt",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--batch-prompts",
+            "4",
+            "--task",
+            "synthetic",
+            "--synthetic-n",
+            "3",
+            "--difficulty",
+            "1",
+        ];
+        a.into_iter().map(String::from).collect()
+    };
+    run_v(&few(&dir.join("few-one.jsonl")));
+    run_group_v(&few(&dir.join("few-group.jsonl")), 2);
+    assert!(bytes(&dir.join("few-one.jsonl")) == bytes(&dir.join("few-group.jsonl")));
     // Merge refuses: a missing shard, a shard twice, an existing output.
     let err = |args: &[&str]| {
         let o = Command::new(llama()).args(args).output().unwrap();

@@ -118,7 +118,7 @@ pub fn accumulate(
         let logits = model.logits(&p.ids, &p.attn);
         let l = p.ids.size()[1];
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
-            // Keyed by the position of the micro-batch's first unit in the step: ranks differ.
+            // Keyed by the rank's first unit and the micro-batch's index: distinct across ranks.
             let keys_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add((share.start + k) as u64);
             loss.micro_batch(lp, p, normalizer, pairs_in_step, extras, keys_seed, &mut tally)
         })?;

@@ -503,6 +503,15 @@ pub fn run(
         progress = state.resume(model, &mut opt, record, o);
     }
     let mut progress: Progress = progress?;
+    // Every rank must stand where rank 0 does: a rank that cannot see the saved state (no shared
+    // file system) would start afresh and its gradients would belong to another step.
+    let steps: Vec<f64> = parallel::gather(group, &[progress.step as f64])?.iter().map(|r| r[0]).collect();
+    if steps.iter().any(|&s| s != steps[0]) {
+        bail!(
+            "the ranks resume from different steps ({steps:?}): {} must be on a file system every rank sees",
+            dir.display()
+        );
+    }
     let mut metrics = if main { Some(MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?) } else { None };
     let pb = if main { progress_bar(plan.total, progress.step) } else { indicatif::ProgressBar::hidden() };
     for epoch in 0..o.epochs {
