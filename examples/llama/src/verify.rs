@@ -313,7 +313,27 @@ fn train_round(
 ) -> Result<PathBuf> {
     let dir = s.work.join("verifier").join(format!("round-{round}"));
     let (model_dir, done, data) = (dir.join("model"), dir.join("train.done.json"), dir.join("data.jsonl"));
+    let settings = TrainSettings { resume: true, ..s.train.clone() };
     if done.exists() {
+        // A finished round is reused only for the same inputs and training settings.
+        let text = std::fs::read_to_string(&done).with_context(|| format!("reading {}", done.display()))?;
+        if let Ok(saved) = serde_json::from_str::<RoundDone>(&text) {
+            let cfg = crate::config::LlamaConfig::load(mu)?;
+            let samples = train::load_data(&data, cfg.max_position_embeddings as usize, cfg.vocab_size, false)?;
+            let record = train::RunRecord::new(mu, &data, &samples, &settings)?;
+            let differences = crate::identity::differences(
+                &serde_json::to_value(&saved.record)?,
+                &serde_json::to_value(&record)?,
+                &[],
+            );
+            if !differences.is_empty() {
+                bail!(crate::Refusal::ChangedSettings {
+                    dir: s.work.clone(),
+                    differences,
+                    run: crate::Resumable::Iterations
+                });
+            }
+        }
         return Ok(model_dir);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -355,14 +375,20 @@ fn train_round(
         })?;
         pb.finish_and_clear();
     }
-    let settings = TrainSettings { resume: true, ..s.train.clone() };
     let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, false)?;
-    let run_record = train::RunRecord::new(mu, &data, &samples, &settings)?;
-    let summary = train::run(&m, &samples, &settings, &run_record, &dir, None)?;
+    let record = train::RunRecord::new(mu, &data, &samples, &settings)?;
+    let summary = train::run(&m, &samples, &settings, &record, &dir, None)?;
     checkpoint::save(&m, mu, &model_dir)?;
     train::finish(&dir);
-    crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
+    crate::io::write_file(&done, serde_json::to_string(&RoundDone { record, summary })?)?;
     Ok(model_dir)
+}
+
+/// `train.done.json` of a finished round: what it trained on and with, and what it did.
+#[derive(Serialize, Deserialize)]
+struct RoundDone {
+    record: train::RunRecord,
+    summary: train::Summary,
 }
 
 /// The summary of the held-out questions' rows.

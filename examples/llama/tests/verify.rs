@@ -124,6 +124,13 @@ fn verify_trains_a_judge_and_picks_among_k() {
     assert!(log.contains("all 6 prompts already sampled") && !log.contains("completions,"), "{log}");
     assert!(std::fs::read(work.join("solutions.jsonl")).unwrap() == before);
     assert_eq!(String::from_utf8_lossy(&o.stdout), table);
+    // A finished judge round is not reused with other training settings.
+    let other: Vec<&str> = args.iter().map(|a| if *a == "1e-3" { "2e-3" } else { *a }).collect();
+    let o = llama(&other);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    let last = e.trim().lines().last().unwrap_or_default();
+    assert!(last.starts_with("error:") && last.contains("lr 1e-3") && last.contains("--work"), "{e}");
     // Bad settings: a GSM8K task without held-out questions is refused in one line.
     let o = llama(&["verify", "--model", s(&m0), "--work", s(&dir.join("w2")), "--task", "gsm8k", "--data", "x"]);
     assert!(!o.status.success());
