@@ -163,7 +163,8 @@ pub fn evaluate(
 /// [`evaluate`] spread over the ranks of a process `group` (one process without one): each rank
 /// evaluates its shard, the per-question lines are gathered to every rank through the group, and
 /// every rank returns the summary of all questions; rank 0 writes `out` (whole, atomically),
-/// exactly the file one process writes. `settings.shard` is ignored: the group decides.
+/// exactly the file one process writes. With a group the group decides the shard; without one,
+/// `settings.shard` does (and `out` holds that shard's lines).
 pub fn evaluate_parallel(
     model: &Llama,
     tok: &Tokenizer,
@@ -173,7 +174,10 @@ pub fn evaluate_parallel(
     out: Option<&std::path::Path>,
     group: Option<&ProcessGroup>,
 ) -> Result<Summary> {
-    let settings = EvalSettings { shard: parallel::shard(group), ..*settings };
+    let settings = match group {
+        Some(_) => EvalSettings { shard: parallel::shard(group), ..*settings },
+        None => *settings,
+    };
     let mut lines = vec![];
     evaluate(model, tok, problems, style, &settings, Some(&mut lines))?;
     let all = parallel::gather_bytes(group, &lines)?.concat();

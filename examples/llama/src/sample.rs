@@ -194,6 +194,23 @@ pub struct SampleSettings {
     pub shard: Shard,
 }
 
+impl SampleSettings {
+    /// The sampling settings every line records; greedy decoding is refused (it would repeat
+    /// one completion per prompt).
+    pub fn record(&self) -> Result<SamplingRecord> {
+        let Decoding::Sample(params) = self.sampling.decoding else {
+            bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
+        };
+        Ok(SamplingRecord {
+            temperature: params.temperature,
+            top_p: params.top_p,
+            top_k: params.top_k,
+            max_new_tokens: self.sampling.max_new_tokens,
+            seed: self.seed,
+        })
+    }
+}
+
 /// What a data set was sampled from, recorded in `OUT.run.json` beside it: a rerun that would
 /// extend the file must match it field for field.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -243,9 +260,7 @@ pub fn sample_dataset(
 ) -> Result<usize> {
     let SampleSettings { samples_per_prompt: n, sampling: s, seed, batch_prompts, .. } = *settings;
     s.check()?;
-    let Decoding::Sample(_) = s.decoding else {
-        bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
-    };
+    let record = settings.record()?;
     if n == 0 {
         bail!("the number of samples per prompt must be >= 1, got 0");
     }
@@ -254,7 +269,6 @@ pub fn sample_dataset(
     let _lock = crate::io::Lock::file(out)?;
     let all_prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
     let run = sample_run(model_dir, problems, &all_prompts, settings)?;
-    let record = run.sampling.clone();
     check_run(out, &run)?;
     // This shard's problems (all of them for the whole): whole batches, seeded as in one process.
     let mine = run.shard_problems();
@@ -358,22 +372,13 @@ fn sample_run(
     prompts: &[Vec<i64>],
     settings: &SampleSettings,
 ) -> Result<SampleRun> {
-    let Decoding::Sample(params) = settings.sampling.decoding else {
-        bail!("a data set is sampled: greedy decoding would repeat one completion per prompt");
-    };
     Ok(SampleRun {
         model: ModelId::of(model_dir)?,
         prompts: Digest::of_records(problems.iter().zip(prompts).map(|(p, ids)| (&p.id, &p.question, p.answer, ids)))?,
         problems: problems.len(),
         samples_per_prompt: settings.samples_per_prompt,
         batch_prompts: settings.batch_prompts,
-        sampling: SamplingRecord {
-            temperature: params.temperature,
-            top_p: params.top_p,
-            top_k: params.top_k,
-            max_new_tokens: settings.sampling.max_new_tokens,
-            seed: settings.seed,
-        },
+        sampling: settings.record()?,
         shard: (!settings.shard.is_whole()).then_some(settings.shard),
     })
 }
@@ -519,8 +524,8 @@ fn write_merged(mut parts: Vec<ShardPart>, names: &[String], out: &Path) -> Resu
 /// set), the shards' files are gathered to rank 0 through the group, and rank 0 writes `out`
 /// exactly as one process would; the shard files are then removed. When `out` is complete
 /// already and was sampled with the same model, problems and settings (a rerun), nothing is
-/// sampled. Returns the completions written by all ranks. `settings.shard` is ignored: the
-/// group decides.
+/// sampled. Returns the completions written by all ranks. With a group the group decides the
+/// shard; without one, `settings.shard` does.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_parallel(
     model: &Llama,
@@ -533,15 +538,7 @@ pub fn sample_parallel(
     group: Option<&ProcessGroup>,
 ) -> Result<usize> {
     let Some(g) = group else {
-        return sample_dataset(
-            model,
-            tok,
-            model_dir,
-            problems,
-            style,
-            &SampleSettings { shard: Shard::WHOLE, ..*settings },
-            out,
-        );
+        return sample_dataset(model, tok, model_dir, problems, style, settings, out);
     };
     let done = g.is_main() && out.exists() && {
         let whole = SampleSettings { shard: Shard::WHOLE, ..*settings };

@@ -78,11 +78,7 @@ pub fn eval(
         shard: how.shard.unwrap_or(Shard::WHOLE),
     };
     // The per-question file appears (whole) only once the evaluation has finished.
-    let s = match (out, group) {
-        (_, Some(_)) => eval::evaluate_parallel(&m, &tok, &problems, &style, &settings, out, group)?,
-        (Some(p), None) => io::write_atomic(p, |w| eval::evaluate(&m, &tok, &problems, &style, &settings, Some(w)))?,
-        (None, None) => eval::evaluate(&m, &tok, &problems, &style, &settings, None)?,
-    };
+    let s = eval::evaluate_parallel(&m, &tok, &problems, &style, &settings, out, group)?;
     if main {
         println!("{}", serde_json::to_string(&s)?);
     }
@@ -123,10 +119,7 @@ pub fn sample(
         batch_prompts: how.batch_prompts,
         shard: how.shard.unwrap_or(Shard::WHOLE),
     };
-    let n = match group {
-        Some(_) => sampling::sample_parallel(&m, &tok, &model.model, &problems, &style, &settings, out, group)?,
-        None => sampling::sample_dataset(&m, &tok, &model.model, &problems, &style, &settings, out)?,
-    };
+    let n = sampling::sample_parallel(&m, &tok, &model.model, &problems, &style, &settings, out, group)?;
     if !parallel::is_main(group) {
         return Ok(());
     }
