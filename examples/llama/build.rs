@@ -1,18 +1,42 @@
-//! Makes the `llama` binary load libtorch's CUDA backend.
+//! Two things the Llama example needs from the libtorch that tch links (`LIBTORCH`, as tch's own
+//! build reads it):
 //!
-//! The binary calls nothing in `libtorch_cuda.so` directly, so the linker's default
-//! `--as-needed` drops it from the binary's needed libraries, and libtorch then reports no CUDA
-//! device at run time even on a GPU machine (tch-rs issue #329 and its many duplicates). When the
-//! libtorch in `LIBTORCH` is a CUDA build, link `libtorch_cuda` with `--no-as-needed`. A CPU-only
-//! libtorch has no `libtorch_cuda.so`, and nothing is added.
-use std::path::Path;
+//! 1. `csrc/onednn_linear.cpp`, compiled against libtorch's headers: oneDNN's packed linear layer
+//!    for generation on the CPU (`src/onednn.rs`), which tch does not wrap.
+//! 2. The `llama` binary must load libtorch's CUDA backend. The binary calls nothing in
+//!    `libtorch_cuda.so` directly, so the linker's default `--as-needed` drops it from the
+//!    binary's needed libraries, and libtorch then reports no CUDA device at run time even on a
+//!    GPU machine (tch-rs issue #329 and its many duplicates). When the libtorch is a CUDA
+//!    build, link `libtorch_cuda` with `--no-as-needed`. A CPU-only libtorch has no
+//!    `libtorch_cuda.so`, and nothing is added.
+use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
-    let Some(dir) = std::env::var_os("LIBTORCH") else { return };
-    let lib = Path::new(&dir).join("lib");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo:rerun-if-changed=csrc");
+    let Some(libtorch) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
+        panic!(
+            "topr-llama: LIBTORCH is not set. It compiles a small C++ file against libtorch's headers: \
+             `source scripts/env.sh` (or point LIBTORCH at a libtorch or a torch Python package directory)"
+        );
+    };
+    let include = libtorch.join("include");
+    let lib = libtorch.join("lib");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/onednn_linear.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .warnings(false)
+        .compile("topr_onednn");
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
     if lib.join("libtorch_cuda.so").exists() {
-        println!("cargo:rustc-link-search=native={}", lib.display());
         for arg in ["-Wl,--no-as-needed", "-ltorch_cuda", "-Wl,--as-needed"] {
             println!("cargo:rustc-link-arg-bins={arg}");
         }

@@ -2,7 +2,7 @@
 //! or shards listed in `model.safetensors.index.json`, and the tokenizer files beside them.
 
 use crate::config::LlamaConfig;
-use crate::model::Llama;
+use crate::model::{Kernels, Llama};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use std::collections::{BTreeMap, BTreeSet};
@@ -63,12 +63,14 @@ pub struct Placement {
     pub device: Device,
     /// The weights' dtype (converted on load): `Kind::Float`, `Kind::BFloat16` or `Kind::Half`.
     pub kind: Kind,
+    /// The kernels of generation ([`Kernels::Onednn`] by default: it applies on the CPU only).
+    pub kernels: Kernels,
 }
 
 impl Placement {
-    /// f32 on `device`.
+    /// f32 on `device`, default kernels.
     pub fn f32(device: Device) -> Self {
-        Self { device, kind: Kind::Float }
+        Self { device, kind: Kind::Float, kernels: Kernels::Onednn }
     }
 }
 
@@ -76,7 +78,8 @@ impl Placement {
 /// stderr.
 pub fn open(dir: &Path, at: Placement) -> Result<(Llama, Tokenizer)> {
     let t0 = std::time::Instant::now();
-    let m = load(dir, at.device, at.kind).with_context(|| format!("loading {}", dir.display()))?;
+    let mut m = load(dir, at.device, at.kind).with_context(|| format!("loading {}", dir.display()))?;
+    m.set_kernels(at.kernels);
     let tok = Tokenizer::load(dir, &m.cfg)?;
     eprintln!(
         "loaded {} ({} layers, {:?}, {:?}) in {:.1} s",

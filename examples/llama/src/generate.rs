@@ -166,8 +166,8 @@ pub fn generate(
         .collect();
     let mut done = vec![false; b as usize];
     tch::no_grad(|| -> Result<()> {
-        let mut cache = model.new_cache(b, p_len + s.max_new_tokens);
-        let mut logits = model.step(&ids, &positions, &mask, &mut cache).to_kind(Kind::Float); // [B, V]
+        let (mut cache, logits) = model.prefill(&ids, &mask, p_len + s.max_new_tokens)?;
+        let mut logits = logits.to_kind(Kind::Float); // [B, V]
         for k in 0..s.max_new_tokens {
             // NaN logits would make the argmax arbitrary and the multinomial draw panic.
             if !bool::try_from(logits.isfinite().all())? {
@@ -209,7 +209,7 @@ pub fn generate(
             }
             positions = positions.narrow(1, positions.size()[1] - 1, 1) + 1; // [B, 1]
             let new_mask = Tensor::ones([b, 1], (Kind::Bool, device));
-            logits = model.step(&next.unsqueeze(1), &positions, &new_mask, &mut cache).to_kind(Kind::Float);
+            logits = model.step(&next.unsqueeze(1), &positions, &new_mask, &mut cache)?.to_kind(Kind::Float);
         }
         Ok(())
     })?;

@@ -44,6 +44,7 @@ pub mod io;
 pub mod iterate;
 pub mod metrics;
 pub mod model;
+pub mod onednn;
 pub mod optim;
 pub mod parallel;
 pub mod plot;

@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
 use tch::{Device, Kind, Tensor};
+use topr_llama::model::Kernels;
 use topr_llama::{checkpoint, generate, model, tokenizer};
 
 fn to_vec3(v: &Value) -> Vec<Vec<Vec<f64>>> {
@@ -114,33 +115,38 @@ fn random_checkpoints_match_transformers() {
 #[test]
 fn kv_cache_decoding_equals_recomputing_the_sequence() {
     let dir = random_checkpoint("cache_check", &["--kv-heads", "2", "--rope", "llama3", "--seed", "4"]);
-    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
-    // Two rows of different prompt lengths, left-padded, then 6 decoded tokens each.
-    let (b, p) = (2i64, 5i64);
-    let prompt = Tensor::from_slice(&[0i64, 0, 256, 40, 41, 256, 50, 51, 52, 53]).view([b, p]);
-    let pmask = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1, 1, 1, 1, 1]).view([b, p]).to_kind(Kind::Bool);
-    let next: Vec<i64> = vec![60, 61, 62, 63, 64, 65];
-    tch::no_grad(|| {
-        let mut cache = m.new_cache(b, p + next.len() as i64);
-        let mut pos = model::positions_from_mask(&pmask);
-        let mut step_logits = vec![m.step(&prompt, &pos, &pmask, &mut cache)];
-        let mut seq = prompt.shallow_clone();
-        let mut mask = pmask.shallow_clone();
-        for &t in &next {
-            let tok = Tensor::from_slice(&[t, t]).view([b, 1]);
-            pos = pos.narrow(1, pos.size()[1] - 1, 1) + 1;
-            step_logits.push(m.step(&tok, &pos, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu)), &mut cache));
-            seq = Tensor::cat(&[&seq, &tok], 1);
-            mask = Tensor::cat(&[&mask, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu))], 1);
-        }
-        // Recompute everything at once: the logits at each position equal the step logits.
-        let full = m.logits(&seq, &mask);
-        for (k, l) in step_logits.iter().enumerate() {
-            let at = full.narrow(1, p - 1 + k as i64, 1).squeeze_dim(1);
-            let d = (&at - l).abs().max().double_value(&[]);
-            assert!(d < 1e-4, "step {k}: cache vs recompute differ by {d}");
-        }
-    });
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    // Both kernels of generation: libtorch's matmul, and oneDNN on packed weights.
+    for kernels in [Kernels::Plain, Kernels::Onednn] {
+        m.set_kernels(kernels);
+        // Two rows of different prompt lengths, left-padded, then 6 decoded tokens each.
+        let (b, p) = (2i64, 5i64);
+        let prompt = Tensor::from_slice(&[0i64, 0, 256, 40, 41, 256, 50, 51, 52, 53]).view([b, p]);
+        let pmask = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1, 1, 1, 1, 1]).view([b, p]).to_kind(Kind::Bool);
+        let next: Vec<i64> = vec![60, 61, 62, 63, 64, 65];
+        tch::no_grad(|| {
+            let mut cache = m.new_cache(b, p + next.len() as i64).unwrap();
+            let mut pos = model::positions_from_mask(&pmask);
+            let mut step_logits = vec![m.step(&prompt, &pos, &pmask, &mut cache).unwrap()];
+            let mut seq = prompt.shallow_clone();
+            let mut mask = pmask.shallow_clone();
+            for &t in &next {
+                let tok = Tensor::from_slice(&[t, t]).view([b, 1]);
+                pos = pos.narrow(1, pos.size()[1] - 1, 1) + 1;
+                step_logits
+                    .push(m.step(&tok, &pos, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu)), &mut cache).unwrap());
+                seq = Tensor::cat(&[&seq, &tok], 1);
+                mask = Tensor::cat(&[&mask, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu))], 1);
+            }
+            // Recompute everything at once: the logits at each position equal the step logits.
+            let full = m.logits(&seq, &mask);
+            for (k, l) in step_logits.iter().enumerate() {
+                let at = full.narrow(1, p - 1 + k as i64, 1).squeeze_dim(1);
+                let d = (&at - l).abs().max().double_value(&[]);
+                assert!(d < 1e-4, "{kernels:?}, step {k}: cache vs recompute differ by {d}");
+            }
+        });
+    }
 }
 
 #[test]
@@ -264,4 +270,49 @@ fn fused_logprob_training_matches_naive_gradients() {
         let scale = a.abs().max().double_value(&[]).max(1e-3);
         assert!(d <= 1e-4 * scale, "{name}: fused gradient differs by {d} (scale {scale})");
     }
+}
+
+/// Generation with oneDNN's packed weights equals generation with libtorch's matmul; rows that
+/// share a prompt (one prefill, copied) equal the same prompt generated alone; and after the
+/// weights change in place (as an optimiser step changes them) the packed copy follows.
+#[test]
+fn generation_kernels_shared_prompts_and_repacking_agree() {
+    let dir = random_checkpoint("kernels", &["--kv-heads", "2", "--tie", "--seed", "9"]);
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let (a, b) = (vec![256i64, 40, 41, 42, 43], vec![256i64, 7, 8]);
+    let s = generate::Sampling::greedy(8);
+    let close = |x: &[generate::Completion], y: &[generate::Completion], what: &str| {
+        for (r, (p, q)) in x.iter().zip(y).enumerate() {
+            assert_eq!(p.tokens, q.tokens, "{what}: row {r} tokens");
+            for (u, v) in p.logp_model.iter().zip(&q.logp_model) {
+                assert!((u - v).abs() < 1e-4, "{what}: row {r} log-probs {u} vs {v}");
+            }
+        }
+    };
+    let alone = |m: &model::Llama| -> Vec<generate::Completion> {
+        [&a, &a, &b].iter().map(|p| generate::generate(m, &[(*p).clone()], &s, &[], 0).unwrap().remove(0)).collect()
+    };
+    m.set_kernels(Kernels::Plain);
+    let plain = alone(&m);
+    let plain_batch = generate::generate(&m, &[a.clone(), a.clone(), b.clone()], &s, &[], 0).unwrap();
+    close(&plain_batch, &plain, "plain, shared prompts in one batch");
+    m.set_kernels(Kernels::Onednn);
+    assert!(m.packs_for_generation(), "this libtorch has oneDNN (x86-64)");
+    let packed = generate::generate(&m, &[a.clone(), a.clone(), b.clone()], &s, &[], 0).unwrap();
+    close(&packed, &plain, "oneDNN, shared prompts in one batch");
+    let first = m.packed_weights().unwrap().unwrap();
+    assert!(std::sync::Arc::ptr_eq(&first, &m.packed_weights().unwrap().unwrap()), "unchanged weights are packed once");
+    // Change every weight in place, as an optimiser step does.
+    tch::no_grad(|| {
+        for (_, v) in m.vs.variables() {
+            let _ = v.shallow_clone().g_mul_scalar_(1.1);
+        }
+    });
+    let after = generate::generate(&m, &[a.clone(), a.clone(), b.clone()], &s, &[], 0).unwrap();
+    assert!(
+        after[0].logp_model.iter().zip(&packed[0].logp_model).any(|(u, v)| (u - v).abs() > 1e-3),
+        "the change of weights shows in the log-probs"
+    );
+    m.set_kernels(Kernels::Plain);
+    close(&after, &alone(&m), "oneDNN after the weights changed");
 }

@@ -75,7 +75,7 @@ pub fn sync(d: Device) {
 pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i64) -> Result<()> {
     let (cpu, tok) = checkpoint::open(dir, Placement::f32(Device::Cpu))?;
     let (dev32, _) = checkpoint::open(dir, Placement::f32(device))?;
-    let (dev16, _) = checkpoint::open(dir, Placement { device, kind: Kind::BFloat16 })?;
+    let (dev16, _) = checkpoint::open(dir, Placement { kind: Kind::BFloat16, ..Placement::f32(device) })?;
     // Ids the tokenizer produces (the byte tokens of `init`'s models are 0..256; any real
     // tokenizer has at least as many).
     let real = 256.min(cpu.cfg.vocab_size);
