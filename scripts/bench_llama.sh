@@ -12,7 +12,7 @@
 # Defaults: models/smollm2-135m-instruct (made offline by scripts/smollm2.sh), 3, and
 # target/bench-llama.jsonl (every measurement, one JSON line each, with its repetition). The sizes
 # can be changed for a quick check of the script: NEW (64 new tokens), B and T (training batch,
-# 8 × 128), LOSS_B and LOSS_T (512 × 2048), ITERS (10 timed calls per loss).
+# 8 × 256, the size issue #13 names), LOSS_B and LOSS_T (512 × 2048), ITERS (10 timed calls per loss).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -21,7 +21,7 @@ reps="${2:-3}"
 out="${3:-target/bench-llama.jsonl}"
 [ -f "$model/model.safetensors" ] || scripts/smollm2.sh "$model"
 cargo build --release -q -p topr-llama --bin llama
-NEW=${NEW:-64} B=${B:-8} T=${T:-128}
+NEW=${NEW:-64} B=${B:-8} T=${T:-256}
 LOSS_B=${LOSS_B:-512} LOSS_T=${LOSS_T:-2048} ITERS=${ITERS:-10}
 # The PyTorch side gets the allocator settings the llama binary gives itself (keep_freed_memory).
 malloc=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864)

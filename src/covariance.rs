@@ -393,7 +393,13 @@ fn check_keys(keys: &Tensor, x: &TokenInputs, logp: &Tensor) -> Result<(), LossE
     validate::same_device(keys, "keys", logp.device(), "logp")?;
     if x.checks.values() {
         let clean = masked_fill_zero(keys, &x.mask)?;
-        validate::all_finite(&[FiniteCheck { clean: &clean, original: keys, argument: "keys", valid: Some(&x.mask) }])?;
+        validate::all_finite(&[FiniteCheck {
+            clean: &clean,
+            original: keys,
+            argument: "keys",
+            valid: Some(&x.mask),
+            also: None,
+        }])?;
     }
     Ok(())
 }

@@ -58,8 +58,10 @@ pub(crate) fn check_inputs(
         validate::same_device(t, name, device, "logp_chosen")?;
     }
     if checks.values() {
-        let checks: Vec<FiniteCheck> =
-            args.iter().map(|&(t, argument)| FiniteCheck { clean: t, original: t, argument, valid: None }).collect();
+        let checks: Vec<FiniteCheck> = args
+            .iter()
+            .map(|&(t, argument)| FiniteCheck { clean: t, original: t, argument, valid: None, also: None })
+            .collect();
         validate::all_finite(&checks)?;
     }
     let kind = validate::compute_kind(&kinds);

@@ -118,6 +118,7 @@ fn check_entropy(entropy: &Tensor, mask: &Tensor, checks: Checks) -> Result<(Ten
             original: entropy,
             argument: "entropy",
             valid: Some(&m),
+            also: None,
         }])?;
     }
     Ok((clean, m, kind))

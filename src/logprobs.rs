@@ -383,6 +383,7 @@ fn forward_with(
         original: &logp,
         argument: "logits",
         valid: Some(&p.mask),
+        also: None,
     }])?;
     Ok(TokenLogProbs {
         logp,

@@ -220,14 +220,17 @@ impl PpoConfig {
     /// The clipped surrogate and the two sides it was chosen from, computed once, so that the
     /// diagnostics read where the clip and the dual clip decided without recomputing them.
     fn surrogate_parts(&self, r: &Tensor, adv: &Tensor) -> Result<SurrogateParts, LossError> {
-        let unclipped = r.f_mul(adv)?.f_neg()?;
-        let clipped = self.clip(r)?.f_mul(adv)?.f_neg()?;
+        // −A once (per sequence when A is): `r · (−A)` equals `−(r · A)` exactly, one pass less.
+        let neg_adv = adv.f_neg()?;
+        let unclipped = r.f_mul(&neg_adv)?;
+        let clipped = self.clip(r)?.f_mul(&neg_adv)?;
         let loss = unclipped.f_maximum(&clipped)?;
         let value = match self.dual_clip {
             Some(c) => {
-                let cap = adv.f_mul_scalar(-c)?; // −c A (> 0 where A < 0)
-                let capped = loss.f_minimum(&cap.f_expand_as(&loss)?)?;
-                capped.f_where_self(&adv.f_lt(0.0)?, &loss)?
+                // min(loss, −c A) where A < 0, loss elsewhere: the cap is +∞ where A ≥ 0, chosen
+                // at the advantages' size, so the full-size work is one `minimum`.
+                let cap = neg_adv.f_mul_scalar(c)?.f_where_scalarother(&adv.f_lt(0.0)?, f64::INFINITY)?;
+                loss.f_minimum(&cap)?
             }
             None => loss.shallow_clone(),
         };
@@ -368,7 +371,8 @@ fn check_inputs(
 
 /// Reduces per-token losses (broadcastable to `[B, T]`) with the config's aggregation.
 fn reduce(per_token: &Tensor, x: &TokenInputs, cfg: &PpoConfig, norm: &Normalizer) -> Result<Tensor, LossError> {
-    validate::finite_loss(x.reduce_tokens(per_token, cfg.aggregation, norm)?, cfg.checks)
+    // PPO's, GSPO's and CISPO's terms are functions of the sanitised inputs alone.
+    validate::finite_loss(x.reduce_sanitized_tokens(per_token, cfg.aggregation, norm)?, cfg.checks)
 }
 
 /// The output of a PPO-family loss: the loss, the per-token terms and the diagnostics over

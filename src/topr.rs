@@ -333,7 +333,7 @@ pub(crate) fn check_sequence_inputs(
     if !checks.values() {
         return Ok(x);
     }
-    let check = |clean, original, argument| FiniteCheck { clean, original, argument, valid: None };
+    let check = |clean, original, argument| FiniteCheck { clean, original, argument, valid: None, also: None };
     validate::all_finite(&[
         check(&x.logp, logp, "logp"),
         check(&x.logp_mu, logp_mu, "logp_mu"),

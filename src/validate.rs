@@ -110,6 +110,9 @@ pub(crate) struct FiniteCheck<'a> {
     pub argument: &'static str,
     /// Where the entries are real (`None`: everywhere).
     pub valid: Option<&'a Tensor>,
+    /// A second argument that `clean` also covers (`clean = a − b` is finite exactly where both
+    /// are), checked with the first when the sum is not finite.
+    pub also: Option<(&'a Tensor, &'static str)>,
 }
 
 /// Checks several arguments for NaN and inf with a single device sync on the happy path: a
@@ -123,6 +126,9 @@ pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
     for (c, s) in items.iter().zip(sums) {
         if !s.is_finite() {
             finite(c.original, c.argument, c.valid)?;
+            if let Some((original, argument)) = c.also {
+                finite(original, argument, c.valid)?;
+            }
         }
     }
     Ok(())

@@ -296,9 +296,15 @@ fn parts(
     let ret = masked_fill_zero(&returns.f_detach()?.f_to_kind(kind)?, &m)?;
     if cfg.checks.values() {
         validate::all_finite(&[
-            validate::FiniteCheck { clean: &v, original: values, argument: "values", valid: Some(&m) },
-            validate::FiniteCheck { clean: &v_old, original: values_old, argument: "values_old", valid: Some(&m) },
-            validate::FiniteCheck { clean: &ret, original: returns, argument: "returns", valid: Some(&m) },
+            validate::FiniteCheck { clean: &v, original: values, argument: "values", valid: Some(&m), also: None },
+            validate::FiniteCheck {
+                clean: &v_old,
+                original: values_old,
+                argument: "values_old",
+                valid: Some(&m),
+                also: None,
+            },
+            validate::FiniteCheck { clean: &ret, original: returns, argument: "returns", valid: Some(&m), also: None },
         ])?;
     }
     let clipped = if cfg.clip.is_finite() {
