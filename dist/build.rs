@@ -36,6 +36,10 @@ fn main() {
         .warnings(false)
         .flag_if_supported("-Wno-c++20-extensions")
         .compile("topr_c10d");
+    // For the build scripts of crates that depend on this one (`links = "topr_c10d"`): the folder
+    // of `c_boundary.hpp`, as DEP_TOPR_C10D_INCLUDE.
+    let csrc = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it")).join("csrc");
+    println!("cargo:include={}", csrc.display());
     println!("cargo:rustc-link-search=native={}", libtorch.join("lib").display());
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");

@@ -222,8 +222,20 @@ pub(crate) fn sequence_weights_checked(
     kind: Kind,
     checks: Checks,
 ) -> Result<Tensor, LossError> {
+    sequence_weights_of_lengths(&mask_lengths(mask, kind)?, mask, mode, norm, kind, checks)
+}
+
+/// [`sequence_weights_checked`] from the lengths `L [B]` (in `kind`) of `mask`, for callers that
+/// have them already; `mask` only names the argument in an error.
+pub(crate) fn sequence_weights_of_lengths(
+    lengths: &Tensor,
+    mask: &Tensor,
+    mode: AggregationMode,
+    norm: &Normalizer,
+    kind: Kind,
+    checks: Checks,
+) -> Result<Tensor, LossError> {
     norm.check()?;
-    let lengths = mask_lengths(mask, kind)?; // [B]
     let has_tokens = lengths.f_gt(0.0)?;
     let ones = has_tokens.f_to_kind(kind)?;
     // The one count the mode divides by (TokenSum and TokenSumNorm divide by none, but an empty

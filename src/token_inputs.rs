@@ -3,7 +3,7 @@
 //! per-sequence or per-token weights (rewards, advantages) and a padding mask.
 
 use crate::aggregate::{
-    AggregationMode, Normalizer, mask_float, masked_fill_zero, sequence_weights_checked, weighted_sum,
+    AggregationMode, Normalizer, mask_float, masked_fill_zero, sequence_weights_of_lengths, weighted_sum,
 };
 use crate::checks::Checks;
 use crate::error::LossError;
@@ -136,9 +136,7 @@ impl TokenInputs {
         mode: AggregationMode,
         norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind, self.checks)?;
-        let full = per_token.f_expand(self.mask.size().as_slice(), false)?;
-        weighted_sum(&masked_fill_zero(&full, &self.mask)?, &alpha)
+        weighted_sum(&self.zero_padding(per_token)?, &self.sequence_weights(mode, norm)?)
     }
 
     /// [`TokenInputs::reduce_tokens`] for per-token terms computed from these sanitised inputs
@@ -153,8 +151,7 @@ impl TokenInputs {
         mode: AggregationMode,
         norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind, self.checks)?;
-        weighted_sum(&per_token.f_mul(&self.mask_f)?, &alpha)
+        weighted_sum(&per_token.f_mul(&self.mask_f)?, &self.sequence_weights(mode, norm)?)
     }
 
     /// `Σ_i α_i V_i` for per-sequence values `V [B]` (a sequence's total over its tokens).
@@ -164,7 +161,12 @@ impl TokenInputs {
         mode: AggregationMode,
         norm: &Normalizer,
     ) -> Result<Tensor, LossError> {
-        let alpha = sequence_weights_checked(&self.mask, mode, norm, self.kind, self.checks)?;
-        Ok(per_seq.f_mul(&alpha)?.f_sum(None::<Kind>)?)
+        Ok(per_seq.f_mul(&self.sequence_weights(mode, norm)?)?.f_sum(None::<Kind>)?)
+    }
+
+    /// The per-sequence weights `α [B]` of `mode` (`aggregate::sequence_weights_checked`), from the
+    /// lengths computed once in [`check`].
+    fn sequence_weights(&self, mode: AggregationMode, norm: &Normalizer) -> Result<Tensor, LossError> {
+        sequence_weights_of_lengths(&self.lengths, &self.mask, mode, norm, self.kind, self.checks)
     }
 }

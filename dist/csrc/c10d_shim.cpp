@@ -9,7 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <c10/util/Exception.h>
+#include "c_boundary.hpp"
 
 #include <chrono>
 #include <cstdint>
@@ -26,29 +26,7 @@ struct topr_process_group {
 
 namespace {
 
-// The message of an exception without libtorch's C++ backtrace, into `err` (NUL-terminated).
-void set_error(char* err, size_t cap, const char* msg) {
-  if (err == nullptr || cap == 0) {
-    return;
-  }
-  std::strncpy(err, msg, cap - 1);
-  err[cap - 1] = '\0';
-}
-
-template <typename F>
-int guarded(char* err, size_t cap, F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const c10::Error& e) {
-    set_error(err, cap, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    set_error(err, cap, e.what());
-  } catch (...) {
-    set_error(err, cap, "unknown C++ exception");
-  }
-  return 1;
-}
+using topr::guarded;
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
   if (!work->wait(timeout)) {

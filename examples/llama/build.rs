@@ -24,9 +24,12 @@ fn main() {
     let include = libtorch.join("include");
     let lib = libtorch.join("lib");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    // topr-dist's `c_boundary.hpp` (exceptions into error messages at the C boundary).
+    let shared = std::env::var_os("DEP_TOPR_C10D_INCLUDE").expect("topr-dist's build script exports its csrc folder");
     cc::Build::new()
         .cpp(true)
         .file("csrc/onednn_linear.cpp")
+        .include(shared)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

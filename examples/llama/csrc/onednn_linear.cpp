@@ -6,39 +6,15 @@
 //
 // tch passes a tensor as `at::Tensor*`; a tensor returned to Rust is a new `at::Tensor*` that tch
 // frees. Every C++ exception becomes an error message for Rust; nothing throws across the C
-// boundary.
+// boundary (`c_boundary.hpp`, topr-dist's).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/util/Exception.h>
+#include "c_boundary.hpp"
 
 #include <cstdint>
-#include <cstring>
-#include <exception>
 #include <string>
 
 namespace {
-
-void set_error(char* err, size_t cap, const char* msg) {
-  if (err == nullptr || cap == 0) {
-    return;
-  }
-  std::strncpy(err, msg, cap - 1);
-  err[cap - 1] = '\0';
-}
-
-template <typename F>
-at::Tensor* guarded(char* err, size_t cap, F&& f) {
-  try {
-    return new at::Tensor(f());
-  } catch (const c10::Error& e) {
-    set_error(err, cap, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    set_error(err, cap, e.what());
-  } catch (...) {
-    set_error(err, cap, "unknown C++ exception");
-  }
-  return nullptr;
-}
 
 c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -59,22 +35,25 @@ int topr_onednn_available() {
   }
 }
 
-// `weight [N, K]` (f32 or bf16, CPU) in oneDNN's blocked layout for inputs of about `batch`
-// rows (batch <= 0: no hint). NULL with `err` set on failure.
-at::Tensor* topr_onednn_pack(const at::Tensor* weight, int64_t batch, char* err, size_t cap) {
-  return guarded(err, cap, [&] {
+// `weight [N, K]` (f32 or bf16, CPU) in oneDNN's blocked layout (no batch-size hint). NULL with
+// `err` set on failure.
+at::Tensor* topr_onednn_pack(const at::Tensor* weight, char* err, size_t cap) {
+  at::Tensor* out = nullptr;
+  topr::guarded(err, cap, [&] {
     static const c10::OperatorHandle reorder = op("mkldnn::_reorder_linear_weight");
     torch::jit::Stack stack;
     stack.emplace_back(weight->contiguous());
-    stack.emplace_back(batch > 0 ? c10::IValue(batch) : c10::IValue());
+    stack.emplace_back(c10::IValue());
     reorder.callBoxed(&stack);
-    return stack.at(0).toTensor();
+    out = new at::Tensor(stack.at(0).toTensor());
   });
+  return out;
 }
 
 // `x [M, K] · Wᵀ` for a weight packed by `topr_onednn_pack`: `[M, N]`, no bias.
 at::Tensor* topr_onednn_linear(const at::Tensor* x, const at::Tensor* packed, char* err, size_t cap) {
-  return guarded(err, cap, [&] {
+  at::Tensor* out = nullptr;
+  topr::guarded(err, cap, [&] {
     static const c10::OperatorHandle linear = op("mkldnn::_linear_pointwise");
     torch::jit::Stack stack;
     stack.emplace_back(x->contiguous());
@@ -84,8 +63,9 @@ at::Tensor* topr_onednn_linear(const at::Tensor* x, const at::Tensor* packed, ch
     stack.emplace_back(c10::List<std::optional<at::Scalar>>());
     stack.emplace_back(c10::IValue());
     linear.callBoxed(&stack);
-    return stack.at(0).toTensor();
+    out = new at::Tensor(stack.at(0).toTensor());
   });
+  return out;
 }
 
 // The version counter of `t` (bumped by every in-place change: an optimiser step, a copy into

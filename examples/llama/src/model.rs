@@ -54,8 +54,7 @@ type PackedCopy = (Vec<(usize, i64)>, Arc<Packed>);
 
 /// The matrix products of generation (the cached forward of [`Llama::step`]); training always
 /// uses libtorch's `matmul` on the model's own weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
     /// libtorch's `matmul` (MKL's `sgemm` on the CPU), as the training forward.
     Plain,
@@ -129,7 +128,7 @@ impl Llama {
             weight(&root.sub("lm_head"), &[cfg.vocab_size, h], kind)
         };
         let inv_freq = inv_freq(&cfg.rope()?, hd, device);
-        let kernels = if onednn::available() { Kernels::Onednn } else { Kernels::Plain };
+        let kernels = Kernels::Onednn; // where it does not apply, generation uses `matmul`
         Ok(Self { cfg, vs, embed, layers, norm, lm_head, inv_freq, kind, kernels, packed: Mutex::new(None) })
     }
 
@@ -146,7 +145,8 @@ impl Llama {
         &self.lm_head
     }
 
-    /// The kernels generation uses (default: [`Kernels::Onednn`] where libtorch has oneDNN).
+    /// The kernels chosen for generation (default [`Kernels::Onednn`]; whether they apply:
+    /// [`Llama::packs_for_generation`]).
     pub fn kernels(&self) -> Kernels {
         self.kernels
     }
@@ -203,17 +203,20 @@ impl Llama {
     /// A cache for `batch` rows and `capacity` positions; with [`Llama::packs_for_generation`],
     /// it also holds the packed weights ([`Llama::packed_weights`]).
     pub fn new_cache(&self, batch: i64, capacity: i64) -> Result<KvCache> {
+        Ok(self.empty_cache(batch, capacity, self.packed_weights()?))
+    }
+
+    fn empty_cache(&self, batch: i64, capacity: i64, packed: Option<Arc<Packed>>) -> KvCache {
         let (nkv, hd) = (self.cfg.num_kv_heads(), self.cfg.head_dim());
         let opts = (self.kind, self.device());
         let mk = || (0..self.layers.len()).map(|_| Tensor::zeros([batch, nkv, capacity, hd], opts)).collect();
-        let packed = self.packed_weights()?;
-        Ok(KvCache {
+        KvCache {
             k: mk(),
             v: mk(),
             key_mask: Tensor::zeros([batch, capacity], (Kind::Bool, self.device())),
             len: 0,
             packed,
-        })
+        }
     }
 
     /// Starts a generation: a cache for the `B` rows of `ids [B, P]` (left-padded, `mask [B, P]`
@@ -233,7 +236,7 @@ impl Llama {
             return Ok((cache, logits));
         }
         let (u_ids, u_mask) = (unique.narrow(1, 0, p), unique.narrow(1, p, p).to_kind(Kind::Bool));
-        let mut shared = self.new_cache(d, p)?;
+        let mut shared = self.empty_cache(d, p, cache.packed.clone());
         let logits = self.step(&u_ids, &positions_from_mask(&u_mask), &u_mask, &mut shared)?;
         for (full, part) in cache.k.iter_mut().chain(cache.v.iter_mut()).zip(shared.k.iter().chain(shared.v.iter())) {
             full.narrow(2, 0, p).copy_(&part.index_select(0, &inverse));
@@ -421,21 +424,20 @@ unsafe impl Sync for Packed {}
 
 impl Packed {
     fn new(m: &Llama) -> anyhow::Result<Self> {
-        let batch = 0; // no hint: it made no measurable difference at the example's shapes
         let layers = m
             .layers
             .iter()
             .map(|layer| {
                 let (a, f) = (&layer.attn, &layer.mlp);
                 Ok(PackedLayer {
-                    qkv: PackedLinear::new(&Tensor::cat(&[&a.q, &a.k, &a.v], 0), batch)?,
-                    o: PackedLinear::new(&a.o, batch)?,
-                    gate_up: PackedLinear::new(&Tensor::cat(&[&f.gate, &f.up], 0), batch)?,
-                    down: PackedLinear::new(&f.down, batch)?,
+                    qkv: PackedLinear::new(&Tensor::cat(&[&a.q, &a.k, &a.v], 0))?,
+                    o: PackedLinear::new(&a.o)?,
+                    gate_up: PackedLinear::new(&Tensor::cat(&[&f.gate, &f.up], 0))?,
+                    down: PackedLinear::new(&f.down)?,
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head, batch)? })
+        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)? })
     }
 }
 

@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 
 unsafe extern "C" {
     fn topr_onednn_available() -> c_int;
-    fn topr_onednn_pack(weight: *const c_void, batch: i64, err: *mut c_char, cap: usize) -> *mut c_void;
+    fn topr_onednn_pack(weight: *const c_void, err: *mut c_char, cap: usize) -> *mut c_void;
     fn topr_onednn_linear(x: *const c_void, packed: *const c_void, err: *mut c_char, cap: usize) -> *mut c_void;
     fn topr_tensor_version(t: *const c_void, data: *mut usize) -> i64;
 }
@@ -60,9 +60,9 @@ pub struct PackedLinear {
 }
 
 impl PackedLinear {
-    /// Packs `weight [N, K]` (f32 or bf16, on the CPU) for inputs of about `batch` rows
-    /// (`batch <= 0`: no hint; at the example's shapes the hint made no measurable difference).
-    pub fn new(weight: &Tensor, batch: i64) -> Result<Self> {
+    /// Packs `weight [N, K]` (f32 or bf16, on the CPU) for inputs of any number of rows (oneDNN's
+    /// batch-size hint made no measurable difference at the example's shapes, so none is given).
+    pub fn new(weight: &Tensor) -> Result<Self> {
         let size = weight.size();
         if size.len() != 2 || weight.device() != Device::Cpu || !matches!(weight.kind(), Kind::Float | Kind::BFloat16) {
             bail!(
@@ -75,7 +75,7 @@ impl PackedLinear {
         let w = weight.detach();
         let mut err = [0u8; ERR_CAP];
         // SAFETY: `w` outlives the call; `err` holds ERR_CAP bytes.
-        let raw = unsafe { topr_onednn_pack(w.as_ptr().cast(), batch, err.as_mut_ptr().cast(), ERR_CAP) };
+        let raw = unsafe { topr_onednn_pack(w.as_ptr().cast(), err.as_mut_ptr().cast(), ERR_CAP) };
         Ok(Self { packed: take(raw, &err, "packing a weight")?, in_features: size[1], out_features: size[0] })
     }
 
@@ -111,7 +111,7 @@ mod tests {
         for (n, k) in [(96, 64), (1000, 576)] {
             let w = Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05;
             for rows in [1, 3, 16, 70] {
-                let p = PackedLinear::new(&w, rows)?;
+                let p = PackedLinear::new(&w)?;
                 let x = Tensor::randn([2, rows, k], (Kind::Float, Device::Cpu));
                 let y = p.forward(&x)?;
                 assert_eq!(y.size(), vec![2, rows, n]);
@@ -142,9 +142,9 @@ mod tests {
     #[test]
     fn refuses_what_it_cannot_pack() {
         let w = Tensor::zeros([4, 4], (Kind::Int64, Device::Cpu));
-        assert!(PackedLinear::new(&w, 1).err().unwrap().to_string().contains("f32 or bf16"));
+        assert!(PackedLinear::new(&w).err().unwrap().to_string().contains("f32 or bf16"));
         if available() {
-            let p = PackedLinear::new(&Tensor::zeros([4, 3], (Kind::Float, Device::Cpu)), 1).unwrap();
+            let p = PackedLinear::new(&Tensor::zeros([4, 3], (Kind::Float, Device::Cpu))).unwrap();
             let e = p.forward(&Tensor::zeros([2, 4], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
             assert!(e.contains("3 features"), "{e}");
         }
