@@ -124,7 +124,32 @@ pub fn sampling_logits(logits: &Tensor, s: &SamplingParams) -> Tensor {
     z
 }
 
-/// Generates one completion per prompt (ids), all in one batch.
+/// When rows that have finished (produced an end-of-sequence token) leave the decoding batch.
+///
+/// A finished row that stays is still computed at every step, its output ignored; leaving costs
+/// one copy of the remaining rows' keys and values. Where rows finish at different lengths (a
+/// greedy evaluation, `sample` with EOS) leaving saves most of the finished rows' work. Results
+/// do not depend on it: sampling draws for every row of the original batch at every step (the
+/// random stream is the same), and each row's logits are its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// Finished rows stay until every row has finished.
+    Never,
+    /// Finished rows leave once they are at least `1/n` of the rows still computed (`n ≥ 1`;
+    /// a large `n` releases every finished row at once).
+    Fraction(usize),
+}
+
+impl Default for Release {
+    /// Leave once an eighth of the computed rows have finished: at most a few copies of the
+    /// cache per generation, and never more than 1/8 of a step's rows wasted.
+    fn default() -> Self {
+        Self::Fraction(8)
+    }
+}
+
+/// Generates one completion per prompt (ids), all in one batch; finished rows leave the batch
+/// as [`Release::default`] says.
 pub fn generate(
     model: &Llama,
     prompts: &[Vec<i64>],
@@ -132,9 +157,24 @@ pub fn generate(
     eos: &[i64],
     pad_id: i64,
 ) -> Result<Vec<Completion>> {
+    generate_releasing(model, prompts, s, eos, pad_id, Release::default())
+}
+
+/// [`generate`] with an explicit [`Release`] of finished rows.
+pub fn generate_releasing(
+    model: &Llama,
+    prompts: &[Vec<i64>],
+    s: &Sampling,
+    eos: &[i64],
+    pad_id: i64,
+    release: Release,
+) -> Result<Vec<Completion>> {
     s.check()?;
     if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
         bail!("every prompt needs at least one token");
+    }
+    if release == Release::Fraction(0) {
+        bail!("Release::Fraction needs n >= 1");
     }
     let vocab = model.cfg.vocab_size;
     for p in prompts {
@@ -158,6 +198,7 @@ pub fn generate(
     }
     let ids = Tensor::from_slice(&ids).view([b, p_len]).to_device(device);
     let mask = Tensor::from_slice(&mask).view([b, p_len]).to_device(device);
+    // Positions of the rows still in the cache.
     let mut positions = crate::model::positions_from_mask(&mask);
     let eos_t = Tensor::from_slice(eos).to_device(device);
 
@@ -165,9 +206,15 @@ pub fn generate(
         .map(|_| Completion { tokens: vec![], logp_model: vec![], logp_sampling: vec![], stop: Stop::Length })
         .collect();
     let mut done = vec![false; b as usize];
+    // live[i]: the prompt whose row is row i of the cache; live_t: the same as a tensor, None
+    // while the cache holds every row in order.
+    let mut live: Vec<usize> = (0..b as usize).collect();
+    let mut live_t: Option<Tensor> = None;
     tch::no_grad(|| -> Result<()> {
         let (mut cache, logits) = model.prefill(&ids, &mask, p_len + s.max_new_tokens)?;
-        let mut logits = logits.to_kind(Kind::Float); // [B, V]
+        // [B, V] for every prompt: a row that has left keeps its last logits, so that sampling
+        // draws as many random numbers as with every row present.
+        let mut logits = logits.to_kind(Kind::Float);
         for k in 0..s.max_new_tokens {
             // NaN logits would make the argmax arbitrary and the multinomial draw panic.
             if !bool::try_from(logits.isfinite().all())? {
@@ -192,7 +239,7 @@ pub fn generate(
                 Vec::<f32>::try_from(&logp_q.to_device(tch::Device::Cpu))?,
                 Vec::<bool>::try_from(&is_eos.to_device(tch::Device::Cpu))?,
             );
-            for r in 0..b as usize {
+            for &r in &live {
                 if done[r] {
                     continue;
                 }
@@ -207,9 +254,30 @@ pub fn generate(
             if done.iter().all(|d| *d) {
                 break;
             }
-            positions = positions.narrow(1, positions.size()[1] - 1, 1) + 1; // [B, 1]
-            let new_mask = Tensor::ones([b, 1], (Kind::Bool, device));
-            logits = model.step(&next.unsqueeze(1), &positions, &new_mask, &mut cache)?.to_kind(Kind::Float);
+            let finished = live.iter().filter(|&&r| done[r]).count();
+            if matches!(release, Release::Fraction(n) if finished > 0 && finished.saturating_mul(n) >= live.len()) {
+                let keep: Vec<i64> = (0..live.len()).filter(|&i| !done[live[i]]).map(|i| i as i64).collect();
+                let keep_t = Tensor::from_slice(&keep).to_device(device);
+                cache.keep_rows(&keep_t);
+                positions = positions.index_select(0, &keep_t);
+                live = keep.iter().map(|&i| live[i as usize]).collect();
+                let rows: Vec<i64> = live.iter().map(|&r| r as i64).collect();
+                live_t = Some(Tensor::from_slice(&rows).to_device(device));
+            }
+            let rows = live.len() as i64;
+            let next_live = match &live_t {
+                Some(t) => next.index_select(0, t),
+                None => next,
+            };
+            positions = positions.narrow(1, positions.size()[1] - 1, 1) + 1; // [R, 1]
+            let new_mask = Tensor::ones([rows, 1], (Kind::Bool, device));
+            let step = model.step(&next_live.unsqueeze(1), &positions, &new_mask, &mut cache)?.to_kind(Kind::Float);
+            match &live_t {
+                Some(t) => {
+                    let _ = logits.index_copy_(0, t, &step);
+                }
+                None => logits = step,
+            }
         }
         Ok(())
     })?;

@@ -87,6 +87,22 @@ pub struct KvCache {
     packed: Option<Arc<Packed>>,
 }
 
+impl KvCache {
+    /// Rows held (the batch of the next [`Llama::step`]).
+    pub fn rows(&self) -> i64 {
+        self.key_mask.size()[0]
+    }
+
+    /// Keeps only the cached rows `rows` (indices into the current rows, `[R]` int64), in that
+    /// order: finished rows leave the batch, and the next step computes the others only.
+    pub fn keep_rows(&mut self, rows: &Tensor) {
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.index_select(0, rows);
+        }
+        self.key_mask = self.key_mask.index_select(0, rows);
+    }
+}
+
 fn weight(p: &Path, dims: &[i64], kind: Kind) -> Tensor {
     p.add("weight", Tensor::zeros(dims, (kind, p.device())), true)
 }

@@ -316,3 +316,50 @@ fn generation_kernels_shared_prompts_and_repacking_agree() {
     m.set_kernels(Kernels::Plain);
     close(&after, &alone(&m), "oneDNN after the weights changed");
 }
+
+/// Finished rows leaving the decoding batch (`generate::Release`) changes no token and no
+/// log-probability: sampled with the same seed, rows that stop at different lengths give the
+/// same completions whether finished rows stay, leave at once, or leave in groups, under both
+/// kernels.
+#[test]
+fn finished_rows_leaving_the_batch_change_nothing() {
+    use generate::{Release, Sampling, SamplingParams};
+    let dir = random_checkpoint("release", &["--kv-heads", "2", "--seed", "11"]);
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let prompts: Vec<Vec<i64>> = vec![
+        vec![256, 40, 41, 42, 43],
+        vec![256, 7, 8],
+        vec![256, 40, 41, 42, 43],
+        vec![256, 9],
+        vec![256, 100, 101, 102],
+        vec![256, 7, 8],
+        vec![256, 60, 61],
+        vec![256, 5, 6, 7, 8, 9],
+    ];
+    let eos: Vec<i64> = (0..40).collect();
+    let s = Sampling::sample(SamplingParams::default(), 24);
+    let run = |m: &model::Llama, release: Release| {
+        tch::manual_seed(5);
+        generate::generate_releasing(m, &prompts, &s, &eos, 0, release).unwrap()
+    };
+    for kernels in [Kernels::Plain, Kernels::Onednn] {
+        m.set_kernels(kernels);
+        let stay = run(&m, Release::Never);
+        let lengths: std::collections::BTreeSet<usize> = stay.iter().map(|c| c.tokens.len()).collect();
+        assert!(lengths.len() >= 3, "{kernels:?}: rows should stop at different lengths, got {lengths:?}");
+        assert!(stay.iter().any(|c| c.stop == generate::Stop::Eos), "{kernels:?}: some row should stop at EOS");
+        for release in [Release::Fraction(1000), Release::Fraction(4), Release::default()] {
+            let left = run(&m, release);
+            for (r, (p, q)) in left.iter().zip(&stay).enumerate() {
+                assert_eq!(p.tokens, q.tokens, "{kernels:?}, {release:?}: row {r} tokens");
+                assert_eq!(p.stop, q.stop, "{kernels:?}, {release:?}: row {r} stop");
+                for (u, v) in p.logp_model.iter().zip(&q.logp_model).chain(p.logp_sampling.iter().zip(&q.logp_sampling))
+                {
+                    assert!((u - v).abs() < 1e-4, "{kernels:?}, {release:?}: row {r} log-probs {u} vs {v}");
+                }
+            }
+        }
+    }
+    m.set_kernels(Kernels::Onednn);
+    assert!(generate::generate_releasing(&m, &prompts, &s, &eos, 0, Release::Fraction(0)).is_err());
+}
