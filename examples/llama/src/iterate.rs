@@ -82,7 +82,8 @@ fn eval_problems(s: &IterateSettings) -> Result<Vec<task::Problem>> {
 }
 
 /// The loop's fixed inputs: where models are loaded, the problems and the held-out evaluation.
-struct Loop<'a> {
+/// [`crate::compare`] uses it to train other objectives on an iteration's data.
+pub(crate) struct Loop<'a> {
     at: Placement,
     /// The ranks the stages are spread over (`None`: one process).
     group: Option<&'a ProcessGroup>,
@@ -92,11 +93,18 @@ struct Loop<'a> {
     held_out: Vec<task::Problem>,
 }
 
-impl Loop<'_> {
+impl<'a> Loop<'a> {
+    /// The loop of `s`: its training problems and held-out problems loaded.
+    pub(crate) fn new(at: Placement, group: Option<&'a ProcessGroup>, s: &'a IterateSettings) -> Result<Self> {
+        let (problems, style) = s.task.load()?;
+        let held_out = eval_problems(s)?;
+        Ok(Self { at, group, s, problems, style, held_out })
+    }
+
     /// Evaluates the model in `dir` once (greedy); the summary is cached in `out`, the
-    /// per-question results beside it. With a group, the ranks share the questions and rank 0
-    /// writes both files.
-    fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
+    /// per-question results beside it ([`questions_file`]). With a group, the ranks share the
+    /// questions and rank 0 writes both files.
+    pub(crate) fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
         let cached = || std::fs::read_to_string(out).ok().and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok());
         let main = parallel::is_main(self.group);
         if parallel::main_says(self.group, main && cached().is_some())? {
@@ -114,7 +122,7 @@ impl Loop<'_> {
             seed: 0,
             shard: crate::shard::Shard::WHOLE,
         };
-        let questions = out.with_extension("questions.jsonl");
+        let questions = questions_file(out);
         let s =
             eval::evaluate_parallel(&m, &tok, &self.held_out, &self.style, &settings, Some(&questions), self.group)?;
         if main {
@@ -131,8 +139,7 @@ impl Loop<'_> {
         let data = dir.join("data.jsonl");
         let main = parallel::is_main(self.group);
         if parallel::main_says(self.group, main && done.exists() && data.exists())? {
-            return serde_json::from_str(&std::fs::read_to_string(&done)?)
-                .with_context(|| format!("reading {}", done.display()));
+            return read_done(&done);
         }
         let s = self.s;
         let (m, tok) = checkpoint::open(mu_dir, self.at)?;
@@ -145,24 +152,70 @@ impl Loop<'_> {
             shard: crate::shard::Shard::WHOLE,
         };
         sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &data, self.group)?;
-        let samples = train::load_data(
-            &data,
-            m.cfg.max_position_embeddings as usize,
-            m.cfg.vocab_size,
-            s.train.skip_bad_records,
-        )?;
-        let samples = s.curate.apply(samples);
-        let record = train::RunRecord::new(mu_dir, &data, &samples, &s.train)?;
-        let summary = train::run(&m, &samples, &s.train, &record, dir, self.group)?;
+        self.train_loaded(m, mu_dir, &data, &s.train, dir, model_dir)
+    }
+
+    /// Trains a copy of μ (`mu_dir`) on the data set `data` with `train` (the loop's curation
+    /// applied), saves it to `model_dir` and marks `dir` finished; or returns the summary of
+    /// the finished training.
+    pub(crate) fn train_on(
+        &self,
+        mu_dir: &Path,
+        data: &Path,
+        train: &TrainSettings,
+        dir: &Path,
+        model_dir: &Path,
+    ) -> Result<train::Summary> {
+        let done = dir.join("train.done.json");
+        let main = parallel::is_main(self.group);
+        if parallel::main_says(self.group, main && done.exists())? {
+            return read_done(&done);
+        }
+        let (m, _) = checkpoint::open(mu_dir, self.at)?;
+        self.train_loaded(m, mu_dir, data, train, dir, model_dir)
+    }
+
+    fn train_loaded(
+        &self,
+        m: crate::model::Llama,
+        mu_dir: &Path,
+        data: &Path,
+        train: &TrainSettings,
+        dir: &Path,
+        model_dir: &Path,
+    ) -> Result<train::Summary> {
+        let main = parallel::is_main(self.group);
+        let samples =
+            train::load_data(data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, train.skip_bad_records)?;
+        let samples = self.s.curate.apply(samples);
+        let record = train::RunRecord::new(mu_dir, data, &samples, train)?;
+        let summary = train::run(&m, &samples, train, &record, dir, self.group)?;
         if main {
             checkpoint::save(&m, mu_dir, model_dir)?;
             train::finish(dir);
-            crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
+            crate::io::write_file(&dir.join("train.done.json"), serde_json::to_string(&summary)?)?;
         }
         // The next stage loads the saved model on every rank.
         parallel::barrier(self.group)?;
         Ok(summary)
     }
+}
+
+/// The per-question results written beside an evaluation's summary `out`.
+pub fn questions_file(out: &Path) -> PathBuf {
+    out.with_extension("questions.jsonl")
+}
+
+fn read_done(done: &Path) -> Result<train::Summary> {
+    serde_json::from_str(&std::fs::read_to_string(done)?).with_context(|| format!("reading {}", done.display()))
+}
+
+/// The record of the loop in `work` (`settings.json`), as [`check_run`] compares it.
+pub fn read_run(work: &Path) -> Result<IterateRun> {
+    let file = work.join("settings.json");
+    let text = std::fs::read_to_string(&file)
+        .with_context(|| format!("reading {} (is {} an `iterate` work directory?)", file.display(), work.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))
 }
 
 /// What a loop was started from and with, recorded in `work/settings.json`.
@@ -245,8 +298,7 @@ impl Table {
 pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&ProcessGroup>) -> Result<()> {
     crate::io::refuse_overlap(model, &s.work, "work directory")?;
     // The inputs first: a bad data file or model is reported before anything is written.
-    let (problems, style) = s.task.load()?;
-    let held_out = eval_problems(s)?;
+    let lp = Loop::new(at, group, s)?;
     let run = IterateRun { model: ModelId::of(model)?, settings: s.clone() };
     let main = parallel::is_main(group);
     let _lock = if main {
@@ -263,7 +315,6 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
     };
     // The others start once rank 0 has accepted the work directory.
     parallel::barrier(group)?;
-    let lp = Loop { at, group, s, problems, style, held_out };
     if !main {
         return run_stages(&lp, model, None);
     }

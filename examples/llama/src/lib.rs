@@ -34,6 +34,7 @@
 //! | [`verify`] | the generative verifier: trained with TOPR to judge solutions, then picking among k |
 
 pub mod checkpoint;
+pub mod compare;
 pub mod config;
 pub mod demo;
 pub mod eval;

@@ -259,6 +259,33 @@ pub enum Command {
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
     },
+    /// Other objectives on the same data as one iteration of an `iterate` run: each arm trains a
+    /// copy of that iteration's μ on its data set with the run's settings (only the objective and
+    /// baseline differ) and is evaluated on the run's held-out questions; writes
+    /// RUN/compare-iter-I/ (compare.md, compare.jsonl: accuracy, gain over μ and difference to the
+    /// run's model, with standard errors paired over questions). Resumes; finished arms are reused.
+    Compare {
+        /// The `iterate --work` directory.
+        #[arg(long)]
+        run: PathBuf,
+        /// The (finished) iteration whose data set the arms train on.
+        #[arg(long, default_value_t = 1, value_parser = args::whole(1usize, 100_000))]
+        iteration: usize,
+        /// The arms, comma-separated: an objective (topr, tis, sft, reinforce, is, ppo, grpo, dpo,
+        /// gspo, cispo, sapo, gmpo, clip-cov, kl-cov), optionally with `-pP` for the baseline that
+        /// gives positives the share P of the weight (e.g. topr-p0.2); without it the baseline is 0.
+        #[arg(long, default_value = "sft,reinforce", value_parser = parse_arms)]
+        arms: Arms,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = parse_device)]
+        device: Device,
+        /// The weights' dtype (converted on load).
+        #[arg(long, value_enum, default_value_t = args::Dtype::F32)]
+        dtype: args::Dtype,
+        /// Generation's matrix products on the CPU (as for every command that loads a model).
+        #[arg(long, value_enum, default_value_t = args::KernelsArg::Onednn)]
+        kernels: args::KernelsArg,
+    },
     /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
     /// `training.png` of a `train` output directory.
     Plot {
@@ -406,6 +433,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             };
             topr_llama::study::run(&settings)
         }
+        Command::Compare { run, iteration, arms, device, dtype, kernels } => {
+            let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels: kernels.into() };
+            let s = topr_llama::compare::CompareSettings { run, iteration, arms: arms.0, at };
+            topr_llama::compare::run(&s).map(|_| ())
+        }
         Command::Plot { dir } => c::plot(&dir),
         Command::Convert { model, out } => c::convert(&model, &out),
         Command::Bench { model, new_tokens, gen_batch, train_batch, train_len } => {
@@ -443,6 +475,37 @@ fn demo_scale(s: DemoScale) -> topr_llama::demo::Scale {
 /// `study --claims`: the claims, in the order given, without repeats.
 #[derive(Clone, Debug)]
 pub struct Claims(pub Vec<topr_llama::study::Claim>);
+
+#[derive(Clone)]
+pub struct Arms(pub Vec<topr_llama::compare::CompareArm>);
+
+/// `sft,reinforce,topr-p0.2`: objectives by their command-line names, `-pP` for the baseline of
+/// the effective positive proportion P.
+fn parse_arms(s: &str) -> Result<Arms, String> {
+    use topr_llama::train::Baseline;
+    let mut out: Vec<topr_llama::compare::CompareArm> = vec![];
+    for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let (objective, baseline) = match name.rsplit_once("-p").map(|(o, p)| (o, p.parse::<f64>())) {
+            Some((o, Ok(p))) => {
+                if !(p > 0.0 && p < 1.0) {
+                    return Err(format!("arm {name:?}: the effective positive proportion must lie in (0, 1), got {p}"));
+                }
+                (o, Baseline::TargetPositiveProportion(p))
+            }
+            _ => (name, Baseline::Zero),
+        };
+        let objective = <args::ObjectiveArg as clap::ValueEnum>::from_str(objective, false)
+            .map_err(|_| format!("arm {name:?}: unknown objective {objective:?} (see `llama train --help`)"))?;
+        if out.iter().any(|a| a.name == name) {
+            return Err(format!("arm {name:?} is listed twice"));
+        }
+        out.push(topr_llama::compare::CompareArm { name: name.into(), objective: objective.into(), baseline });
+    }
+    if out.is_empty() {
+        return Err("no arm given".into());
+    }
+    Ok(Arms(out))
+}
 
 fn parse_claims(s: &str) -> Result<Claims, String> {
     use topr_llama::study::Claim;
