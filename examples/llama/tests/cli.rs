@@ -912,77 +912,44 @@ fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
     );
     refused(&strs(&iterate(&["--iterations", "2", "--resume", "--task-seed", "5"])), &["task.seed 1 → 5"]);
     assert!(!work.join("LOCK").exists());
+    compare_trains_other_arms_on_an_iterations_data(&dir, &work);
 }
 
-/// `compare` trains other arms on the data of one iteration of an `iterate` run: an arm with the
-/// run's own objective and baseline reproduces the run's model bit for bit (same μ, same data,
-/// same settings), the table pairs every arm with μ and the run's model, a rerun reuses the
-/// finished arms, and an unfinished iteration is refused.
-#[test]
-fn compare_trains_other_arms_on_an_iterations_data() {
-    let (dir, m0) = fresh_tiny_model("llama_cli_compare", "1");
-    let work = dir.join("work");
-    run(&[
-        "iterate",
-        "--model",
-        s(&m0),
-        "--work",
-        s(&work),
-        "--synthetic-n",
-        "6",
-        "--difficulty",
-        "1",
-        "--samples-per-prompt",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--batch-size",
-        "4",
-        "--eval-n",
-        "5",
-        "--lr",
-        "1e-3",
-        "--target-positive-proportion",
-        "0.5",
-        "--iterations",
-        "2",
-    ]);
-    let compare = ["compare", "--run", s(&work), "--iteration", "2", "--arms", "topr-p0.5,reinforce"];
+/// `compare` on the finished two-iteration run of the test above (TOPR, baseline 0): an arm with
+/// the run's own objective and baseline reproduces the run's model bit for bit (same μ, same
+/// data, same settings), the table pairs every arm with μ and the run's model, a rerun reuses the
+/// finished arms, and an unfinished iteration or a bad arm is refused in one line.
+fn compare_trains_other_arms_on_an_iterations_data(dir: &Path, work: &Path) {
+    let compare = ["compare", "--run", s(work), "--iteration", "2", "--arms", "topr,reinforce-p0.5"];
     let table = run(&compare);
-    assert!(table.contains("| reinforce |"), "{table}");
+    assert!(table.contains("| reinforce-p0.5 |"), "{table}");
     let out = work.join("compare-iter-2");
-    let same = |f: &str| {
-        std::fs::read(out.join("topr-p0.5/model").join(f)).unwrap()
-            == std::fs::read(work.join("iter-2/model").join(f)).unwrap()
+    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(
+        weights(&out.join("topr/model")) == weights(&work.join("iter-2/model")),
+        "the run's own arm gives the run's weights"
+    );
+    assert!(weights(&out.join("reinforce-p0.5/model")) != weights(&work.join("iter-2/model")));
+    let read = |f: &Path| -> Vec<Value> {
+        std::fs::read_to_string(f).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
     };
-    assert!(same("model.safetensors"), "the run's own arm gives the run's weights");
-    let rows: Vec<Value> = std::fs::read_to_string(out.join("compare.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = read(&out.join("compare.jsonl"));
     let names: Vec<&str> = rows.iter().map(|r| r["arm"].as_str().unwrap()).collect();
-    assert_eq!(names, ["mu", "run", "topr-p0.5", "reinforce"]);
-    for r in &rows {
-        assert_eq!(r["questions"], 5, "{r}");
-    }
+    assert_eq!(names, ["mu", "run", "topr", "reinforce-p0.5"]);
+    assert!(rows.iter().all(|r| r["questions"] == 2), "{rows:?}");
     assert_eq!(rows[2]["vs_run"], 0.0);
-    assert_eq!(rows[2]["accuracy"], rows[1]["accuracy"]);
     assert_eq!(rows[0]["gain"], 0.0);
-    // μ of iteration 2 is iteration 1's model: its accuracy is iteration 1's row of the run.
-    let it: Vec<Value> = std::fs::read_to_string(work.join("iterations.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    // μ of iteration 2 is iteration 1's model.
+    let it = read(&work.join("iterations.jsonl"));
     assert_eq!(rows[0]["accuracy"], it[1]["accuracy"]);
     assert_eq!(rows[1]["accuracy"], it[2]["accuracy"]);
-    let done = out.join("reinforce/train.done.json");
+    assert_eq!(rows[2]["accuracy"], it[2]["accuracy"]);
+    let done = out.join("reinforce-p0.5/train.done.json");
     let stamp = std::fs::metadata(&done).unwrap().modified().unwrap();
     assert_eq!(run(&compare), table, "a rerun reuses the finished arms");
     assert_eq!(std::fs::metadata(&done).unwrap().modified().unwrap(), stamp);
-    refused(&["compare", "--run", s(&work), "--iteration", "3"], &["iteration 3", "not finished"]);
-    refused(&["compare", "--run", s(&work), "--arms", "topr-p1.5"], &["(0, 1)"]);
-    refused(&["compare", "--run", s(&work), "--arms", "nope"], &["unknown objective"]);
-    refused(&["compare", "--run", s(&dir)], &["settings.json"]);
+    refused(&["compare", "--run", s(work), "--iteration", "3"], &["iteration 3", "not finished"]);
+    refused(&["compare", "--run", s(work), "--arms", "topr-p1.5"], &["(0, 1)"]);
+    refused(&["compare", "--run", s(work), "--arms", "nope"], &["unknown objective"]);
+    refused(&["compare", "--run", s(dir)], &["settings.json"]);
 }
