@@ -110,7 +110,7 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
         let dir = out.join(&arm.name);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let train = TrainSettings { objective: arm.objective, baseline: arm.baseline, ..rec.settings.train.clone() };
-        lp.train_on(&mu_dir, &data, &train, &dir, &dir.join("model"))?;
+        lp.train_on(None, &mu_dir, &data, &train, &dir, &dir.join("model"))?;
         lp.evaluate_cached(&dir.join("model"), &dir.join("eval.json"))?;
     }
     let mu = questions(&mu_eval)?;

@@ -152,14 +152,15 @@ impl<'a> Loop<'a> {
             shard: crate::shard::Shard::WHOLE,
         };
         sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &data, self.group)?;
-        self.train_loaded(m, mu_dir, &data, &s.train, dir, model_dir)
+        self.train_on(Some(m), mu_dir, &data, &s.train, dir, model_dir)
     }
 
-    /// Trains a copy of μ (`mu_dir`) on the data set `data` with `train` (the loop's curation
-    /// applied), saves it to `model_dir` and marks `dir` finished; or returns the summary of
-    /// the finished training.
+    /// Trains a copy of μ (`mu_dir`; `mu` when it is already loaded) on the data set `data` with
+    /// `train` (the loop's curation applied), saves it to `model_dir` and marks `dir` finished;
+    /// or returns the summary of the finished training.
     pub(crate) fn train_on(
         &self,
+        mu: Option<crate::model::Llama>,
         mu_dir: &Path,
         data: &Path,
         train: &TrainSettings,
@@ -171,20 +172,10 @@ impl<'a> Loop<'a> {
         if parallel::main_says(self.group, main && done.exists())? {
             return read_done(&done);
         }
-        let (m, _) = checkpoint::open(mu_dir, self.at)?;
-        self.train_loaded(m, mu_dir, data, train, dir, model_dir)
-    }
-
-    fn train_loaded(
-        &self,
-        m: crate::model::Llama,
-        mu_dir: &Path,
-        data: &Path,
-        train: &TrainSettings,
-        dir: &Path,
-        model_dir: &Path,
-    ) -> Result<train::Summary> {
-        let main = parallel::is_main(self.group);
+        let m = match mu {
+            Some(m) => m,
+            None => checkpoint::open(mu_dir, self.at)?.0,
+        };
         let samples =
             train::load_data(data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, train.skip_bad_records)?;
         let samples = self.s.curate.apply(samples);
@@ -193,7 +184,7 @@ impl<'a> Loop<'a> {
         if main {
             checkpoint::save(&m, mu_dir, model_dir)?;
             train::finish(dir);
-            crate::io::write_file(&dir.join("train.done.json"), serde_json::to_string(&summary)?)?;
+            crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
         }
         // The next stage loads the saved model on every rank.
         parallel::barrier(self.group)?;
