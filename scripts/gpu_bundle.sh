@@ -32,8 +32,13 @@ mkdir -p "$out"
 tmp=$(mktemp -d "$(dirname "$out")/.gpu-bundle.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 strip -o "$tmp/llama" "$bin"
-cp scripts/gpu_bundle/run.sh scripts/gpu_bundle/report.py scripts/gpu_bundle/losses_torch.py "$tmp/"
+cp scripts/gpu_bundle/run.sh scripts/gpu_bundle/report.py scripts/gpu_bundle/losses_torch.py \
+    examples/llama/tests/reference/bench_hf.py "$tmp/"
 chmod +x "$tmp/run.sh" "$tmp/llama"
+# The demo's plots need a TrueType font, which the GPU machine's image lacks: DejaVu Sans
+# (Bitstream Vera licence, free to redistribute), where this machine has it.
+font=${TOPR_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}
+[ -f "$font" ] && cp "$font" "$tmp/font.ttf"
 echo "$version" > "$tmp/TORCH_VERSION"
 git -C "$root" describe --always --dirty > "$tmp/COMMIT" 2>/dev/null || echo unknown > "$tmp/COMMIT"
 size=$(du -sm "$tmp" | cut -f1)

@@ -79,17 +79,29 @@ def main():
 
     peak = next((r for r in get("peak") if r.get("what") == "peak"), None)
     if peak:
-        rows.append(("throughput", f"bf16 matrix product {peak['n']}²", f"{peak['tflops']:.1f} TFLOP/s", "the MFU denominator, measured"))
+        rows.append(("throughput", f"{peak.get('kind', 'bf16')} matrix product {peak['n']}³", f"{peak['tflops']:.1f} TFLOP/s", "the MFU denominator, measured"))
     cfg_path = os.path.join(out, "work", "big", "config.json")
     cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
+    # transformers' figures on the same model, sizes and dtype (bench-transformers), by measurement.
+    hf = {(r["what"], r.get("batch")): r for r in get("bench-transformers") if r.get("impl") == "transformers"}
+
+    def versus(what, batch, tokens_per_s):
+        ref = hf.get((what, batch))
+        return f"; transformers {ref['tokens_per_s']:.0f} tokens/s: ratio {tokens_per_s / ref['tokens_per_s']:.2f}" if ref else ""
+
     for r in get("bench"):
         if r.get("what") == "generate":
-            rows.append(("throughput", f"generation, batch {r['batch']}", f"{r['tokens_per_s']:.0f} tokens/s", f"greedy, {r['new_tokens']} new tokens"))
+            mfu = r["share_of_peak"] if "share_of_peak" in r else None
+            note = f"greedy, {r['new_tokens']} new tokens" + versus("generate", r["batch"], r["tokens_per_s"])
+            if mfu is not None:
+                note += f"; {r['achieved_tflops']:.3g} TFLOP/s, {mfu:.2%} of the measured peak"
+            rows.append(("throughput", f"generation, batch {r['batch']}", f"{r['tokens_per_s']:.0f} tokens/s", note))
         elif r.get("what", "").startswith("train_fwd_bwd"):
             fused = r["what"].endswith("fused_logprobs")
             mfu = r["flops_per_token"] * r["tokens_per_s"] / (peak["tflops"] * 1e12) if peak else None
             path = "fused log-probs" if fused else "full logits"
             note = f"{r['batch']}×{r['len']} tokens, forward + backward ({path})"
+            note += versus("train_fwd_bwd", r["batch"], r["tokens_per_s"])
             rows.append(("throughput", f"training, {path}", f"{r['tokens_per_s']:.0f} tokens/s", note))
             rows.append(("throughput", f"model FLOP utilisation, {path}", f"{mfu:.1%}" if mfu is not None else "—", "6N + 12·L·d·T FLOPs a token over the measured peak"))
             if cfg and not fused and "bench" in by_stage:

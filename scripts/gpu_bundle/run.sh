@@ -42,6 +42,8 @@ torch_version=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
 want=$(cat "$here/TORCH_VERSION")
 [ "$torch_version" = "$want" ] || die "the bundle was built for torch $want, $PY has torch $torch_version"
 export LD_LIBRARY_PATH="$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The bundle's font for the plots, unless the caller names one.
+[ -f "$here/font.ttf" ] && export TOPR_PLOT_FONT=${TOPR_PLOT_FONT:-$here/font.ttf}
 
 if [ -e "$out" ] && [ -n "$(ls -A "$out" 2>/dev/null)" ]; then
     die "$out exists and is not empty: choose a new folder"
@@ -59,6 +61,7 @@ if [ "$size" = full ]; then
     big=(--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --max-positions 2048 --vocab-size 128256)
     small=(--layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --max-positions 512)
     bench=(--new-tokens 128 --gen-batch 1,64 --train-batch 16 --train-len 1024)
+    bench_hf=(128 16 1024 --gen-batch 1,64)
     parity=(--prompts 4 --len 64 --new-tokens 32)
     peak=(--n 8192)
     losses=(--batch 512 --len 2048 --iters 20)
@@ -68,6 +71,7 @@ else
     big=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --max-positions 256 --vocab-size 2048)
     small=(--layers 1 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 --max-positions 256)
     bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64)
+    bench_hf=(8 2 64 --gen-batch 1,4)
     parity=(--prompts 2 --len 16 --new-tokens 8)
     peak=(--n 256)
     losses=(--batch 8 --len 64 --iters 3)
@@ -120,6 +124,12 @@ stage init-big 300 "$bin" init --out "$W/big" "${big[@]}"
 stage init-small 60 "$bin" init --out "$W/small" "${small[@]}"
 stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
 stage bench 240 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}"
+# transformers on the same model, sizes and dtype, where python3 has it (the GPU machine's image
+# does; CI's torch-only venv does not, and the stage is then left out of the report).
+if "$PY" -c 'import transformers' 2>/dev/null; then
+    stage bench-transformers 240 "$PY" "$here/bench_hf.py" "$W/big" "${bench_hf[@]}" --device "${device/cuda:*/cuda}" \
+        --dtype "${half[1]}"
+fi
 stage parity 240 "$bin" check parity --model "$W/big" "${dev[@]}" "${parity[@]}"
 stage losses 120 "$bin" check losses "${dev[@]}" "${losses[@]}"
 # The PyTorch side gets the allocator settings the llama binary gives itself (main.rs,

@@ -1,32 +1,54 @@
-"""transformers' side of scripts/bench_llama.sh: the same measurements as `llama bench`.
+"""transformers' side of scripts/bench_llama.sh and of the GPU bundle's bench stage: the same
+measurements as `llama bench` (greedy fixed-length generation tokens/s at each batch size; the
+training step's forward + backward of the mean next-token NLL through the full logits).
 
-usage: python examples/llama/tests/reference/bench_hf.py MODEL_DIR NEW_TOKENS TRAIN_BATCH TRAIN_LEN
+usage: python bench_hf.py MODEL_DIR NEW_TOKENS TRAIN_BATCH TRAIN_LEN [--device cpu|cuda]
+                          [--dtype f32|bf16] [--gen-batch 1,16]
 """
+import argparse
 import json
-import sys
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-d, new_tokens, train_batch, train_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-tok = AutoTokenizer.from_pretrained(d)
+p = argparse.ArgumentParser()
+p.add_argument("model")
+p.add_argument("new_tokens", type=int)
+p.add_argument("train_batch", type=int)
+p.add_argument("train_len", type=int)
+p.add_argument("--device", default="cpu")
+p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+p.add_argument("--gen-batch", default="1,16")
+a = p.parse_args()
+dev = torch.device(a.device)
+dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to(dev).eval()
+tok = AutoTokenizer.from_pretrained(a.model)
 text = tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}], add_generation_prompt=True, tokenize=False)
-prompt = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-for batch in (1, 16):
+prompt = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(dev)
+for batch in [int(b) for b in a.gen_batch.split(",")]:
     x = prompt.repeat(batch, 1)
     kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=tok.eos_token_id)
     with torch.no_grad():
         model.generate(x, max_new_tokens=4, **kw)
+        sync()
         t0 = time.time()
-        g = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        g = model.generate(x, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, **kw)
+        sync()
         secs = time.time() - t0
     n = (g.shape[1] - x.shape[1]) * batch
-    print(json.dumps({"what": "generate", "impl": "transformers", "batch": batch, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": n / secs}))
+    print(json.dumps({"what": "generate", "impl": "transformers", "batch": batch, "new_tokens": a.new_tokens, "seconds": secs, "tokens_per_s": n / secs}), flush=True)
 model.train()
 torch.manual_seed(0)
-ids = torch.randint(model.config.vocab_size, (train_batch, train_len))
+ids = torch.randint(model.config.vocab_size, (a.train_batch, a.train_len), device=dev)
 
 
 def step():
@@ -37,8 +59,10 @@ def step():
 
 
 step()
+sync()
 t0 = time.time()
 for _ in range(3):
     step()
+sync()
 secs = (time.time() - t0) / 3
-print(json.dumps({"what": "train_fwd_bwd", "impl": "transformers", "batch": train_batch, "len": train_len, "seconds": secs, "tokens_per_s": train_batch * train_len / secs}))
+print(json.dumps({"what": "train_fwd_bwd", "impl": "transformers", "batch": a.train_batch, "len": a.train_len, "seconds": secs, "tokens_per_s": a.train_batch * a.train_len / secs}), flush=True)
