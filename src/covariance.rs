@@ -355,7 +355,7 @@ fn check_inputs(
 /// detached, zero on padding; and `[B, T]` advantages.
 fn covariance(x: &TokenInputs) -> Result<(Tensor, Tensor), LossError> {
     let adv = x.weights_per_token()?.f_expand(x.mask.size().as_slice(), false)?; // [B, T]
-    let lp = x.logp.f_detach()?;
+    let lp = x.logp()?.f_detach()?;
     let n = x.mask.f_sum(x.kind)?.f_clamp_min(1.0)?;
     let centred = |v: &Tensor| -> Result<Tensor, LossError> {
         let v = masked_fill_zero(v, &x.mask)?;

@@ -608,7 +608,7 @@ pub fn cispo_loss(
 ) -> Result<Tensor, LossError> {
     let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
     let w = cfg.clip(&cfg.ratio(&x.delta.f_detach()?)?)?;
-    let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp)?.f_neg()?;
+    let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp()?)?.f_neg()?;
     reduce(&per_token, &x, cfg, &Normalizer::local())
 }
 
@@ -642,7 +642,7 @@ pub fn cispo_loss_output(
     let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
     let r = cfg.ratio(&x.delta.f_detach()?)?;
     let w = cfg.clip(&r)?;
-    let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp)?.f_neg()?;
+    let per_token = w.f_mul(&x.weights_per_token()?)?.f_mul(&x.logp()?)?.f_neg()?;
     let clipped = w.f_ne_tensor(&r)?;
     let diagnostics = ppo_diagnostics(&r, &clipped, &clipped.f_zeros_like()?, &x.mask)?;
     output(&per_token, &x, cfg, norm, diagnostics)
