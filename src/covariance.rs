@@ -355,13 +355,11 @@ fn check_inputs(
 /// detached, zero on padding; and `[B, T]` advantages.
 fn covariance(x: &TokenInputs) -> Result<(Tensor, Tensor), LossError> {
     let adv = x.weights_per_token()?.f_expand(x.mask.size().as_slice(), false)?; // [B, T]
-    let lp = x.logp()?.f_detach()?;
+    let lp = x.logp()?.f_detach()?; // zero on padding already
     let n = x.mask.f_sum(x.kind)?.f_clamp_min(1.0)?;
-    let centred = |v: &Tensor| -> Result<Tensor, LossError> {
-        let v = masked_fill_zero(v, &x.mask)?;
-        Ok(v.f_sub(&v.f_sum(None::<Kind>)?.f_div(&n)?)?)
-    };
-    let cov = masked_fill_zero(&centred(&adv)?.f_mul(&centred(&lp)?)?, &x.mask)?;
+    // `v − mean v` over the unmasked tokens, for `v` zero on padding.
+    let centred = |v: &Tensor| -> Result<Tensor, LossError> { Ok(v.f_sub(&v.f_sum(None::<Kind>)?.f_div(&n)?)?) };
+    let cov = masked_fill_zero(&centred(&masked_fill_zero(&adv, &x.mask)?)?.f_mul(&centred(&lp)?)?, &x.mask)?;
     Ok((cov, adv))
 }
 
