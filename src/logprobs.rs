@@ -768,8 +768,16 @@ pub fn sequence_logprobs(logp: &Tensor, mask: &Tensor, reduce: SequenceReduce) -
     let m = validate::bool_mask(mask, "mask")?;
     validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
     validate::same_device(&m, "mask", logp.device(), "logp")?;
-    validate::finite(logp, "logp", Some(&m))?;
     let sum = masked_fill_zero(&logp.f_to_kind(kind)?, &m)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
+    // Finite sums prove every unmasked entry finite (one host read, no pass over `[B, T]`); only
+    // a non-finite one runs the per-entry check, which names the first bad entry.
+    validate::all_finite(&[validate::FiniteCheck {
+        clean: &sum,
+        original: logp,
+        argument: "logp",
+        valid: Some(&m),
+        also: None,
+    }])?;
     Ok(match reduce {
         SequenceReduce::Sum => sum,
         SequenceReduce::Mean => sum.f_div(&m.f_sum_dim_intlist(1, false, kind)?.f_clamp_min(1.0)?)?,

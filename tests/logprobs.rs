@@ -156,6 +156,26 @@ fn sequence_logprobs_sum_and_mean() {
 }
 
 #[test]
+fn sequence_logprobs_name_the_first_non_finite_real_entry() {
+    // NaN and −inf where the mask holds: an error naming `logp` and the first such entry.
+    for bad in [f64::NAN, f64::NEG_INFINITY, f64::INFINITY] {
+        let lp = Tensor::from_slice2(&[[-1.0f64, -2.0, f64::NAN], [-0.5, bad, -0.5]]);
+        let m = Tensor::from_slice2(&[[1i64, 1, 0], [1, 1, 1]]);
+        let e = sequence_logprobs(&lp, &m, SequenceReduce::Sum).unwrap_err();
+        match e {
+            LossError::NonFinite { argument: "logp", count: 1, ref first_index } => {
+                assert_eq!(first_index, &vec![1, 1], "{e}")
+            }
+            other => panic!("{bad}: {other}"),
+        }
+    }
+    // Finite entries whose sum overflows f32 are not an error: the sum is −inf.
+    let lp = Tensor::from_slice2(&[[-3.0e38f32, -3.0e38]]);
+    let s = sequence_logprobs(&lp, &Tensor::from_slice2(&[[true, true]]), SequenceReduce::Sum).unwrap();
+    assert_eq!(s.double_value(&[0]), f64::NEG_INFINITY);
+}
+
+#[test]
 fn bad_inputs_are_errors() {
     let logits = Tensor::zeros([1, 2, 4], (Kind::Float, CPU));
     let cfg = LogProbConfig::default();

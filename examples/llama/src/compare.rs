@@ -102,7 +102,7 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
     let out = compare_dir(&s.run, i);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let _lock = crate::io::Lock::dir(&out)?;
-    let lp = Loop::new(s.at, None, &rec.settings)?;
+    let lp = Loop::new(s.at, None, &rec.settings, &mu_dir)?;
     let data = it_dir.join("data.jsonl");
     let t0 = std::time::Instant::now();
     for (k, arm) in s.arms.iter().enumerate() {

@@ -182,6 +182,7 @@ pub fn iterate_settings(work: std::path::PathBuf, scale: Scale, seed: u64, train
         eval_data: None,
         eval_n: scale.eval_n,
         eval_batch_size: 64,
+        shared: None,
     }
 }
 

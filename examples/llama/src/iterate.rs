@@ -26,6 +26,12 @@ pub enum Curation {
     All,
     /// Every negative, and one positive per question (as in the paper's curated runs).
     OnePositive,
+    /// A data set whose raw share of positives is this (in (0, 1)): the rarer of the two kinds
+    /// is kept whole and the other subsampled to `round` of the count that gives the share, the
+    /// same samples on every run (chosen by a hash of question id and sample index, not by
+    /// position). The paper compares data sets of 10 % and 50 % positives this way. A data set
+    /// without positives or without negatives is kept as it is (no share can be reached).
+    RawShare(f64),
 }
 
 impl Curation {
@@ -36,8 +42,52 @@ impl Curation {
                 let mut seen = HashSet::new();
                 data.into_iter().filter(|s| !s.correct || seen.insert(s.id.clone())).collect()
             }
+            Self::RawShare(share) => raw_share(data, share),
         }
     }
+
+    /// Refuses a raw share outside (0, 1).
+    pub fn check(self) -> Result<()> {
+        match self {
+            Self::RawShare(s) if !(s > 0.0 && s < 1.0) => {
+                bail!("curation: the raw share of positives must lie in (0, 1), got {s}")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `data` subsampled to the raw share `share` of positives (see [`Curation::RawShare`]); the
+/// kept samples stay in their order.
+fn raw_share(data: Vec<Sample>, share: f64) -> Vec<Sample> {
+    let positives = data.iter().filter(|s| s.correct).count();
+    let negatives = data.len() - positives;
+    if positives == 0 || negatives == 0 {
+        return data;
+    }
+    // Keep every sample of the kind that limits the share, and `keep` of the other.
+    let (thin_positives, keep) = if positives as f64 / data.len() as f64 > share {
+        (true, (share * negatives as f64 / (1.0 - share)).round() as usize)
+    } else {
+        (false, (positives as f64 * (1.0 - share) / share).round() as usize)
+    };
+    let mut thinned: Vec<(u64, usize)> = data
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.correct == thin_positives)
+        .map(|(i, s)| (fnv1a(s.id.as_bytes(), s.sample as u64), i))
+        .collect();
+    thinned.sort_unstable();
+    let dropped: HashSet<usize> = thinned.iter().skip(keep).map(|&(_, i)| i).collect();
+    data.into_iter().enumerate().filter(|(i, _)| !dropped.contains(i)).map(|(_, s)| s).collect()
+}
+
+/// FNV-1a over `bytes` then `n`'s bytes: a stable order for subsampling.
+fn fnv1a(bytes: &[u8], n: u64) -> u64 {
+    bytes
+        .iter()
+        .chain(n.to_le_bytes().iter())
+        .fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The settings of the loop.
@@ -68,6 +118,13 @@ pub struct IterateSettings {
     pub eval_data: Option<PathBuf>,
     pub eval_n: usize,
     pub eval_batch_size: usize,
+    /// A folder shared by loops that start from the same model with the same task, sampling
+    /// and held-out evaluation and differ only in training (the study's arms): the initial
+    /// evaluation and the first iteration's data set are made there once and copied into each
+    /// loop's `work`. The data set's record is still checked where it is used (one sampled
+    /// otherwise is refused); the evaluation's is the caller's promise. Not recorded.
+    #[serde(skip)]
+    pub shared: Option<PathBuf>,
 }
 
 /// The held-out problems: the held-out file, else synthetic problems from another seed.
@@ -91,20 +148,44 @@ pub(crate) struct Loop<'a> {
     problems: Vec<task::Problem>,
     style: PromptStyle,
     held_out: Vec<task::Problem>,
+    /// The loop's initial model (its evaluation is the one shared through `s.shared`).
+    initial: PathBuf,
 }
 
 impl<'a> Loop<'a> {
     /// The loop of `s`: its training problems and held-out problems loaded.
-    pub(crate) fn new(at: Placement, group: Option<&'a ProcessGroup>, s: &'a IterateSettings) -> Result<Self> {
+    pub(crate) fn new(
+        at: Placement,
+        group: Option<&'a ProcessGroup>,
+        s: &'a IterateSettings,
+        initial: &Path,
+    ) -> Result<Self> {
         let (problems, style) = s.task.load()?;
         let held_out = eval_problems(s)?;
-        Ok(Self { at, group, s, problems, style, held_out })
+        Ok(Self { at, group, s, problems, style, held_out, initial: initial.to_path_buf() })
     }
 
     /// Evaluates the model in `dir` once (greedy); the summary is cached in `out`, the
     /// per-question results beside it ([`questions_file`]). With a group, the ranks share the
     /// questions and rank 0 writes both files.
     pub(crate) fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
+        if let Some(shared) = &self.s.shared
+            && dir == self.initial
+        {
+            let name = out.file_name().context("an evaluation file names no file")?;
+            std::fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
+            let first = shared.join(name);
+            let summary = self.evaluate_here(dir, &first)?;
+            if parallel::is_main(self.group) {
+                copy_finished(&questions_file(&first), &questions_file(out))?;
+                copy_finished(&first, out)?;
+            }
+            return Ok(summary);
+        }
+        self.evaluate_here(dir, out)
+    }
+
+    fn evaluate_here(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
         let cached = || std::fs::read_to_string(out).ok().and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok());
         let main = parallel::is_main(self.group);
         if parallel::main_says(self.group, main && cached().is_some())? {
@@ -144,6 +225,15 @@ impl<'a> Loop<'a> {
         let s = self.s;
         let (m, tok) = checkpoint::open(mu_dir, self.at)?;
         let seed = (s.train.seed as i64).wrapping_add(1_000 * i as i64);
+        // The first data set of loops sharing a folder is sampled there once (a finished one is
+        // not sampled again), then copied here.
+        let (sample_to, copy) = match &s.shared {
+            Some(shared) if i == 1 => {
+                std::fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
+                (shared.join("iter-1-data.jsonl"), true)
+            }
+            _ => (data.clone(), false),
+        };
         let sampling = sample::SampleSettings {
             samples_per_prompt: s.samples_per_prompt,
             sampling: s.sampling,
@@ -151,7 +241,12 @@ impl<'a> Loop<'a> {
             batch_prompts: s.batch_prompts,
             shard: crate::shard::Shard::WHOLE,
         };
-        sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &data, self.group)?;
+        sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &sample_to, self.group)?;
+        if copy && main {
+            copy_finished(&sample::run_file(&sample_to), &sample::run_file(&data))?;
+            copy_finished(&sample_to, &data)?;
+        }
+        parallel::barrier(self.group)?;
         self.train_on(Some(m), mu_dir, &data, &s.train, dir, model_dir)
     }
 
@@ -190,6 +285,20 @@ impl<'a> Loop<'a> {
         parallel::barrier(self.group)?;
         Ok(summary)
     }
+}
+
+/// Puts a copy of the finished file `from` at `to` (a hard link where the file system allows),
+/// unless `to` exists; `to` appears whole or not at all.
+fn copy_finished(from: &Path, to: &Path) -> Result<()> {
+    if to.exists() {
+        return Ok(());
+    }
+    crate::io::replace_with(to, |tmp| {
+        if std::fs::hard_link(from, tmp).is_err() {
+            std::fs::copy(from, tmp).with_context(|| format!("copying {}", from.display()))?;
+        }
+        Ok(())
+    })
 }
 
 /// The per-question results written beside an evaluation's summary `out`.
@@ -288,8 +397,9 @@ impl Table {
 /// the model the previous one saved).
 pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&ProcessGroup>) -> Result<()> {
     crate::io::refuse_overlap(model, &s.work, "work directory")?;
+    s.curate.check()?;
     // The inputs first: a bad data file or model is reported before anything is written.
-    let lp = Loop::new(at, group, s)?;
+    let lp = Loop::new(at, group, s, model)?;
     let run = IterateRun { model: ModelId::of(model)?, settings: s.clone() };
     let main = parallel::is_main(group);
     let _lock = if main {
@@ -420,5 +530,86 @@ mod tests {
         let err = check_run(&work, true, &changed).unwrap_err();
         assert!(format!("{err:#}").contains("train.lr"), "{err:#}");
         let _ = std::fs::remove_dir_all(&work);
+    }
+
+    fn graded(id: usize, sample: usize, correct: bool) -> Sample {
+        use crate::sample::SamplingRecord;
+        Sample {
+            id: format!("q{id}"),
+            sample,
+            question: String::new(),
+            prompt_ids: vec![1],
+            completion: String::new(),
+            completion_ids: vec![2],
+            logp_mu: vec![0.0],
+            logp_sampling: vec![0.0],
+            seq_logp_mu: 0.0,
+            seq_logp_sampling: 0.0,
+            answer: None,
+            reference: 0.0,
+            correct,
+            invalid: false,
+            reward: if correct { 1.0 } else { -1.0 },
+            stop: crate::generate::Stop::Eos,
+            sampling: SamplingRecord { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 1, seed: 0 },
+        }
+    }
+
+    fn keys(d: &[Sample]) -> Vec<(String, usize)> {
+        d.iter().map(|s| (s.id.clone(), s.sample)).collect()
+    }
+
+    proptest::proptest! {
+        /// A raw share keeps the rarer kind whole, thins the other to the rounded count that
+        /// gives the share, keeps the samples' order, and picks the same samples whatever their
+        /// order in the data set.
+        #[test]
+        fn raw_share_reaches_the_share(
+            kinds in proptest::collection::vec(proptest::bool::ANY, 1..300),
+            share in 0.01f64..0.99,
+            rotate in 0usize..300,
+        ) {
+            let data: Vec<Sample> = kinds.iter().enumerate().map(|(i, &c)| graded(i / 4, i % 4, c)).collect();
+            let (p, n) = (kinds.iter().filter(|c| **c).count(), kinds.iter().filter(|c| !**c).count());
+            let kept = Curation::RawShare(share).apply(data.clone());
+            let (kp, kn) = (kept.iter().filter(|s| s.correct).count(), kept.iter().filter(|s| !s.correct).count());
+            if p == 0 || n == 0 {
+                proptest::prop_assert_eq!(keys(&kept), keys(&data));
+            } else if p as f64 / (p + n) as f64 > share {
+                proptest::prop_assert_eq!(kn, n);
+                proptest::prop_assert_eq!(kp, (share * n as f64 / (1.0 - share)).round() as usize);
+            } else {
+                proptest::prop_assert_eq!(kp, p);
+                proptest::prop_assert_eq!(kn, (p as f64 * (1.0 - share) / share).round() as usize);
+            }
+            // The kept samples in the data set's order.
+            let position = |k: &(String, usize)| keys(&data).iter().position(|d| d == k).unwrap();
+            let order: Vec<usize> = keys(&kept).iter().map(position).collect();
+            proptest::prop_assert!(order.windows(2).all(|w| w[0] < w[1]));
+            // The same samples from a reordered data set.
+            let mut rotated = data.clone();
+            rotated.rotate_left(rotate % data.len());
+            let mut a = keys(&kept);
+            let mut b = keys(&Curation::RawShare(share).apply(rotated));
+            a.sort();
+            b.sort();
+            proptest::prop_assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn raw_share_worked_example_and_bad_shares() {
+        // 2 positives, 18 negatives: a 50 % share keeps both positives and 2 negatives; a 5 %
+        // share keeps the 18 negatives and one positive (18 · 0.05 / 0.95 = 0.947 → 1).
+        let data: Vec<Sample> = (0..20).map(|i| graded(i, 0, i < 2)).collect();
+        let half = Curation::RawShare(0.5).apply(data.clone());
+        assert_eq!((half.len(), half.iter().filter(|s| s.correct).count()), (4, 2));
+        let few = Curation::RawShare(0.05).apply(data);
+        assert_eq!((few.len(), few.iter().filter(|s| s.correct).count()), (19, 1));
+        for bad in [0.0, 1.0, -0.2, f64::NAN] {
+            let err = Curation::RawShare(bad).check().unwrap_err().to_string();
+            assert!(err.contains("raw share"), "{err}");
+        }
+        Curation::RawShare(0.1).check().unwrap();
     }
 }

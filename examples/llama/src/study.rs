@@ -14,7 +14,7 @@
 
 use crate::checkpoint::Placement;
 use crate::demo::{self, Scale};
-use crate::iterate::{self, IterateSettings};
+use crate::iterate::{self, Curation, IterateSettings};
 use crate::metrics::{IterationRecord, read_jsonl};
 use crate::plot::{Panel, Series};
 use crate::train::{Baseline, Objective, TrainSettings};
@@ -31,7 +31,8 @@ pub enum Claim {
     Negatives,
     /// Naive off-policy REINFORCE with negatives degenerates; TOPR does not.
     Degeneration,
-    /// Dataset composition: accuracy against the effective positive proportion p̃.
+    /// Dataset composition: accuracy against the effective positive proportion p̃, on data sets
+    /// subsampled to two raw shares of positives ([`COMPOSITION_RAW_SHARES`]).
     Composition,
     /// TOPR against PPO, GRPO and DPO on the same data and budget.
     Peers,
@@ -89,7 +90,16 @@ impl Claim {
             Self::Verifier => vec![],
             Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
             Self::Degeneration => vec![topr, Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)],
-            Self::Composition => [0.05, 0.2, 0.5, 0.9].into_iter().map(Arm::topr).collect(),
+            Self::Composition => COMPOSITION_RAW_SHARES
+                .into_iter()
+                .flat_map(|raw| {
+                    COMPOSITION_P_TILDES.into_iter().map(move |p| Arm {
+                        name: format!("topr-p{p}-raw{raw}"),
+                        curate: Curation::RawShare(raw),
+                        ..Arm::topr(p)
+                    })
+                })
+                .collect(),
             Self::Peers => vec![
                 topr,
                 Arm::new("ppo", Objective::Ppo, Baseline::Zero),
@@ -115,6 +125,11 @@ impl Claim {
     }
 }
 
+/// The composition claim's raw shares of positives (each data set subsampled to it, as in the
+/// paper's 10 % and 50 % data sets) and its effective proportions p̃ (the baselines).
+pub const COMPOSITION_RAW_SHARES: [f64; 2] = [0.1, 0.5];
+pub const COMPOSITION_P_TILDES: [f64; 4] = [0.05, 0.2, 0.5, 0.9];
+
 /// One training setting of the study: an objective and its baseline, applied at every
 /// iteration on the model's own graded samples; everything else is the demo's.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -127,11 +142,29 @@ pub struct Arm {
     pub epochs: usize,
     /// The gradient-norm clip (the demo's: 1).
     pub max_grad_norm: Option<f64>,
+    /// Which samples of each data set are trained on (the demo's: all).
+    pub curate: Curation,
 }
 
 impl Arm {
+    /// The effective proportion of positives its baseline targets, if it has one.
+    pub fn p_tilde(&self) -> Option<f64> {
+        match self.baseline {
+            Baseline::TargetPositiveProportion(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The raw share of positives its data sets are subsampled to, if any.
+    pub fn raw_share(&self) -> Option<f64> {
+        match self.curate {
+            Curation::RawShare(r) => Some(r),
+            _ => None,
+        }
+    }
+
     fn new(name: &str, objective: Objective, baseline: Baseline) -> Self {
-        Self { name: name.into(), objective, baseline, epochs: 1, max_grad_norm: Some(1.0) }
+        Self { name: name.into(), objective, baseline, epochs: 1, max_grad_norm: Some(1.0), curate: Curation::All }
     }
 
     /// TOPR with the baseline that gives positives the share `p̃` of the weight.
@@ -217,7 +250,13 @@ fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<Iterat
         seed,
         ..base
     };
-    Ok(demo::iterate_settings(dir.join(&arm.name), scale, seed, train))
+    // Every arm of a seed starts from its warm-up with the same questions and sampling: the
+    // initial evaluation and the first data set are made once, in `shared`.
+    Ok(IterateSettings {
+        curate: arm.curate,
+        shared: Some(dir.join("shared")),
+        ..demo::iterate_settings(dir.join(&arm.name), scale, seed, train)
+    })
 }
 
 /// The verifier's pipeline for `seed`, from the warm model: the demo's training questions and
@@ -430,14 +469,17 @@ pub fn report(s: &StudySettings) -> Result<()> {
         for i in 0..=iters {
             write!(header, " iteration {i} |")?;
         }
-        writeln!(md, "{header} gain | vs first | invalid at last | SE questions (last) |")?;
-        writeln!(md, "|{}", "---|".repeat(iters + 7))?;
+        writeln!(md, "{header} gain | vs first | invalid at last | positives in data (it. 1) | SE questions (last) |")?;
+        writeln!(md, "|{}", "---|".repeat(iters + 8))?;
         let arms = c.arms();
         let at = |arm: &str, seed: u64, i: usize| -> Option<&StudyRow> {
             rows.iter().find(|r| r.claim == *c && r.arm == arm && r.seed == seed && r.iteration == i)
         };
         let mut panels_acc = vec![];
         let mut panels_inv = vec![];
+        // Raw share of positives -> (p̃, mean accuracy at the last iteration), for the
+        // composition claim's accuracy-against-p̃ panel.
+        let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
         for arm in &arms {
             let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
             let mut line = format!("| {} | {} |", arm.name, seeds.len());
@@ -464,15 +506,21 @@ pub fn report(s: &StudySettings) -> Result<()> {
             let invalid: Vec<f64> =
                 seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.invalid_rate).collect();
             let last: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.accuracy).collect();
+            let positives: Vec<f64> =
+                seeds.iter().filter_map(|&sd| at(&arm.name, sd, 1)?.data_positive_fraction).collect();
+            if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
+                composition.entry(format!("{raw}")).or_default().push((p, mean_se(&last).0));
+            }
             let pooled = mean_se(&last).0;
             let n_q = (last.len() * s.scale.eval_n) as f64;
             let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
             writeln!(
                 md,
-                "{line} {} | {} | {} | {} |",
+                "{line} {} | {} | {} | {} | {} |",
                 fmt(mean_se(&gain)),
                 if arm == &arms[0] { "—".into() } else { fmt(mean_se(&vs)) },
                 fmt(mean_se(&invalid)),
+                fmt(mean_se(&positives)),
                 if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
             )?;
             panels_acc.push(Series { label: arm.name.clone(), points: acc_points });
@@ -480,7 +528,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
         }
         writeln!(md)?;
         let png = s.work.join(format!("claim-{}.png", c.name()));
-        let panels = [
+        let mut panels = vec![
             Panel {
                 title: format!("{}: held-out accuracy (mean over seeds)", c.name()),
                 x: "iteration".into(),
@@ -494,6 +542,20 @@ pub fn report(s: &StudySettings) -> Result<()> {
                 series: panels_inv,
             },
         ];
+        if !composition.is_empty() {
+            panels.push(Panel {
+                title: format!("{}: accuracy at iteration {iters} against p~", c.name()),
+                x: "effective proportion of positives p~".into(),
+                y: "greedy pass@1".into(),
+                series: composition
+                    .into_iter()
+                    .map(|(raw, mut points)| {
+                        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                        Series { label: format!("raw share of positives {raw}"), points }
+                    })
+                    .collect(),
+            });
+        }
         crate::plot::report("study", || {
             crate::plot::draw(&png, &panels, 2)?;
             Ok(png.clone())
@@ -548,5 +610,27 @@ mod tests {
         }
         assert_eq!(Claim::Negatives.arms()[0], Claim::Degeneration.arms()[0]);
         assert_eq!(Claim::parse("stability"), None);
+    }
+
+    #[test]
+    fn composition_crosses_raw_shares_with_p_tildes() {
+        let arms = Claim::Composition.arms();
+        assert_eq!(arms.len(), COMPOSITION_RAW_SHARES.len() * COMPOSITION_P_TILDES.len());
+        for raw in COMPOSITION_RAW_SHARES {
+            for p in COMPOSITION_P_TILDES {
+                let arm = arms.iter().find(|a| a.raw_share() == Some(raw) && a.p_tilde() == Some(p)).unwrap();
+                assert_eq!(arm.name, format!("topr-p{p}-raw{raw}"));
+            }
+        }
+        // Names are distinct, and none is the seed's shared folder.
+        let all: Vec<Arm> = Claim::ALL.into_iter().flat_map(|c| c.arms()).collect();
+        assert!(all.iter().all(|a| a.name != "shared"));
+        let mut names: Vec<&str> = all.iter().map(|a| a.name.as_str()).collect();
+        names.sort();
+        names.dedup();
+        for n in &names {
+            let same: Vec<&Arm> = all.iter().filter(|a| a.name == *n).collect();
+            assert!(same.windows(2).all(|w| w[0] == w[1]), "two different arms named {n}");
+        }
     }
 }

@@ -44,6 +44,12 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     assert_ne!(w0, w1);
     // The topr arm is shared by both claims and ran once per seed.
     assert!(work.join("seed-0/topr-p0.5/iterations.jsonl").exists());
+    // A seed's arms share their initial evaluation and first data set, made once in shared/.
+    assert!(work.join("seed-0/shared/iter-1-data.jsonl").exists());
+    for f in ["iter-1/data.jsonl", "eval-initial.json", "eval-initial.questions.jsonl"] {
+        let topr = std::fs::read(work.join("seed-0/topr-p0.5").join(f)).unwrap();
+        assert_eq!(topr, std::fs::read(work.join("seed-0/sft").join(f)).unwrap(), "{f}");
+    }
     // Rerun: everything is finished, nothing changes.
     let before = std::fs::read(work.join("study.jsonl")).unwrap();
     let warm = std::fs::metadata(work.join("seed-1/warm-up/model.safetensors")).unwrap().modified().unwrap();

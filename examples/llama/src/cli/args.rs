@@ -94,6 +94,14 @@ pub fn parse_unit_interval(s: &str) -> Result<f64, String> {
     }
 }
 
+/// A share in `(0, 1)`, both ends excluded (`--raw-share`).
+pub fn parse_open_unit_interval(s: &str) -> Result<f64, String> {
+    match number(s)? {
+        v if v > 0.0 && v < 1.0 => Ok(v),
+        v => Err(format!("must lie in (0, 1), ends excluded, got {v}")),
+    }
+}
+
 /// A probability mass in `(0, 1]` (top-p).
 pub fn parse_top_p(s: &str) -> Result<f64, String> {
     match number(s)? {
@@ -825,6 +833,10 @@ pub struct LoopArgs {
     /// Which samples are trained on.
     #[arg(long, value_enum, default_value_t = CurateArg::All)]
     pub curate: CurateArg,
+    /// Subsample each data set to this raw share of positives, in (0, 1): the rarer kind kept
+    /// whole, the other thinned (the paper's 10 % and 50 % data sets). Instead of --curate.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_open_unit_interval, conflicts_with = "curate")]
+    pub raw_share: Option<f64>,
     /// Held-out evaluation: a GSM8K file (with --task gsm8k) or this many synthetic problems.
     #[arg(long)]
     pub eval_data: Option<PathBuf>,
@@ -849,10 +861,11 @@ impl LoopArgs {
             iterations: self.iterations,
             samples_per_prompt: self.samples_per_prompt,
             batch_prompts: self.batch_prompts,
-            curate: self.curate.into(),
+            curate: self.raw_share.map_or(self.curate.into(), Curation::RawShare),
             eval_data: self.eval_data.clone(),
             eval_n: self.eval_n,
             eval_batch_size: self.eval_batch_size,
+            shared: None,
         })
     }
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use topr_llama::checkpoint::{self, Placement};
 use topr_llama::generate::{self, Sampling};
-use topr_loss::{Checks, DpoConfig, PpoConfig, ToprConfig, ToprTokenConfig, host_reads};
+use topr_loss::{Checks, DpoConfig, PpoConfig, SequenceReduce, ToprConfig, ToprTokenConfig, host_reads};
 
 /// One measurement line of `check`.
 #[derive(Debug, Serialize)]
@@ -156,9 +156,10 @@ pub fn losses(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> 
             (
                 "dpo_loss",
                 Box::new(|| {
-                    // Sequence log-probs of `half` pairs from the token log-probs.
-                    let seq = (&logp * &mask).sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
-                    let seq_mu = (&logp_mu * &mask).sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+                    // Sequence log-probs of `half` pairs from the token log-probs, as a user
+                    // of the crate gets them (padding replaced, checked).
+                    let seq = topr_loss::sequence_logprobs(&logp, &mask, SequenceReduce::Sum)?;
+                    let seq_mu = topr_loss::sequence_logprobs(&logp_mu, &mask, SequenceReduce::Sum)?;
                     let (c, r) = (seq.narrow(0, 0, half), seq.narrow(0, half, half));
                     let (rc, rr) = (seq_mu.narrow(0, 0, half), seq_mu.narrow(0, half, half));
                     Ok(topr_loss::dpo_loss(&c, &r, &rc, &rr, &dpo)?)
