@@ -33,6 +33,10 @@ impl Fnv {
     pub fn hex(&self) -> String {
         format!("{:016x}", self.0)
     }
+
+    pub fn value(&self) -> u64 {
+        self.0
+    }
 }
 
 /// The size and hash of some bytes: a file's, or a set of records'.

@@ -7,7 +7,7 @@ use crate::Refusal;
 use crate::checkpoint::{self, Placement};
 use crate::eval::{self, EvalSettings, PromptStyle};
 use crate::generate::{Decoding, Sampling};
-use crate::identity::ModelId;
+use crate::identity::{Digest, Fnv, ModelId};
 use crate::io::{Append, Lock};
 use crate::metrics::IterationRecord;
 use crate::parallel::{self, ProcessGroup};
@@ -75,19 +75,11 @@ fn raw_share(data: Vec<Sample>, share: f64) -> Vec<Sample> {
         .iter()
         .enumerate()
         .filter(|(_, s)| s.correct == thin_positives)
-        .map(|(i, s)| (fnv1a(s.id.as_bytes(), s.sample as u64), i))
+        .map(|(i, s)| (Fnv::default().bytes(s.id.as_bytes()).bytes(&(s.sample as u64).to_le_bytes()).value(), i))
         .collect();
     thinned.sort_unstable();
     let dropped: HashSet<usize> = thinned.iter().skip(keep).map(|&(_, i)| i).collect();
     data.into_iter().enumerate().filter(|(i, _)| !dropped.contains(i)).map(|(_, s)| s).collect()
-}
-
-/// FNV-1a over `bytes` then `n`'s bytes: a stable order for subsampling.
-fn fnv1a(bytes: &[u8], n: u64) -> u64 {
-    bytes
-        .iter()
-        .chain(n.to_le_bytes().iter())
-        .fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The settings of the loop.
@@ -118,11 +110,12 @@ pub struct IterateSettings {
     pub eval_data: Option<PathBuf>,
     pub eval_n: usize,
     pub eval_batch_size: usize,
-    /// A folder shared by loops that start from the same model with the same task, sampling
-    /// and held-out evaluation and differ only in training (the study's arms): the initial
-    /// evaluation and the first iteration's data set are made there once and copied into each
-    /// loop's `work`. The data set's record is still checked where it is used (one sampled
-    /// otherwise is refused); the evaluation's is the caller's promise. Not recorded.
+    /// A folder shared by loops that start from the same model and differ only in training (the
+    /// study's arms): the initial evaluation and the first iteration's data set are made there
+    /// once and copied into each loop's `work`. They are kept in a sub-folder named by a hash of
+    /// everything else that makes them (task, sampling, sizes, seed, held-out settings), so
+    /// loops that differ in those do not share; the data set's record is checked on use as
+    /// well. Not recorded.
     #[serde(skip)]
     pub shared: Option<PathBuf>,
 }
@@ -150,6 +143,8 @@ pub(crate) struct Loop<'a> {
     held_out: Vec<task::Problem>,
     /// The loop's initial model (its evaluation is the one shared through `s.shared`).
     initial: PathBuf,
+    /// `s.shared`'s sub-folder for this loop's task, sampling and evaluation settings.
+    shared: Option<PathBuf>,
 }
 
 impl<'a> Loop<'a> {
@@ -162,14 +157,31 @@ impl<'a> Loop<'a> {
     ) -> Result<Self> {
         let (problems, style) = s.task.load()?;
         let held_out = eval_problems(s)?;
-        Ok(Self { at, group, s, problems, style, held_out, initial: initial.to_path_buf() })
+        let shared = match &s.shared {
+            Some(dir) => {
+                // What the initial evaluation and the first data set depend on, besides the model.
+                let key = (
+                    &s.task,
+                    &s.sampling,
+                    s.samples_per_prompt,
+                    s.batch_prompts,
+                    s.train.seed,
+                    &s.eval_data,
+                    s.eval_n,
+                    s.eval_batch_size,
+                );
+                Some(dir.join(Digest::of_records([key])?.hash))
+            }
+            None => None,
+        };
+        Ok(Self { at, group, s, problems, style, held_out, initial: initial.to_path_buf(), shared })
     }
 
     /// Evaluates the model in `dir` once (greedy); the summary is cached in `out`, the
     /// per-question results beside it ([`questions_file`]). With a group, the ranks share the
     /// questions and rank 0 writes both files.
     pub(crate) fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
-        if let Some(shared) = &self.s.shared
+        if let Some(shared) = &self.shared
             && dir == self.initial
         {
             let name = out.file_name().context("an evaluation file names no file")?;
@@ -227,7 +239,7 @@ impl<'a> Loop<'a> {
         let seed = (s.train.seed as i64).wrapping_add(1_000 * i as i64);
         // The first data set of loops sharing a folder is sampled there once (a finished one is
         // not sampled again), then copied here.
-        let (sample_to, copy) = match &s.shared {
+        let (sample_to, copy) = match &self.shared {
             Some(shared) if i == 1 => {
                 std::fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
                 (shared.join("iter-1-data.jsonl"), true)

@@ -45,7 +45,9 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     // The topr arm is shared by both claims and ran once per seed.
     assert!(work.join("seed-0/topr-p0.5/iterations.jsonl").exists());
     // A seed's arms share their initial evaluation and first data set, made once in shared/.
-    assert!(work.join("seed-0/shared/iter-1-data.jsonl").exists());
+    let shared: Vec<_> = std::fs::read_dir(work.join("seed-0/shared")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(shared.len(), 1, "one set of sampling and evaluation settings: {shared:?}");
+    assert!(shared[0].join("iter-1-data.jsonl").exists() && shared[0].join("eval-initial.json").exists());
     for f in ["iter-1/data.jsonl", "eval-initial.json", "eval-initial.questions.jsonl"] {
         let topr = std::fs::read(work.join("seed-0/topr-p0.5").join(f)).unwrap();
         assert_eq!(topr, std::fs::read(work.join("seed-0/sft").join(f)).unwrap(), "{f}");
