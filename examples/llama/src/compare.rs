@@ -178,14 +178,14 @@ fn table(s: &CompareSettings, train: &TrainSettings, rows: &[CompareRow]) -> Res
     let mut md = String::new();
     writeln!(
         md,
-        "# Iteration {} of {}: objectives on the same data\n\nThe run's objective: {:?} ({:?}). \
+        "# Iteration {} of {}: objectives on the same data\n\nThe run's objective: {} ({}). \
          Every arm trained from the same μ on the same data set with the run's settings; greedy \
          pass@1 on the same {} held-out questions; ± one standard error over questions (paired \
          for the differences), `z` the difference in standard errors.\n",
         s.iteration,
         s.run.display(),
-        train.objective,
-        train.baseline,
+        train.objective.name(),
+        train.baseline.describe(),
         rows.first().map_or(0, |r| r.questions)
     )?;
     writeln!(md, "| model | accuracy | invalid | gain over μ | z | − run's model | z |")?;
@@ -194,7 +194,7 @@ fn table(s: &CompareSettings, train: &TrainSettings, rows: &[CompareRow]) -> Res
     for r in rows {
         let label = match r.arm.as_str() {
             "mu" => "μ (before the iteration)".to_string(),
-            "run" => format!("the run's model ({:?})", train.objective),
+            "run" => format!("the run's model ({})", train.objective.name()),
             a => a.to_string(),
         };
         writeln!(

@@ -60,14 +60,43 @@ impl Panel {
     }
 }
 
-const COLOURS: [RGBColor; 6] = [
+const COLOURS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
     RGBColor(255, 127, 14),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
+
+/// The corner of the plot area (x and y ranges) with the fewest points near it, for the legend.
+fn emptiest_corner(points: &[(f64, f64)], (x0, x1): (f64, f64), (y0, y1): (f64, f64)) -> SeriesLabelPosition {
+    // A legend covers about 40 % of the width and, with several lines, 40 % of the height.
+    let near = |right: bool, top: bool| {
+        points
+            .iter()
+            .filter(|(x, y)| {
+                let fx = (x - x0) / (x1 - x0);
+                let fy = (y - y0) / (y1 - y0);
+                (if right { fx > 0.6 } else { fx < 0.4 }) && (if top { fy > 0.6 } else { fy < 0.4 })
+            })
+            .count()
+    };
+    // In order of preference when tied: the plots' usual empty corners first.
+    [
+        (near(true, false), SeriesLabelPosition::LowerRight),
+        (near(true, true), SeriesLabelPosition::UpperRight),
+        (near(false, true), SeriesLabelPosition::UpperLeft),
+        (near(false, false), SeriesLabelPosition::LowerLeft),
+    ]
+    .into_iter()
+    .min_by_key(|(n, _)| *n)
+    .map_or(SeriesLabelPosition::UpperRight, |(_, p)| p)
+}
 
 fn range(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
     let (lo, hi) =
@@ -112,10 +141,12 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             .map_err(drawing)?;
         // Steps and iterations are whole numbers: label them so, one tick per iteration.
         let ticks = if panel.x == "iteration" { ((x1 - x0).round() as usize + 1).clamp(2, 12) } else { 10 };
+        let whole = panel.series.iter().flat_map(|s| &s.points).all(|p| p.0.fract() == 0.0);
+        let x_label = |x: &f64| if whole { format!("{x:.0}") } else { format!("{x:.2}") };
         chart
             .configure_mesh()
             .x_labels(ticks)
-            .x_label_formatter(&|x| format!("{x:.0}"))
+            .x_label_formatter(&x_label)
             .light_line_style(WHITE)
             .x_desc(panel.x.as_str())
             .y_desc(panel.y.as_str())
@@ -140,12 +171,11 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
                 .label_font(("sans-serif", 12))
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
-                // Accuracy rises from the lower left: keep its legend out of the way.
-                .position(if panel.x == "iteration" {
-                    SeriesLabelPosition::LowerRight
-                } else {
-                    SeriesLabelPosition::UpperRight
-                })
+                .position(emptiest_corner(
+                    &panel.series.iter().flat_map(|s| s.points.iter().copied()).collect::<Vec<_>>(),
+                    (x0, x1),
+                    (y0, y1),
+                ))
                 .draw()
                 .map_err(drawing)?;
         }

@@ -58,6 +58,12 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     let out = study(&work, &["--claims", "negatives,degeneration"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(std::fs::read(work.join("study.jsonl")).unwrap(), before);
+    // --report-only redraws the same tables.
+    std::fs::remove_file(work.join("study.md")).unwrap();
+    let out = study(&work, &["--claims", "negatives,degeneration", "--report-only"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(work.join("study.jsonl")).unwrap(), before);
+    assert!(std::fs::read_to_string(work.join("study.md")).unwrap().contains("| topr-p0.5 | 2 |"));
     assert_eq!(std::fs::metadata(work.join("seed-1/warm-up/model.safetensors")).unwrap().modified().unwrap(), warm);
     let _ = std::fs::remove_dir_all(&work);
 }
@@ -94,6 +100,7 @@ fn bad_study_options_are_refused_in_one_line() {
         (vec!["--claims", ""], "--claims"),
         (vec!["--seeds", "0"], "--seeds"),
         (vec!["--iterations", "0"], "--iterations"),
+        (vec!["--report-only"], "--report-only"),
     ] {
         let out = study(&work, &args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -258,6 +258,10 @@ pub enum Command {
         /// cpu, cuda or cuda:N.
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
+        /// Only redraw study.jsonl, study.md and the plots from what is finished; run nothing
+        /// (safe beside a running study of the same work directory).
+        #[arg(long)]
+        report_only: bool,
     },
     /// Other objectives on the same data as one iteration of an `iterate` run: each arm trains a
     /// copy of that iteration's μ on its data set with the run's settings (only the objective and
@@ -419,7 +423,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             let scale = if quick { topr_llama::demo::Scale::quick() } else { demo_scale(scale) };
             topr_llama::demo::run(&work, scale, device, resume)
         }
-        Command::Study { work, claims, seeds, scale, iterations, prompts, eval_n, device } => {
+        Command::Study { work, claims, seeds, scale, iterations, prompts, eval_n, device, report_only } => {
             let mut scale = demo_scale(scale);
             scale.iterations = iterations.unwrap_or(scale.iterations);
             scale.prompts = prompts.unwrap_or(scale.prompts);
@@ -431,7 +435,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 scale,
                 at: topr_llama::checkpoint::Placement::f32(device),
             };
-            topr_llama::study::run(&settings)
+            if !report_only {
+                return topr_llama::study::run(&settings);
+            }
+            if !settings.work.is_dir() {
+                anyhow::bail!("--report-only: {} holds no study (no such directory)", settings.work.display());
+            }
+            topr_llama::study::report(&settings)
         }
         Command::Compare { run, iteration, arms, device, dtype, kernels } => {
             let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels: kernels.into() };

@@ -170,6 +170,17 @@ pub enum Baseline {
     TargetPositiveProportion(f64),
 }
 
+impl Baseline {
+    /// The baseline as tables write it: `c = 0`, `c = 0.3`, `c for p̃ = 0.5`.
+    pub fn describe(self) -> String {
+        match self {
+            Self::Zero => "c = 0".into(),
+            Self::Fixed(c) => format!("c = {c}"),
+            Self::TargetPositiveProportion(p) => format!("c for p̃ = {p}"),
+        }
+    }
+}
+
 /// The baseline `c` and the data set's share of positives `p`: `c` given, or derived from `p`
 /// and a target effective proportion `p̃` (rewards ±1; `c = 0`, with a warning, when every
 /// sample has the same sign, as no baseline can then change their share).
