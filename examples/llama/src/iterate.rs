@@ -113,9 +113,9 @@ pub struct IterateSettings {
     /// A folder shared by loops that start from the same model and differ only in training (the
     /// study's arms): the initial evaluation and the first iteration's data set are made there
     /// once and copied into each loop's `work`. They are kept in a sub-folder named by a hash of
-    /// everything else that makes them (task, sampling, sizes, seed, held-out settings), so
-    /// loops that differ in those do not share; the data set's record is checked on use as
-    /// well. Not recorded.
+    /// everything that makes them (the initial model, task, sampling, sizes, seed, held-out
+    /// settings), so loops that differ in any of those do not share; the data set's record is
+    /// checked on use as well. Not recorded.
     #[serde(skip)]
     pub shared: Option<PathBuf>,
 }
@@ -159,8 +159,9 @@ impl<'a> Loop<'a> {
         let held_out = eval_problems(s)?;
         let shared = match &s.shared {
             Some(dir) => {
-                // What the initial evaluation and the first data set depend on, besides the model.
+                // What the initial evaluation and the first data set depend on.
                 let key = (
+                    ModelId::of(initial)?,
                     &s.task,
                     &s.sampling,
                     s.samples_per_prompt,

@@ -13,7 +13,7 @@
 //! paired difference of each arm to the claim's reference arm) and `claim-NAME.png`.
 
 use crate::checkpoint::Placement;
-use crate::demo::{self, Scale};
+use crate::demo::{self, Recipe, Scale};
 use crate::iterate::{self, Curation, IterateSettings};
 use crate::metrics::{IterationRecord, read_jsonl};
 use crate::plot::{Panel, Series};
@@ -39,6 +39,10 @@ pub enum Claim {
     /// Stability far off-policy: four epochs on each sampled data set with the gradient clipped
     /// at 100 (the paper's setting for IS): TOPR against IS, TIS, naive REINFORCE and PPO.
     OffPolicy,
+    /// A natural task: nothing planted (a perfect teacher, a one-epoch warm-up, [`Recipe::Natural`]),
+    /// so that what the loop can use is the model's own variation (pass@k well above pass@1).
+    /// TOPR against SFT on the positives of the same data, from that warm-up.
+    Natural,
     /// The generative verifier: the warm model trained with TOPR to judge its own solutions (on
     /// both verdicts of each), it picks one of k held-out solutions; against pass@1 and majority
     /// voting ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
@@ -47,8 +51,15 @@ pub enum Claim {
 
 impl Claim {
     /// Every claim.
-    pub const ALL: [Claim; 6] =
-        [Claim::Negatives, Claim::Degeneration, Claim::Composition, Claim::Peers, Claim::OffPolicy, Claim::Verifier];
+    pub const ALL: [Claim; 7] = [
+        Claim::Negatives,
+        Claim::Degeneration,
+        Claim::Composition,
+        Claim::Peers,
+        Claim::OffPolicy,
+        Claim::Natural,
+        Claim::Verifier,
+    ];
 
     /// The claim's name on the command line and in file names.
     pub fn name(self) -> &'static str {
@@ -58,6 +69,7 @@ impl Claim {
             Self::Composition => "composition",
             Self::Peers => "peers",
             Self::OffPolicy => "off-policy",
+            Self::Natural => "natural",
             Self::Verifier => "verifier",
         }
     }
@@ -75,6 +87,9 @@ impl Claim {
             Self::Peers => "TOPR against PPO, GRPO and DPO on the same data and budget.",
             Self::OffPolicy => {
                 "Far off-policy (4 epochs per data set, gradient norm clipped at 100): does TOPR stay stable where IS, TIS, naive REINFORCE or PPO do not?"
+            }
+            Self::Natural => {
+                "A natural task (nothing planted: a perfect teacher, a one-epoch warm-up): does the loop improve the model from its own variation, and do negatives help there? TOPR against SFT on the positives of the same data."
             }
             Self::Verifier => {
                 "Does a verifier trained with TOPR to judge the model's own solutions pick a better one among k than majority voting?"
@@ -116,6 +131,10 @@ impl Claim {
             .into_iter()
             .map(|(n, o, b)| Arm { epochs: 4, max_grad_norm: Some(100.0), ..Arm::new(&format!("{n}-offpolicy"), o, b) })
             .collect(),
+            Self::Natural => [topr, Arm::new("sft", Objective::Sft, Baseline::Zero)]
+                .into_iter()
+                .map(|a| Arm { name: format!("natural-{}", a.name), recipe: Recipe::Natural, ..a })
+                .collect(),
         }
     }
 
@@ -144,6 +163,8 @@ pub struct Arm {
     pub max_grad_norm: Option<f64>,
     /// Which samples of each data set are trained on (the demo's: all).
     pub curate: Curation,
+    /// The warm-up the arm starts from (the demo's: the sloppy teacher).
+    pub recipe: Recipe,
 }
 
 impl Arm {
@@ -164,7 +185,15 @@ impl Arm {
     }
 
     fn new(name: &str, objective: Objective, baseline: Baseline) -> Self {
-        Self { name: name.into(), objective, baseline, epochs: 1, max_grad_norm: Some(1.0), curate: Curation::All }
+        Self {
+            name: name.into(),
+            objective,
+            baseline,
+            epochs: 1,
+            max_grad_norm: Some(1.0),
+            curate: Curation::All,
+            recipe: Recipe::Sloppy,
+        }
     }
 
     /// TOPR with the baseline that gives positives the share `p̃` of the weight.
@@ -216,7 +245,8 @@ pub fn run(s: &StudySettings) -> Result<()> {
     let mut done = 0;
     for &seed in &s.seeds {
         let dir = seed_dir(&s.work, seed);
-        let warm = demo::warm_up(&dir, s.scale, seed, s.at)?;
+        // Each recipe's warm-up is made once per seed, when an arm (or the verifier) first needs it.
+        let warm = |recipe: Recipe| demo::warm_up_with(&warm_up_dir(&dir, recipe), s.scale, seed, s.at, recipe);
         for arm in &arms {
             eprintln!(
                 "[study {:.0} s] seed {seed}, arm {} ({}/{total})",
@@ -224,13 +254,13 @@ pub fn run(s: &StudySettings) -> Result<()> {
                 arm.name,
                 done + 1
             );
-            iterate::run(&warm, s.at, &arm_settings(&dir, s.scale, seed, arm)?, None)?;
+            iterate::run(&warm(arm.recipe)?, s.at, &arm_settings(&dir, s.scale, seed, arm)?, None)?;
             done += 1;
             report(s)?;
         }
         if s.claims.contains(&Claim::Verifier) {
             eprintln!("[study {:.0} s] seed {seed}, the verifier", t0.elapsed().as_secs_f64());
-            verify::run(&warm, s.at, &verifier_settings(&dir, s.scale, seed)?)?;
+            verify::run(&warm(Recipe::Sloppy)?, s.at, &verifier_settings(&dir, s.scale, seed)?)?;
             report(s)?;
         }
     }
@@ -582,6 +612,15 @@ pub fn seeds(n: usize) -> Vec<u64> {
     (0..n as u64).collect()
 }
 
+/// Where a seed's warm-up of `recipe` lives: the seed's folder for the demo's, a sub-folder
+/// `natural/` for the natural task's.
+pub fn warm_up_dir(seed_dir: &Path, recipe: Recipe) -> PathBuf {
+    match recipe {
+        Recipe::Sloppy => seed_dir.to_path_buf(),
+        Recipe::Natural => seed_dir.join("natural"),
+    }
+}
+
 /// Where the study of `work` keeps the stages of `seed`.
 pub fn seed_dir(work: &Path, seed: u64) -> PathBuf {
     work.join(format!("seed-{seed}"))
@@ -624,7 +663,12 @@ mod tests {
         }
         // Names are distinct, and none is the seed's shared folder.
         let all: Vec<Arm> = Claim::ALL.into_iter().flat_map(|c| c.arms()).collect();
-        assert!(all.iter().all(|a| a.name != "shared"));
+        assert!(all.iter().all(|a| a.name != "shared" && a.name != "natural"));
+        // The natural task's arms start from its own warm-up.
+        let natural = Claim::Natural.arms();
+        assert_eq!(natural.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["natural-topr-p0.5", "natural-sft"]);
+        assert!(natural.iter().all(|a| a.recipe == Recipe::Natural));
+        assert!(all.iter().filter(|a| !a.name.starts_with("natural-")).all(|a| a.recipe == Recipe::Sloppy));
         let mut names: Vec<&str> = all.iter().map(|a| a.name.as_str()).collect();
         names.sort();
         names.dedup();
