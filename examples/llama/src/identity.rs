@@ -34,6 +34,7 @@ impl Fnv {
         format!("{:016x}", self.0)
     }
 
+    /// The hash as a number (e.g. to order items stably).
     pub fn value(&self) -> u64 {
         self.0
     }

@@ -145,8 +145,9 @@ impl Claim {
 }
 
 /// The composition claim's raw shares of positives (each data set subsampled to it, as in the
-/// paper's 10 % and 50 % data sets) and its effective proportions p̃ (the baselines).
+/// paper's 10 % and 50 % data sets).
 pub const COMPOSITION_RAW_SHARES: [f64; 2] = [0.1, 0.5];
+/// The composition claim's effective proportions of positives p̃ (its arms' baselines).
 pub const COMPOSITION_P_TILDES: [f64; 4] = [0.05, 0.2, 0.5, 0.9];
 
 /// One training setting of the study: an objective and its baseline, applied at every
