@@ -239,7 +239,7 @@ pub use kl_control::{AdaptiveKlController, FixedKlController};
 pub use kl_reward::{KlRewards, kl_penalized_rewards};
 pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
-    fused_token_logprobs, sequence_logprobs, token_logprobs,
+    fused_token_logprobs, sequence_logprobs, sequence_logprobs_with_checks, token_logprobs,
 };
 pub use output::{Diagnostics, LossOutput, OnDevice};
 pub use ppo::{

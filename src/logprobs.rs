@@ -27,7 +27,7 @@
 //! The gradient equals that of the naive `log_softmax` + `gather` (tested to 1e-5 in f32).
 
 use crate::aggregate::masked_fill_zero;
-use crate::checks::read_i64;
+use crate::checks::{Checks, read_i64};
 use crate::error::LossError;
 use crate::validate;
 use tch::{Device, Kind, Tensor};
@@ -745,7 +745,8 @@ fn fused_backward(
 /// Sum:  Σ_t m_t logp_t          Mean: Σ_t m_t logp_t / Σ_t m_t   (0 for an empty sequence)
 /// ```
 ///
-/// Differentiable; padding is replaced (not multiplied), so NaN there gets zero gradient.
+/// Differentiable; padding is replaced (not multiplied), so NaN there gets zero gradient. Values
+/// are checked ([`Checks::Full`]: one host read); [`sequence_logprobs_with_checks`] can skip that.
 ///
 /// Reference: the sequence log-prob used by DPO (sum) and IPO (mean).
 ///
@@ -763,21 +764,58 @@ fn fused_backward(
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 pub fn sequence_logprobs(logp: &Tensor, mask: &Tensor, reduce: SequenceReduce) -> Result<Tensor, LossError> {
+    sequence_logprobs_with_checks(logp, mask, reduce, Checks::Full)
+}
+
+/// [`sequence_logprobs`] at a chosen [`Checks`] level: [`Checks::Shapes`] checks shapes, kinds
+/// and devices only and never reads a value back to the host (no device synchronisation), as the
+/// losses do under that level; the values are the same.
+///
+/// ```text
+/// Sum:  Σ_t m_t logp_t          Mean: Σ_t m_t logp_t / Σ_t m_t   (0 for an empty sequence)
+/// ```
+///
+/// Reference: the sequence log-prob used by DPO (sum) and IPO (mean).
+///
+/// # Errors
+/// As [`sequence_logprobs`]; under [`Checks::Shapes`] a NaN or inf where the mask holds is not
+/// reported (it reaches the result).
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{host_reads, sequence_logprobs_with_checks, Checks, SequenceReduce};
+/// let lp = Tensor::from_slice2(&[[-1.0f64, -2.0, f64::NAN]]);
+/// let m = Tensor::from_slice2(&[[true, true, false]]);
+/// let before = host_reads();
+/// let s = sequence_logprobs_with_checks(&lp, &m, SequenceReduce::Sum, Checks::Shapes)?;
+/// assert_eq!(host_reads(), before);
+/// assert_eq!(s.double_value(&[0]), -3.0);
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+pub fn sequence_logprobs_with_checks(
+    logp: &Tensor,
+    mask: &Tensor,
+    reduce: SequenceReduce,
+    checks: Checks,
+) -> Result<Tensor, LossError> {
     let kind = compute_kind(validate::float_tensor(logp, "logp")?);
     let shape = validate::rank(logp, "logp", 2, "[B, T] per-token log-probabilities")?;
-    let m = validate::bool_mask(mask, "mask")?;
+    let m = validate::bool_mask_with(mask, "mask", checks)?;
     validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
     validate::same_device(&m, "mask", logp.device(), "logp")?;
     let sum = masked_fill_zero(&logp.f_to_kind(kind)?, &m)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
     // Finite sums prove every unmasked entry finite (one host read, no pass over `[B, T]`); only
     // a non-finite one runs the per-entry check, which names the first bad entry.
-    validate::all_finite(&[validate::FiniteCheck {
-        clean: &sum,
-        original: logp,
-        argument: "logp",
-        valid: Some(&m),
-        also: None,
-    }])?;
+    if checks.values() {
+        validate::all_finite(&[validate::FiniteCheck {
+            clean: &sum,
+            original: logp,
+            argument: "logp",
+            valid: Some(&m),
+            also: None,
+        }])?;
+    }
     Ok(match reduce {
         SequenceReduce::Sum => sum,
         SequenceReduce::Mean => sum.f_div(&m.f_sum_dim_intlist(1, false, kind)?.f_clamp_min(1.0)?)?,

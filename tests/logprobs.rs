@@ -6,8 +6,8 @@ use common::*;
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
 use topr_loss::{
-    LogProbConfig, LossError, SequenceReduce, backward_through_fused_logprobs, backward_through_logprobs,
-    fused_token_logprobs, sequence_logprobs, token_logprobs,
+    Checks, LogProbConfig, LossError, SequenceReduce, backward_through_fused_logprobs, backward_through_logprobs,
+    fused_token_logprobs, host_reads, sequence_logprobs, sequence_logprobs_with_checks, token_logprobs,
 };
 
 const CPU: Device = Device::Cpu;
@@ -168,6 +168,16 @@ fn sequence_logprobs_name_the_first_non_finite_real_entry() {
             }
             other => panic!("{bad}: {other}"),
         }
+    }
+    // Shape checks only: no host read, the same values.
+    let lp = Tensor::from_slice2(&[[-1.0f32, -2.0, f32::NAN], [-0.5, -0.25, -0.5]]);
+    let m = Tensor::from_slice2(&[[1.0f32, 1.0, 0.0], [1.0, 1.0, 1.0]]);
+    for reduce in [SequenceReduce::Sum, SequenceReduce::Mean] {
+        let full = sequence_logprobs(&lp, &m, reduce).unwrap();
+        let before = host_reads();
+        let fast = sequence_logprobs_with_checks(&lp, &m, reduce, Checks::Shapes).unwrap();
+        assert_eq!(host_reads(), before);
+        assert_eq!(vec1(&fast), vec1(&full));
     }
     // Finite entries whose sum overflows f32 are not an error: the sum is −inf.
     let lp = Tensor::from_slice2(&[[-3.0e38f32, -3.0e38]]);

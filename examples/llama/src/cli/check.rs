@@ -158,8 +158,9 @@ pub fn losses(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> 
                 Box::new(|| {
                     // Sequence log-probs of `half` pairs from the token log-probs, as a user
                     // of the crate gets them (padding replaced, checked).
-                    let seq = topr_loss::sequence_logprobs(&logp, &mask, SequenceReduce::Sum)?;
-                    let seq_mu = topr_loss::sequence_logprobs(&logp_mu, &mask, SequenceReduce::Sum)?;
+                    let seq = topr_loss::sequence_logprobs_with_checks(&logp, &mask, SequenceReduce::Sum, checks)?;
+                    let seq_mu =
+                        topr_loss::sequence_logprobs_with_checks(&logp_mu, &mask, SequenceReduce::Sum, checks)?;
                     let (c, r) = (seq.narrow(0, 0, half), seq.narrow(0, half, half));
                     let (rc, rr) = (seq_mu.narrow(0, 0, half), seq_mu.narrow(0, half, half));
                     Ok(topr_loss::dpo_loss(&c, &r, &rc, &rr, &dpo)?)
