@@ -182,12 +182,10 @@ impl<'a> Loop<'a> {
     /// per-question results beside it ([`questions_file`]). With a group, the ranks share the
     /// questions and rank 0 writes both files.
     pub(crate) fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
-        if let Some(shared) = &self.shared
-            && dir == self.initial
+        if dir == self.initial
+            && let Some(name) = out.file_name()
+            && let Some(first) = self.shared_file(name)?
         {
-            let name = out.file_name().context("an evaluation file names no file")?;
-            std::fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
-            let first = shared.join(name);
             let summary = self.evaluate_here(dir, &first)?;
             if parallel::is_main(self.group) {
                 copy_finished(&questions_file(&first), &questions_file(out))?;
@@ -196,6 +194,13 @@ impl<'a> Loop<'a> {
             return Ok(summary);
         }
         self.evaluate_here(dir, out)
+    }
+
+    /// `name` in this loop's shared folder (created if needed), if the loop has one.
+    fn shared_file(&self, name: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+        let Some(dir) = &self.shared else { return Ok(None) };
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Some(dir.join(name)))
     }
 
     fn evaluate_here(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
@@ -240,13 +245,7 @@ impl<'a> Loop<'a> {
         let seed = (s.train.seed as i64).wrapping_add(1_000 * i as i64);
         // The first data set of loops sharing a folder is sampled there once (a finished one is
         // not sampled again), then copied here.
-        let (sample_to, copy) = match &self.shared {
-            Some(shared) if i == 1 => {
-                std::fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
-                (shared.join("iter-1-data.jsonl"), true)
-            }
-            _ => (data.clone(), false),
-        };
+        let first = if i == 1 { self.shared_file("iter-1-data.jsonl")? } else { None };
         let sampling = sample::SampleSettings {
             samples_per_prompt: s.samples_per_prompt,
             sampling: s.sampling,
@@ -254,12 +253,16 @@ impl<'a> Loop<'a> {
             batch_prompts: s.batch_prompts,
             shard: crate::shard::Shard::WHOLE,
         };
-        sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, &sample_to, self.group)?;
-        if copy && main {
-            copy_finished(&sample::run_file(&sample_to), &sample::run_file(&data))?;
-            copy_finished(&sample_to, &data)?;
+        let sample_to = first.as_deref().unwrap_or(&data);
+        sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, sample_to, self.group)?;
+        if let Some(first) = &first {
+            if main {
+                copy_finished(&sample::run_file(first), &sample::run_file(&data))?;
+                copy_finished(first, &data)?;
+            }
+            // Every rank trains on the copy rank 0 made.
+            parallel::barrier(self.group)?;
         }
-        parallel::barrier(self.group)?;
         self.train_on(Some(m), mu_dir, &data, &s.train, dir, model_dir)
     }
 

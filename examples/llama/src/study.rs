@@ -539,10 +539,10 @@ pub fn report(s: &StudySettings) -> Result<()> {
             let last: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.accuracy).collect();
             let positives: Vec<f64> =
                 seeds.iter().filter_map(|&sd| at(&arm.name, sd, 1)?.data_positive_fraction).collect();
-            if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
-                composition.entry(format!("{raw}")).or_default().push((p, mean_se(&last).0));
-            }
             let pooled = mean_se(&last).0;
+            if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
+                composition.entry(format!("{raw}")).or_default().push((p, pooled));
+            }
             let n_q = (last.len() * s.scale.eval_n) as f64;
             let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
             writeln!(
