@@ -43,6 +43,10 @@ pub enum Claim {
     /// so that what the loop can use is the model's own variation (pass@k well above pass@1).
     /// TOPR against SFT on the positives of the same data, from that warm-up.
     Natural,
+    /// Iterated training: do TOPR's gains continue over [`ITERATED_ITERATIONS`] iterations, each
+    /// sampling from the model the previous one trained (μ refreshed)? The demo's TOPR arm,
+    /// continued; its first iterations are the other claims' `topr-p0.5` rows.
+    Iterated,
     /// The generative verifier: the warm model trained with TOPR to judge its own solutions (on
     /// both verdicts of each), it picks one of k held-out solutions; against pass@1 and majority
     /// voting ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
@@ -51,13 +55,14 @@ pub enum Claim {
 
 impl Claim {
     /// Every claim.
-    pub const ALL: [Claim; 7] = [
+    pub const ALL: [Claim; 8] = [
         Claim::Negatives,
         Claim::Degeneration,
         Claim::Composition,
         Claim::Peers,
         Claim::OffPolicy,
         Claim::Natural,
+        Claim::Iterated,
         Claim::Verifier,
     ];
 
@@ -70,6 +75,7 @@ impl Claim {
             Self::Peers => "peers",
             Self::OffPolicy => "off-policy",
             Self::Natural => "natural",
+            Self::Iterated => "iterated",
             Self::Verifier => "verifier",
         }
     }
@@ -90,6 +96,9 @@ impl Claim {
             }
             Self::Natural => {
                 "A natural task (nothing planted: a perfect teacher, a one-epoch warm-up): does the loop improve the model from its own variation, and do negatives help there? TOPR against SFT on the positives of the same data."
+            }
+            Self::Iterated => {
+                "Do TOPR's gains continue over several iterations, each sampling from the model the previous one trained?"
             }
             Self::Verifier => {
                 "Does a verifier trained with TOPR to judge the model's own solutions pick a better one among k than majority voting?"
@@ -135,7 +144,14 @@ impl Claim {
                 .into_iter()
                 .map(|a| Arm { name: format!("natural-{}", a.name), recipe: Recipe::Natural, ..a })
                 .collect(),
+            Self::Iterated => vec![Arm { iterations: Some(ITERATED_ITERATIONS), ..topr }],
         }
+    }
+
+    /// The iterations its table shows: the most of its arms', where `study` is the study's
+    /// `--iterations` (the arms that do not fix their own).
+    pub fn iterations(self, study: usize) -> usize {
+        self.arms().iter().map(|a| a.iterations(study)).max().unwrap_or(study)
     }
 
     /// Parses a claim's name.
@@ -149,6 +165,8 @@ impl Claim {
 pub const COMPOSITION_RAW_SHARES: [f64; 2] = [0.1, 0.5];
 /// The composition claim's effective proportions of positives p̃ (its arms' baselines).
 pub const COMPOSITION_P_TILDES: [f64; 4] = [0.05, 0.2, 0.5, 0.9];
+/// The iterated claim's iterations, whatever the study's `--iterations`.
+pub const ITERATED_ITERATIONS: usize = 5;
 
 /// One training setting of the study: an objective and its baseline, applied at every
 /// iteration on the model's own graded samples; everything else is the demo's.
@@ -166,6 +184,10 @@ pub struct Arm {
     pub curate: Curation,
     /// The warm-up the arm starts from (the demo's: the sloppy teacher).
     pub recipe: Recipe,
+    /// Its iterations, where its claim fixes them; `None`: the study's `--iterations`. An arm
+    /// shared by claims with different counts runs the most (a loop may be continued), and each
+    /// claim reads the rows it needs.
+    pub iterations: Option<usize>,
 }
 
 impl Arm {
@@ -175,6 +197,11 @@ impl Arm {
             Baseline::TargetPositiveProportion(p) => Some(p),
             _ => None,
         }
+    }
+
+    /// Its iterations in a study of `study` iterations.
+    pub fn iterations(&self, study: usize) -> usize {
+        self.iterations.unwrap_or(study)
     }
 
     /// The raw share of positives its data sets are subsampled to, if any.
@@ -194,6 +221,7 @@ impl Arm {
             max_grad_norm: Some(1.0),
             curate: Curation::All,
             recipe: Recipe::Sloppy,
+            iterations: None,
         }
     }
 
@@ -234,11 +262,13 @@ pub fn run(s: &StudySettings) -> Result<()> {
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     let _lock = crate::io::Lock::dir(&s.work)?;
     let t0 = std::time::Instant::now();
+    // Each arm once; one that several claims share runs the most iterations any of them needs.
     let mut arms: Vec<Arm> = vec![];
     for c in &s.claims {
         for a in c.arms() {
-            if !arms.contains(&a) {
-                arms.push(a);
+            match arms.iter_mut().find(|b| b.name == a.name) {
+                Some(b) => b.iterations = Some(b.iterations(s.scale.iterations).max(a.iterations(s.scale.iterations))),
+                None => arms.push(a),
             }
         }
     }
@@ -285,6 +315,7 @@ fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<Iterat
     // initial evaluation and the first data set are made once, in `shared`.
     Ok(IterateSettings {
         curate: arm.curate,
+        iterations: arm.iterations(scale.iterations),
         shared: Some(dir.join("shared")),
         ..demo::iterate_settings(dir.join(&arm.name), scale, seed, train)
     })
@@ -427,7 +458,9 @@ pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
                     continue;
                 }
                 let table: Vec<IterationRecord> = read_jsonl(&path)?;
-                out.extend(table.into_iter().map(|r| StudyRow {
+                // An arm shared with a claim of more iterations has rows this claim does not show.
+                let last = c.iterations(s.scale.iterations);
+                out.extend(table.into_iter().filter(|r| r.iteration <= last).map(|r| StudyRow {
                     claim: *c,
                     arm: arm.name.clone(),
                     seed,
@@ -476,7 +509,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
     let mut md = String::new();
     writeln!(
         md,
-        "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s)\n",
+        "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own\n",
         s.seeds.len(),
         s.scale.eval_n,
         s.scale.iterations
@@ -495,7 +528,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
             continue;
         }
         writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
-        let iters = s.scale.iterations;
+        let iters = c.iterations(s.scale.iterations);
         let mut header = "| arm | seeds |".to_string();
         for i in 0..=iters {
             write!(header, " iteration {i} |")?;
@@ -558,6 +591,9 @@ pub fn report(s: &StudySettings) -> Result<()> {
             panels_inv.push(Series { label: arm.name.clone(), points: inv_points });
         }
         writeln!(md)?;
+        if iters >= 3 {
+            step_gains(&mut md, &arms, &s.seeds, iters, |arm, seed, i| at(arm, seed, i).map(|r| r.accuracy))?;
+        }
         let png = s.work.join(format!("claim-{}.png", c.name()));
         let mut panels = vec![
             Panel {
@@ -599,6 +635,34 @@ pub fn report(s: &StudySettings) -> Result<()> {
         )?;
     }
     write_text(&s.work.join("study.md"), &md)?;
+    Ok(())
+}
+
+/// The table of each iteration's own gain (its accuracy minus the previous one's, per seed; mean
+/// ± standard error over the seeds that have both), which says whether gains continue.
+fn step_gains(
+    md: &mut String,
+    arms: &[Arm],
+    seeds: &[u64],
+    iters: usize,
+    accuracy: impl Fn(&str, u64, usize) -> Option<f64>,
+) -> Result<()> {
+    writeln!(md, "Gain of each iteration (its accuracy minus the previous one's, per seed):\n")?;
+    let mut header = "| arm |".to_string();
+    for i in 1..=iters {
+        write!(header, " {} → {i} |", i - 1)?;
+    }
+    writeln!(md, "{header}\n|{}", "---|".repeat(iters + 1))?;
+    for arm in arms {
+        let mut line = format!("| {} |", arm.name);
+        for i in 1..=iters {
+            let d: Vec<f64> =
+                seeds.iter().filter_map(|&sd| Some(accuracy(&arm.name, sd, i)? - accuracy(&arm.name, sd, i - 1)?)).collect();
+            write!(line, " {} |", fmt(mean_se(&d)))?;
+        }
+        writeln!(md, "{line}")?;
+    }
+    writeln!(md)?;
     Ok(())
 }
 
@@ -675,7 +739,44 @@ mod tests {
         names.dedup();
         for n in &names {
             let same: Vec<&Arm> = all.iter().filter(|a| a.name == *n).collect();
-            assert!(same.windows(2).all(|w| w[0] == w[1]), "two different arms named {n}");
+            // Arms of one name differ at most in their iterations (a loop may be continued).
+            let settings = |a: &Arm| Arm { iterations: None, ..a.clone() };
+            assert!(same.windows(2).all(|w| settings(w[0]) == settings(w[1])), "two different arms named {n}");
         }
+    }
+
+    #[test]
+    fn the_iterated_claim_continues_the_demo_arm_for_its_own_iterations() {
+        let arms = Claim::Iterated.arms();
+        assert_eq!(arms.len(), 1);
+        assert_eq!(arms[0].name, Claim::Negatives.arms()[0].name);
+        assert_eq!(Claim::Iterated.iterations(2), ITERATED_ITERATIONS);
+        assert_eq!(Claim::Negatives.iterations(2), 2);
+        assert_eq!(Claim::Verifier.iterations(3), 3);
+        let dir = Path::new("/nonexistent/seed-0");
+        let it = arm_settings(dir, Scale::quick(), 0, &arms[0]).unwrap();
+        assert_eq!(it.iterations, ITERATED_ITERATIONS);
+        let neg = arm_settings(dir, Scale::quick(), 0, &Claim::Negatives.arms()[0]).unwrap();
+        assert_eq!(neg.iterations, Scale::quick().iterations);
+        // The same loop, but for its length: the iterated claim continues the negatives claim's run.
+        assert_eq!(IterateSettings { iterations: 0, ..it }, IterateSettings { iterations: 0, ..neg });
+    }
+
+    #[test]
+    fn step_gains_are_paired_differences_over_the_seeds_that_have_both() {
+        let arms = vec![Arm::topr(0.5)];
+        // seed 0: 0.1, 0.2, 0.4; seed 1: 0.1, 0.3 (iteration 2 missing).
+        let acc = |_: &str, seed: u64, i: usize| match (seed, i) {
+            (0, 0) | (1, 0) => Some(0.1),
+            (0, 1) => Some(0.2),
+            (0, 2) => Some(0.4),
+            (1, 1) => Some(0.3),
+            _ => None,
+        };
+        let mut md = String::new();
+        step_gains(&mut md, &arms, &[0, 1], 2, acc).unwrap();
+        // 0 → 1: mean of 0.1 and 0.2 with SE 0.05; 1 → 2: seed 0 only.
+        assert!(md.contains("| topr-p0.5 | 0.150 ± 0.050 | 0.200 (one seed) |"), "{md}");
+        assert!(md.contains("| arm | 0 → 1 | 1 → 2 |"), "{md}");
     }
 }
