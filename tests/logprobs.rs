@@ -186,6 +186,41 @@ fn sequence_logprobs_name_the_first_non_finite_real_entry() {
 }
 
 #[test]
+fn sequence_logprobs_full_checks_equal_the_where_path_values_and_gradients() {
+    // Full checks sum a product with the 0/1 mask when every entry is finite and fall back to
+    // `where` otherwise; shape checks always use `where`. Both must give the same values and
+    // gradients, padding's gradient exactly zero, in one host read for finite inputs.
+    tch::manual_seed(7);
+    for pad in [-0.25f32, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let raw = -Tensor::rand([6, 9], (Kind::Float, CPU)) * 5.0;
+        let m = Tensor::rand([6, 9], (Kind::Float, CPU)).gt(0.4);
+        let _ = m.get(2).fill_(0); // an empty row
+        let raw = raw.where_self(&m, &Tensor::from(pad));
+        for reduce in [SequenceReduce::Sum, SequenceReduce::Mean] {
+            let grads = |checks: Checks| {
+                let lp = raw.copy().set_requires_grad(true);
+                let before = host_reads();
+                let s = sequence_logprobs_with_checks(&lp, &m, reduce, checks).unwrap();
+                let reads = host_reads() - before;
+                (&s * Tensor::arange(6, (Kind::Float, CPU))).sum(Kind::Float).backward();
+                (vec1(&s), vec1(&lp.grad()), reads)
+            };
+            let (v_full, g_full, reads_full) = grads(Checks::Full);
+            let (v_where, g_where, reads_where) = grads(Checks::Shapes);
+            assert_eq!(v_full, v_where, "{pad} {reduce:?}");
+            assert_eq!(g_full, g_where, "{pad} {reduce:?}");
+            assert!(v_full.iter().all(|v| v.is_finite()), "{pad}");
+            let mask = vec1(&m.to_kind(Kind::Double));
+            for (g, w) in g_full.iter().zip(&mask) {
+                assert!(*w == 1.0 || *g == 0.0, "padding gradient {g} ({pad})");
+            }
+            assert_eq!(reads_where, 0);
+            assert_eq!(reads_full, if pad.is_finite() { 1 } else { 2 }, "{pad}");
+        }
+    }
+}
+
+#[test]
 fn bad_inputs_are_errors() {
     let logits = Tensor::zeros([1, 2, 4], (Kind::Float, CPU));
     let cfg = LogProbConfig::default();
