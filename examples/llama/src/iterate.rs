@@ -182,18 +182,24 @@ impl<'a> Loop<'a> {
     /// per-question results beside it ([`questions_file`]). With a group, the ranks share the
     /// questions and rank 0 writes both files.
     pub(crate) fn evaluate_cached(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
+        self.evaluate_cached_with(dir, out, 0)
+    }
+
+    /// [`Loop::evaluate_cached`] with `samples` sampled completions a question beside the
+    /// greedy one (sampled pass@1, maj@k, pass@k), drawn from the loop's sampling distribution.
+    fn evaluate_cached_with(&self, dir: &Path, out: &Path, samples: usize) -> Result<eval::Summary> {
         if dir == self.initial
             && let Some(name) = out.file_name()
             && let Some(first) = self.shared_file(name)?
         {
-            let summary = self.evaluate_here(dir, &first)?;
+            let summary = self.evaluate_here(dir, &first, samples)?;
             if parallel::is_main(self.group) {
                 copy_finished(&questions_file(&first), &questions_file(out))?;
                 copy_finished(&first, out)?;
             }
             return Ok(summary);
         }
-        self.evaluate_here(dir, out)
+        self.evaluate_here(dir, out, samples)
     }
 
     /// `name` in this loop's shared folder (created if needed), if the loop has one.
@@ -203,8 +209,13 @@ impl<'a> Loop<'a> {
         Ok(Some(dir.join(name)))
     }
 
-    fn evaluate_here(&self, dir: &Path, out: &Path) -> Result<eval::Summary> {
-        let cached = || std::fs::read_to_string(out).ok().and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok());
+    fn evaluate_here(&self, dir: &Path, out: &Path, samples: usize) -> Result<eval::Summary> {
+        let cached = || {
+            std::fs::read_to_string(out)
+                .ok()
+                .and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok())
+                .filter(|c| c.samples_per_question == samples)
+        };
         let main = parallel::is_main(self.group);
         if parallel::main_says(self.group, main && cached().is_some())? {
             return cached().with_context(|| format!("reading {} (written by rank 0)", out.display()));
@@ -212,7 +223,7 @@ impl<'a> Loop<'a> {
         let (m, tok) = checkpoint::open(dir, self.at)?;
         let settings = EvalSettings {
             max_new_tokens: self.s.sampling.max_new_tokens,
-            samples: 0,
+            samples,
             sampling: match self.s.sampling.decoding {
                 Decoding::Sample(p) => p,
                 Decoding::Greedy => Default::default(),
@@ -493,6 +504,33 @@ fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<
         mu_dir = model_dir;
     }
     Ok(())
+}
+
+/// The held-out evaluation of the loop `s` at `iteration` (0: its initial model `model`; the
+/// iteration must be finished) with `k` sampled completions a question from the loop's sampling
+/// distribution beside the greedy one: sampled pass@1, maj@k and pass@k. Made once and cached in
+/// `eval-initial-k{k}.json` (in the shared folder, when the loop has one) or
+/// `iter-I/eval-k{k}.json`, the per-question results beside it ([`questions_file`], which this
+/// returns). One process.
+pub fn evaluate_sampled(
+    model: &Path,
+    at: Placement,
+    s: &IterateSettings,
+    iteration: usize,
+    k: usize,
+) -> Result<(eval::Summary, PathBuf)> {
+    let lp = Loop::new(at, None, s, model)?;
+    let (dir, out) = if iteration == 0 {
+        (model.to_path_buf(), s.work.join(format!("eval-initial-k{k}.json")))
+    } else {
+        let it = s.work.join(format!("iter-{iteration}"));
+        if !it.join("train.done.json").exists() {
+            bail!("iteration {iteration} of {} is not finished: nothing to evaluate", s.work.display());
+        }
+        (it.join("model"), it.join(format!("eval-k{k}.json")))
+    };
+    let summary = lp.evaluate_cached_with(&dir, &out, k)?;
+    Ok((summary, questions_file(&out)))
 }
 
 /// The table of iterations on stdout.

@@ -148,6 +148,13 @@ impl Claim {
         }
     }
 
+    /// The samples a question of its sampled evaluation (sampled pass@1, maj@k, pass@k, and the
+    /// share of questions with no or one correct sample), made for the initial model and each
+    /// arm's last iteration; `None`: greedy pass@1 only.
+    pub fn sampled_k(self) -> Option<usize> {
+        matches!(self, Self::Negatives | Self::Natural).then_some(SAMPLED_K)
+    }
+
     /// The iterations its table shows: the most of its arms', where `study` is the study's
     /// `--iterations` (the arms that do not fix their own).
     pub fn iterations(self, study: usize) -> usize {
@@ -165,6 +172,9 @@ impl Claim {
 pub const COMPOSITION_RAW_SHARES: [f64; 2] = [0.1, 0.5];
 /// The composition claim's effective proportions of positives p̃ (its arms' baselines).
 pub const COMPOSITION_P_TILDES: [f64; 4] = [0.05, 0.2, 0.5, 0.9];
+/// Samples a question in the sampled evaluation of the claims that report pass@k
+/// ([`Claim::sampled_k`]).
+pub const SAMPLED_K: usize = 8;
 /// The iterated claim's iterations, whatever the study's `--iterations`.
 pub const ITERATED_ITERATIONS: usize = 5;
 
@@ -257,6 +267,136 @@ pub struct StudyRow {
     pub eval_n: usize,
 }
 
+/// One line of `study-sampled.jsonl`: the sampled evaluation ([`Claim::sampled_k`]) of an arm's
+/// model at one iteration (0: the initial model) for one seed, from its per-question results.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SampledRow {
+    pub claim: Claim,
+    pub arm: String,
+    pub seed: u64,
+    pub iteration: usize,
+    /// Samples a question.
+    pub k: usize,
+    /// The mean share of correct samples.
+    pub pass1_sampled: f64,
+    /// The share of questions whose most common sampled answer is correct.
+    pub maj_at_k: f64,
+    /// The share of questions with at least one correct sample.
+    pub pass_at_k: f64,
+    /// The share of samples with no answer.
+    pub invalid_sampled: f64,
+    /// The share of questions none of whose samples is correct.
+    pub none_correct: f64,
+    /// The share of questions with at most one correct sample.
+    pub at_most_one_correct: f64,
+    /// Held-out questions.
+    pub questions: usize,
+}
+
+impl SampledRow {
+    /// The row of the per-question results in `questions` (`eval`'s lines, `k` samples each).
+    fn read(claim: Claim, arm: &str, seed: u64, iteration: usize, k: usize, questions: &Path) -> Result<Self> {
+        let results: Vec<crate::eval::QuestionResult> = read_jsonl(questions)?;
+        let n = results.len().max(1) as f64;
+        let share = |f: &dyn Fn(&crate::eval::QuestionResult) -> f64| results.iter().map(f).sum::<f64>() / n;
+        let correct = |r: &crate::eval::QuestionResult| r.sample_correct.iter().filter(|c| **c).count();
+        if let Some(r) = results.iter().find(|r| r.sample_correct.len() != k) {
+            anyhow::bail!("{}: question {} has {} samples, not {k}", questions.display(), r.id, r.sample_correct.len());
+        }
+        Ok(Self {
+            claim,
+            arm: arm.into(),
+            seed,
+            iteration,
+            k,
+            pass1_sampled: share(&|r| correct(r) as f64 / k as f64),
+            maj_at_k: share(&|r| {
+                f64::from(u8::from(crate::task::is_correct(crate::eval::majority(&r.sample_answers), r.reference)))
+            }),
+            pass_at_k: share(&|r| f64::from(u8::from(correct(r) > 0))),
+            invalid_sampled: share(&|r| r.sample_answers.iter().filter(|a| a.is_none()).count() as f64 / k as f64),
+            none_correct: share(&|r| f64::from(u8::from(correct(r) == 0))),
+            at_most_one_correct: share(&|r| f64::from(u8::from(correct(r) <= 1))),
+            questions: results.len(),
+        })
+    }
+}
+
+/// The sampled evaluations made so far, for the claims that have one.
+pub fn sampled_rows(s: &StudySettings) -> Result<Vec<SampledRow>> {
+    let mut out = vec![];
+    for c in &s.claims {
+        let Some(k) = c.sampled_k() else { continue };
+        let last = c.iterations(s.scale.iterations);
+        for arm in c.arms() {
+            for &seed in &s.seeds {
+                let work = seed_dir(&s.work, seed).join(&arm.name);
+                for (i, file) in [(0, work.join(format!("eval-initial-k{k}.json"))), (last, work.join(format!("iter-{last}/eval-k{k}.json")))] {
+                    let questions = iterate::questions_file(&file);
+                    if file.exists() && questions.exists() {
+                        out.push(SampledRow::read(*c, &arm.name, seed, i, k, &questions)?);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The sampled evaluation's table of claim `c`: the initial model, each arm at the last
+/// iteration, and each other arm's paired difference to the first.
+fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySettings) -> Result<()> {
+    let (Some(k), arms) = (c.sampled_k(), c.arms()) else { return Ok(()) };
+    let last = c.iterations(s.scale.iterations);
+    let mine: Vec<&SampledRow> = rows.iter().filter(|r| r.claim == c).collect();
+    if mine.is_empty() {
+        return Ok(());
+    }
+    let metrics: [(&str, fn(&SampledRow) -> f64); 6] = [
+        ("pass@1 (sampled)", |r| r.pass1_sampled),
+        ("maj@k", |r| r.maj_at_k),
+        ("pass@k", |r| r.pass_at_k),
+        ("invalid samples", |r| r.invalid_sampled),
+        ("no correct sample", |r| r.none_correct),
+        ("at most one correct", |r| r.at_most_one_correct),
+    ];
+    writeln!(
+        md,
+        "Sampled evaluation: {k} samples a question at the sampling temperature, on the same held-out \
+         questions (mean ± SE over seeds; k = {k}):\n"
+    )?;
+    let mut header = "| model | seeds |".to_string();
+    for (name, _) in &metrics {
+        write!(header, " {name} |")?;
+    }
+    writeln!(md, "{header}\n|{}", "---|".repeat(metrics.len() + 2))?;
+    let at = |arm: &str, i: usize| -> Vec<&SampledRow> {
+        mine.iter().copied().filter(|r| r.arm == arm && r.iteration == i).collect()
+    };
+    let mut line = |label: String, v: Vec<Vec<f64>>| -> Result<()> {
+        let mut l = format!("| {label} | {} |", v.first().map_or(0, Vec::len));
+        for m in &v {
+            write!(l, " {} |", fmt(mean_se(m)))?;
+        }
+        writeln!(md, "{l}")?;
+        Ok(())
+    };
+    let values = |rs: &[&SampledRow]| metrics.iter().map(|(_, f)| rs.iter().map(|r| f(r)).collect()).collect();
+    line("initial model".into(), values(&at(&arms[0].name, 0)))?;
+    for arm in &arms {
+        line(format!("{} at iteration {last}", arm.name), values(&at(&arm.name, last)))?;
+    }
+    for arm in arms.iter().skip(1) {
+        let first = at(&arms[0].name, last);
+        let paired: Vec<(&SampledRow, &SampledRow)> =
+            at(&arm.name, last).into_iter().filter_map(|r| Some((r, *first.iter().find(|f| f.seed == r.seed)?))).collect();
+        let diffs = metrics.iter().map(|(_, f)| paired.iter().map(|(a, b)| f(a) - f(b)).collect()).collect();
+        line(format!("{} − {}, paired", arm.name, arms[0].name), diffs)?;
+    }
+    writeln!(md)?;
+    Ok(())
+}
+
 /// Runs (or continues) the study; rewrites its tables and plots after every arm.
 pub fn run(s: &StudySettings) -> Result<()> {
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
@@ -285,7 +425,15 @@ pub fn run(s: &StudySettings) -> Result<()> {
                 arm.name,
                 done + 1
             );
-            iterate::run(&warm(arm.recipe)?, s.at, &arm_settings(&dir, s.scale, seed, arm)?, None)?;
+            let settings = arm_settings(&dir, s.scale, seed, arm)?;
+            iterate::run(&warm(arm.recipe)?, s.at, &settings, None)?;
+            for c in s.claims.iter().filter(|c| c.arms().iter().any(|a| a.name == arm.name)) {
+                if let Some(k) = c.sampled_k() {
+                    for i in [0, c.iterations(s.scale.iterations)] {
+                        iterate::evaluate_sampled(&warm(arm.recipe)?, s.at, &settings, i, k)?;
+                    }
+                }
+            }
             done += 1;
             report(s)?;
         }
@@ -506,6 +654,14 @@ pub fn report(s: &StudySettings) -> Result<()> {
         writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
     }
     write_text(&s.work.join("study.jsonl"), &jsonl)?;
+    let sampled = sampled_rows(s)?;
+    if !sampled.is_empty() {
+        let mut lines = String::new();
+        for r in &sampled {
+            writeln!(lines, "{}", serde_json::to_string(r)?)?;
+        }
+        write_text(&s.work.join("study-sampled.jsonl"), &lines)?;
+    }
     let mut md = String::new();
     writeln!(
         md,
@@ -591,6 +747,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
             panels_inv.push(Series { label: arm.name.clone(), points: inv_points });
         }
         writeln!(md)?;
+        sampled_section(&mut md, *c, &sampled, s)?;
         if iters >= 3 {
             step_gains(&mut md, &arms, &s.seeds, iters, |arm, seed, i| at(arm, seed, i).map(|r| r.accuracy))?;
         }
@@ -760,6 +917,43 @@ mod tests {
         assert_eq!(neg.iterations, Scale::quick().iterations);
         // The same loop, but for its length: the iterated claim continues the negatives claim's run.
         assert_eq!(IterateSettings { iterations: 0, ..it }, IterateSettings { iterations: 0, ..neg });
+    }
+
+    #[test]
+    fn sampled_rows_count_correct_samples_per_question() {
+        let dir = std::env::temp_dir().join(format!("study_sampled_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let q = |id: &str, answers: [Option<f64>; 2]| crate::eval::QuestionResult {
+            id: id.into(),
+            question: String::new(),
+            reference: 3.0,
+            greedy_completion: String::new(),
+            greedy_answer: None,
+            greedy_correct: false,
+            greedy_invalid: true,
+            greedy_tokens: 0,
+            sample_correct: answers.iter().map(|a| *a == Some(3.0)).collect(),
+            sample_answers: answers.to_vec(),
+        };
+        // Two samples each: both right; one right, one invalid; both wrong with the same answer.
+        let lines: String = [q("a", [Some(3.0), Some(3.0)]), q("b", [Some(3.0), None]), q("c", [Some(4.0), Some(4.0)])]
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap() + "\n")
+            .collect();
+        let file = dir.join("q.jsonl");
+        std::fs::write(&file, lines).unwrap();
+        let r = SampledRow::read(Claim::Negatives, "sft", 3, 2, 2, &file).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(r.pass1_sampled, 0.5), "{r:?}"); // (1 + 0.5 + 0) / 3
+        assert!(close(r.maj_at_k, 2.0 / 3.0), "{r:?}"); // a and b (b's only valid answer is right)
+        assert!(close(r.pass_at_k, 2.0 / 3.0), "{r:?}");
+        assert!(close(r.invalid_sampled, 1.0 / 6.0), "{r:?}");
+        assert!(close(r.none_correct, 1.0 / 3.0), "{r:?}");
+        assert!(close(r.at_most_one_correct, 2.0 / 3.0), "{r:?}");
+        assert_eq!((r.questions, r.k, r.seed, r.iteration), (3, 2, 3, 2));
+        // A file of another k is refused.
+        assert!(SampledRow::read(Claim::Negatives, "sft", 3, 2, 8, &file).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -38,6 +38,17 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     assert!(md.contains("## negatives") && md.contains("## degeneration"), "{md}");
     assert!(md.contains("| topr-p0.5 | 2 |") && md.contains("| sft | 2 |") && md.contains("| reinforce | 2 |"), "{md}");
     assert!(work.join("claim-negatives.png").exists() && work.join("claim-degeneration.png").exists());
+    // The negatives claim's sampled evaluation: the initial model and each arm's last iteration,
+    // per seed (2 seeds × 2 arms × iterations 0 and 1), and its table.
+    let sampled: Vec<serde_json::Value> = std::fs::read_to_string(work.join("study-sampled.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(sampled.len(), 8);
+    assert!(sampled.iter().all(|r| r["claim"] == "negatives" && r["k"] == 8 && r["questions"] == 6));
+    assert!(work.join("seed-1/sft/iter-1/eval-k8.questions.jsonl").exists());
+    assert!(md.contains("Sampled evaluation") && md.contains("| sft − topr-p0.5, paired | 2 |"), "{md}");
     // Each seed has its own model: the initial weights differ.
     let w0 = std::fs::read(work.join("seed-0/init/model.safetensors")).unwrap();
     let w1 = std::fs::read(work.join("seed-1/init/model.safetensors")).unwrap();
