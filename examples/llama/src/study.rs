@@ -32,12 +32,14 @@ pub enum Claim {
     /// Naive off-policy REINFORCE with negatives degenerates; TOPR does not.
     Degeneration,
     /// Dataset composition: accuracy against the effective positive proportion p̃, on data sets
-    /// subsampled to two raw shares of positives ([`COMPOSITION_RAW_SHARES`]).
+    /// subsampled to two raw shares of positives ([`COMPOSITION_RAW_SHARES`]); one iteration
+    /// (one data set from the warm model), whatever the study's `--iterations`.
     Composition,
     /// TOPR against PPO, GRPO and DPO on the same data and budget.
     Peers,
-    /// Stability far off-policy: four epochs on each sampled data set with the gradient clipped
-    /// at 100 (the paper's setting for IS): TOPR against IS, TIS, naive REINFORCE and PPO.
+    /// Stability far off-policy: four epochs on one data set sampled once from the warm model μ
+    /// (one iteration, whatever the study's `--iterations`), the gradient clipped at 100 (the
+    /// paper's setting for IS): TOPR against IS, TIS, naive REINFORCE and PPO.
     OffPolicy,
     /// A natural task: nothing planted (a perfect teacher, a one-epoch warm-up, [`Recipe::Natural`]),
     /// so that what the loop can use is the model's own variation (pass@k well above pass@1).
@@ -120,6 +122,7 @@ impl Claim {
                     COMPOSITION_P_TILDES.into_iter().map(move |p| Arm {
                         name: format!("topr-p{p}-raw{raw}"),
                         curate: Curation::RawShare(raw),
+                        iterations: Some(1),
                         ..Arm::topr(p)
                     })
                 })
@@ -138,7 +141,12 @@ impl Claim {
                 ("ppo", Objective::Ppo, Baseline::Zero),
             ]
             .into_iter()
-            .map(|(n, o, b)| Arm { epochs: 4, max_grad_norm: Some(100.0), ..Arm::new(&format!("{n}-offpolicy"), o, b) })
+            .map(|(n, o, b)| Arm {
+                epochs: 4,
+                max_grad_norm: Some(100.0),
+                iterations: Some(1),
+                ..Arm::new(&format!("{n}-offpolicy"), o, b)
+            })
             .collect(),
             Self::Natural => [topr, Arm::new("sft", Objective::Sft, Baseline::Zero)]
                 .into_iter()
@@ -910,6 +918,9 @@ mod tests {
         assert_eq!(Claim::Iterated.iterations(2), ITERATED_ITERATIONS);
         assert_eq!(Claim::Negatives.iterations(2), 2);
         assert_eq!(Claim::Verifier.iterations(3), 3);
+        // One data set sampled once: the off-policy and composition claims run one iteration.
+        assert_eq!(Claim::OffPolicy.iterations(2), 1);
+        assert_eq!(Claim::Composition.iterations(3), 1);
         let dir = Path::new("/nonexistent/seed-0");
         let it = arm_settings(dir, Scale::quick(), 0, &arms[0]).unwrap();
         assert_eq!(it.iterations, ITERATED_ITERATIONS);

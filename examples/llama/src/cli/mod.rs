@@ -237,7 +237,8 @@ pub enum Command {
         #[arg(long, default_value = "runs/study")]
         work: PathBuf,
         /// The claims to test, comma-separated: negatives, degeneration, composition, peers,
-        /// off-policy, natural, iterated (always 5 iterations), verifier, or all.
+        /// off-policy and composition (one iteration each), natural, iterated (5 iterations),
+        /// verifier, or all.
         #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
         claims: Claims,
         /// Number of seeds (the seeds 0..n).
@@ -246,7 +247,7 @@ pub enum Command {
         /// The demo scale the runs use (full: the README's model and data).
         #[arg(long, value_enum, default_value_t = DemoScale::Full)]
         scale: DemoScale,
-        /// Iterations per arm (default: the scale's); the iterated claim runs its own.
+        /// Iterations per arm (default: the scale's), where a claim does not fix its own.
         #[arg(long, value_parser = args::whole(1usize, 1000))]
         iterations: Option<usize>,
         /// Training questions sampled per iteration (default: the scale's).
