@@ -788,6 +788,9 @@ pub fn report(s: &StudySettings) -> Result<()> {
                     .collect(),
             });
         }
+        if arms.iter().any(|a| a.epochs > 1) {
+            panels.extend(training_panels(s, &arms)?);
+        }
         crate::plot::report("study", || {
             crate::plot::draw(&png, &panels, 2)?;
             Ok(png.clone())
@@ -801,6 +804,47 @@ pub fn report(s: &StudySettings) -> Result<()> {
     }
     write_text(&s.work.join("study.md"), &md)?;
     Ok(())
+}
+
+/// For claims of several epochs on one data set: per optimiser step of iteration 1, the mean
+/// over seeds of the per-token log-ratio `log π − log μ` and of log10 of the gradient norm before
+/// clipping — how far each arm's policy moved from μ, and whether its updates blew up.
+fn training_panels(s: &StudySettings, arms: &[Arm]) -> Result<Vec<Panel>> {
+    let mut ratio = vec![];
+    let mut norm = vec![];
+    for arm in arms {
+        // step -> (sum of log-ratios, sum of log10 norms, seeds)
+        let mut by_step: std::collections::BTreeMap<usize, (f64, f64, usize)> = Default::default();
+        for &seed in &s.seeds {
+            let path = seed_dir(&s.work, seed).join(&arm.name).join("iter-1/metrics.jsonl");
+            if !seed_dir(&s.work, seed).join(&arm.name).join("iter-1/train.done.json").exists() {
+                continue;
+            }
+            for r in read_jsonl::<crate::metrics::StepRecord>(&path)? {
+                let e = by_step.entry(r.step).or_default();
+                e.0 += r.stats.log_ratio_mean;
+                e.1 += r.grad_norm.max(1e-12).log10();
+                e.2 += 1;
+            }
+        }
+        let points = |f: fn(&(f64, f64, usize)) -> f64| by_step.iter().map(|(k, v)| (*k as f64, f(v))).collect();
+        ratio.push(Series { label: arm.name.clone(), points: points(|v| v.0 / v.2 as f64) });
+        norm.push(Series { label: arm.name.clone(), points: points(|v| v.1 / v.2 as f64) });
+    }
+    Ok(vec![
+        Panel {
+            title: "training (iteration 1): log pi/mu a token".into(),
+            x: "optimiser step".into(),
+            y: "mean log pi - log mu (mean over seeds)".into(),
+            series: ratio,
+        },
+        Panel {
+            title: "training (iteration 1): gradient norm".into(),
+            x: "optimiser step".into(),
+            y: "log10 norm before clipping (mean over seeds)".into(),
+            series: norm,
+        },
+    ])
 }
 
 /// The table of each iteration's own gain (its accuracy minus the previous one's, per seed; mean
