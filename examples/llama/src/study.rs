@@ -1012,6 +1012,46 @@ mod tests {
     }
 
     #[test]
+    fn training_panels_average_finished_seeds_per_step() {
+        let work = std::env::temp_dir().join(format!("study_training_{}", std::process::id()));
+        let arm = &Claim::OffPolicy.arms()[0];
+        let step = |step: usize, log_ratio: f64, grad_norm: f64| crate::metrics::StepRecord {
+            baseline: 0.0,
+            epoch: 0,
+            grad_norm,
+            lr: 1e-4,
+            p_tilde: None,
+            stats: crate::metrics::StepStats { log_ratio_mean: log_ratio, ..Default::default() },
+            step,
+        };
+        // Seeds 0 and 1 finished, seed 2 unfinished (ignored).
+        for (seed, rows, done) in [
+            (0, vec![step(1, 0.0, 1.0), step(2, -1.0, 100.0)], true),
+            (1, vec![step(1, 0.0, 10.0), step(2, -3.0, 1000.0)], true),
+            (2, vec![step(1, -50.0, 1e9)], false),
+        ] {
+            let dir = seed_dir(&work, seed).join(&arm.name).join("iter-1");
+            std::fs::create_dir_all(&dir).unwrap();
+            let text: String = rows.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect();
+            std::fs::write(dir.join("metrics.jsonl"), text).unwrap();
+            if done {
+                std::fs::write(dir.join("train.done.json"), "{}").unwrap();
+            }
+        }
+        let s = StudySettings {
+            work: work.clone(),
+            claims: vec![Claim::OffPolicy],
+            seeds: seeds(3),
+            scale: Scale::quick(),
+            at: Placement::f32(tch::Device::Cpu),
+        };
+        let panels = training_panels(&s, &[arm.clone()]).unwrap();
+        assert_eq!(panels[0].series[0].points, vec![(1.0, 0.0), (2.0, -2.0)]);
+        assert_eq!(panels[1].series[0].points, vec![(1.0, 0.5), (2.0, 2.5)]);
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    #[test]
     fn step_gains_are_paired_differences_over_the_seeds_that_have_both() {
         let arms = vec![Arm::topr(0.5)];
         // seed 0: 0.1, 0.2, 0.4; seed 1: 0.1, 0.3 (iteration 2 missing).
