@@ -16,6 +16,10 @@ fn study(work: &std::path::Path, extra: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+fn jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 #[test]
 fn a_ci_sized_study_runs_resumes_and_reports() {
     let work = std::env::temp_dir().join(format!("llama_study_ci_{}", std::process::id()));
@@ -23,11 +27,7 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     let out = study(&work, &["--claims", "negatives,degeneration"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // 2 seeds × 4 (claim, arm) pairs × 2 rows (iteration 0 and 1).
-    let rows: Vec<serde_json::Value> = std::fs::read_to_string(work.join("study.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = jsonl(&work.join("study.jsonl"));
     assert_eq!(rows.len(), 16);
     for arm in ["topr-p0.5", "sft", "reinforce"] {
         for seed in [0, 1] {
@@ -40,11 +40,7 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     assert!(work.join("claim-negatives.png").exists() && work.join("claim-degeneration.png").exists());
     // The negatives claim's sampled evaluation: the initial model and each arm's last iteration,
     // per seed (2 seeds × 2 arms × iterations 0 and 1), and its table.
-    let sampled: Vec<serde_json::Value> = std::fs::read_to_string(work.join("study-sampled.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let sampled = jsonl(&work.join("study-sampled.jsonl"));
     assert_eq!(sampled.len(), 8);
     assert!(sampled.iter().all(|r| r["claim"] == "negatives" && r["k"] == 8 && r["questions"] == 6));
     assert!(work.join("seed-1/sft/iter-1/eval-k8.questions.jsonl").exists());
