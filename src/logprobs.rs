@@ -829,8 +829,7 @@ fn zero_padded_sum(x: &Tensor, m: &Tensor) -> Result<Tensor, LossError> {
 /// overflowing sum) the sums are made again with `where`, and a non-finite one runs the per-entry
 /// check that names the first bad entry.
 fn checked_masked_sum(x: &Tensor, original: &Tensor, m: &Tensor) -> Result<Tensor, LossError> {
-    // bool → u8 → float: libtorch converts bool to float element by element, u8 vectorised.
-    let weights = m.f_to_kind(Kind::Uint8)?.f_to_kind(x.kind())?;
+    let weights = crate::aggregate::mask_float(m, x.kind())?;
     let product = x.f_mul(&weights)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
     if read_f64(&product.f_sum(Kind::Double)?)?.is_finite() {
         return Ok(product);

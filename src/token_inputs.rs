@@ -32,6 +32,9 @@ pub(crate) struct TokenInputs {
     /// `[B, T]` `log π` in the compute dtype, differentiable, padding as given (possibly NaN):
     /// read it through [`TokenInputs::logp`], which zeroes the padding.
     logp_raw: Tensor,
+    /// Whether the full checks proved every entry of both log-prob inputs finite, padding
+    /// included (then padding can be zeroed by a product with the mask instead of `where`).
+    padding_finite: bool,
     /// `[B, T]` `log π − sg(log other)`, zero on padding.
     pub delta: Tensor,
     /// `[B]` or `[B, T]` (zero on padding) rewards/advantages, detached; an undefined tensor
@@ -85,15 +88,25 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
         }
         None => Tensor::new(),
     };
-    // One `where` sanitises both inputs: padding gets zero in `δ`, and exactly zero gradient
-    // (the `where`'s backward cuts it before the subtraction passes it on), whatever it holds.
-    // `log π` alone is sanitised only by the losses that use it ([`TokenInputs::logp`]): on the
-    // CPU a `where` costs about four vectorised passes over `[B, T]`.
-    let delta = masked_fill_zero(&lp.f_sub(&lo)?, &m)?;
+    let mask_f = mask_float(&m, kind)?;
+    let d = lp.f_sub(&lo)?;
+    // Padding gets zero in `δ` and exactly zero gradient, whatever it holds. A `where` does that
+    // always (its backward cuts the gradient before the subtraction passes it on), but on the CPU
+    // it is an element loop, several times slower than a product with the 0/1 mask; the product
+    // is right only where padding is finite (`0 · NaN` is NaN). Under full checks the sum that
+    // the finiteness check reads anyway decides: a finite sum of `δ · m` proves every entry of
+    // `δ`, padding included, finite — hence both inputs finite everywhere — and the product then
+    // equals the `where` (up to the sign of zero) with gradient `g · m`, exactly zero on padding.
+    // Otherwise (a NaN or inf in padding, or a sum that overflowed) `δ` is made with `where`.
+    let product = if args.checks.values() { Some(d.f_mul(&mask_f)?) } else { None };
+    let first = match &product {
+        Some(p) => p.shallow_clone(),
+        None => masked_fill_zero(&d, &m)?,
+    };
     // One pass covers both log-prob inputs: `δ = log π − log other` is finite exactly where both
     // are (an overflow of the difference only sends the check to each argument, which clears it).
     let mut checks = vec![FiniteCheck {
-        clean: &delta,
+        clean: &first,
         original: args.logp,
         argument: "logp",
         valid: Some(&m),
@@ -102,13 +115,22 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     if let Some((original, argument)) = args.weights {
         checks.push(FiniteCheck { clean: &weights, original, argument, valid: per_token.then_some(&m), also: None });
     }
-    if args.checks.values() {
-        validate::all_finite(&checks)?;
-    }
-    let mask_f = mask_float(&m, kind)?;
+    let padding_finite = if args.checks.values() { validate::all_finite_sums(&checks)?[0].is_finite() } else { false };
+    let delta = if product.is_some() && !padding_finite { masked_fill_zero(&d, &m)? } else { first };
     let lengths = mask_f.f_sum_dim_intlist(1, false, kind)?;
     let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
-    Ok(TokenInputs { kind, delta, logp_raw: lp, weights, mask_f, lengths, has_tokens, mask: m, checks: args.checks })
+    Ok(TokenInputs {
+        kind,
+        delta,
+        logp_raw: lp,
+        padding_finite,
+        weights,
+        mask_f,
+        lengths,
+        has_tokens,
+        mask: m,
+        checks: args.checks,
+    })
 }
 
 impl TokenInputs {
@@ -119,6 +141,10 @@ impl TokenInputs {
 
     /// `[B, T]` `log π`, zero on padding, differentiable (padding gets exactly zero gradient).
     pub(crate) fn logp(&self) -> Result<Tensor, LossError> {
+        if self.padding_finite {
+            // Finite padding (proved by the checks): the vectorised product, gradient `g · m`.
+            return Ok(self.logp_raw.f_mul(&self.mask_f)?);
+        }
         masked_fill_zero(&self.logp_raw, &self.mask)
     }
 
@@ -153,8 +179,8 @@ impl TokenInputs {
     /// alone (padding zero in `logp`, `δ` and per-token weights), which are therefore finite on
     /// padding whenever the real entries are: padding is zeroed by multiplying with the 0/1 mask,
     /// one vectorised pass, where `where` is an element-by-element loop on the CPU (about 4×
-    /// slower at `[512, 2048]`). `logp`'s padding still gets exactly zero gradient: the `where`
-    /// that sanitised `δ` (or [`TokenInputs::logp`]) cuts whatever reaches it.
+    /// slower at `[512, 2048]`). `logp`'s padding still gets exactly zero gradient: the `where` or
+    /// the mask product that sanitised `δ` (or [`TokenInputs::logp`]) zeroes whatever reaches it.
     pub(crate) fn reduce_sanitized_tokens(
         &self,
         per_token: &Tensor,

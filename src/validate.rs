@@ -120,10 +120,16 @@ pub(crate) struct FiniteCheck<'a> {
 /// the exact per-entry check run, to name the first offending index (or to clear a sum that merely
 /// overflowed).
 pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
+    all_finite_sums(items).map(|_| ())
+}
+
+/// [`all_finite`], returning each `clean` tensor's sum (in f64): a finite sum also proves its
+/// masked entries finite when `clean` zeroed them by a product with the 0/1 mask.
+pub(crate) fn all_finite_sums(items: &[FiniteCheck]) -> Result<Vec<f64>, LossError> {
     let sums =
         items.iter().map(|c| c.clean.f_sum(None::<Kind>)?.f_to_kind(Kind::Double)).collect::<Result<Vec<_>, _>>()?;
     let sums = read_vec(&Tensor::f_stack(&sums, 0)?)?;
-    for (c, s) in items.iter().zip(sums) {
+    for (c, s) in items.iter().zip(&sums) {
         if !s.is_finite() {
             finite(c.original, c.argument, c.valid)?;
             if let Some((original, argument)) = c.also {
@@ -131,7 +137,7 @@ pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
             }
         }
     }
-    Ok(())
+    Ok(sums)
 }
 
 /// Turns a mask (bool, integer or floating with values 0/1) into a bool tensor, checking that a
