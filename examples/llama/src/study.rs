@@ -351,6 +351,9 @@ pub fn sampled_rows(s: &StudySettings) -> Result<Vec<SampledRow>> {
     Ok(out)
 }
 
+/// One column of the sampled evaluation's table: a value of a row.
+type Metric = fn(&SampledRow) -> f64;
+
 /// The sampled evaluation's table of claim `c`: the initial model, each arm at the last
 /// iteration, and each other arm's paired difference to the first.
 fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySettings) -> Result<()> {
@@ -360,7 +363,7 @@ fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySett
     if mine.is_empty() {
         return Ok(());
     }
-    let metrics: [(&str, fn(&SampledRow) -> f64); 6] = [
+    let metrics: [(&str, Metric); 6] = [
         ("pass@1 (sampled)", |r| r.pass1_sampled),
         ("maj@k", |r| r.maj_at_k),
         ("pass@k", |r| r.pass_at_k),
@@ -1045,7 +1048,7 @@ mod tests {
             scale: Scale::quick(),
             at: Placement::f32(tch::Device::Cpu),
         };
-        let panels = training_panels(&s, &[arm.clone()]).unwrap();
+        let panels = training_panels(&s, std::slice::from_ref(arm)).unwrap();
         assert_eq!(panels[0].series[0].points, vec![(1.0, 0.0), (2.0, -2.0)]);
         assert_eq!(panels[1].series[0].points, vec![(1.0, 0.5), (2.0, 2.5)]);
         std::fs::remove_dir_all(&work).unwrap();
