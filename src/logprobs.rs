@@ -835,6 +835,12 @@ fn checked_masked_sum(x: &Tensor, original: &Tensor, m: &Tensor) -> Result<Tenso
         return Ok(product);
     }
     let sum = zero_padded_sum(x, m)?;
-    validate::all_finite(&[validate::FiniteCheck { clean: &sum, original, argument: "logp", valid: Some(m), also: None }])?;
+    validate::all_finite(&[validate::FiniteCheck {
+        clean: &sum,
+        original,
+        argument: "logp",
+        valid: Some(m),
+        also: None,
+    }])?;
     Ok(sum)
 }

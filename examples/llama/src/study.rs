@@ -339,7 +339,10 @@ pub fn sampled_rows(s: &StudySettings) -> Result<Vec<SampledRow>> {
         for arm in c.arms() {
             for &seed in &s.seeds {
                 let work = seed_dir(&s.work, seed).join(&arm.name);
-                for (i, file) in [(0, work.join(format!("eval-initial-k{k}.json"))), (last, work.join(format!("iter-{last}/eval-k{k}.json")))] {
+                for (i, file) in [
+                    (0, work.join(format!("eval-initial-k{k}.json"))),
+                    (last, work.join(format!("iter-{last}/eval-k{k}.json"))),
+                ] {
                     let questions = iterate::questions_file(&file);
                     if file.exists() && questions.exists() {
                         out.push(SampledRow::read(*c, &arm.name, seed, i, k, &questions)?);
@@ -399,8 +402,10 @@ fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySett
     }
     for arm in arms.iter().skip(1) {
         let first = at(&arms[0].name, last);
-        let paired: Vec<(&SampledRow, &SampledRow)> =
-            at(&arm.name, last).into_iter().filter_map(|r| Some((r, *first.iter().find(|f| f.seed == r.seed)?))).collect();
+        let paired: Vec<(&SampledRow, &SampledRow)> = at(&arm.name, last)
+            .into_iter()
+            .filter_map(|r| Some((r, *first.iter().find(|f| f.seed == r.seed)?)))
+            .collect();
         let diffs = metrics.iter().map(|(_, f)| paired.iter().map(|(a, b)| f(a) - f(b)).collect()).collect();
         line(format!("{} − {}, paired", arm.name, arms[0].name), diffs)?;
     }
@@ -868,8 +873,10 @@ fn step_gains(
     for arm in arms {
         let mut line = format!("| {} |", arm.name);
         for i in 1..=iters {
-            let d: Vec<f64> =
-                seeds.iter().filter_map(|&sd| Some(accuracy(&arm.name, sd, i)? - accuracy(&arm.name, sd, i - 1)?)).collect();
+            let d: Vec<f64> = seeds
+                .iter()
+                .filter_map(|&sd| Some(accuracy(&arm.name, sd, i)? - accuracy(&arm.name, sd, i - 1)?))
+                .collect();
             write!(line, " {} |", fmt(mean_se(&d)))?;
         }
         writeln!(md, "{line}")?;
