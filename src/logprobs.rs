@@ -26,8 +26,8 @@
 //!
 //! The gradient equals that of the naive `log_softmax` + `gather` (tested to 1e-5 in f32).
 
-use crate::aggregate::masked_fill_zero;
-use crate::checks::{Checks, read_f64, read_i64};
+use crate::aggregate::{mask_float, masked_fill_zero, zero_padding};
+use crate::checks::{Checks, read_i64};
 use crate::error::LossError;
 use crate::validate;
 use tch::{Device, Kind, Tensor};
@@ -805,42 +805,34 @@ pub fn sequence_logprobs_with_checks(
     validate::same_shape(&m, "mask", &shape, "the shape of `logp`")?;
     validate::same_device(&m, "mask", logp.device(), "logp")?;
     let x = logp.f_to_kind(kind)?;
-    let sum = if checks.values() { checked_masked_sum(&x, logp, &m)? } else { zero_padded_sum(&x, &m)? };
+    let sum = if checks.values() {
+        checked_masked_sum(&x, logp, &m)?
+    } else {
+        masked_fill_zero(&x, &m)?.f_sum_dim_intlist(1, false, None::<Kind>)?
+    };
     Ok(match reduce {
         SequenceReduce::Sum => sum,
         SequenceReduce::Mean => sum.f_div(&m.f_sum_dim_intlist(1, false, kind)?.f_clamp_min(1.0)?)?,
     })
 }
 
-/// `Σ_t m_t x_t` per row, padding zeroed by `where`: exactly zero value and gradient there,
-/// whatever it holds, with no host read.
-fn zero_padded_sum(x: &Tensor, m: &Tensor) -> Result<Tensor, LossError> {
-    Ok(masked_fill_zero(x, m)?.f_sum_dim_intlist(1, false, None::<Kind>)?)
-}
-
-/// `Σ_t m_t x_t` per row, with the value checks of [`sequence_logprobs`], in one host read when
-/// every entry is finite.
-///
-/// Multiplying by the 0/1 mask is a vectorised product, forward and backward, where `where` is an
-/// element loop on the CPU (several times slower at `[512, 2048]`, docs/performance.md); but `0 · NaN` and `0 · inf` are NaN,
-/// so the product is kept only when its sums are finite, which proves every entry finite, padding
-/// included: then its values equal `where`'s (up to the sign of an empty row's zero) and its
-/// gradient `g · m` is exactly zero on padding. Otherwise (a NaN or inf somewhere, or an
-/// overflowing sum) the sums are made again with `where`, and a non-finite one runs the per-entry
-/// check that names the first bad entry.
+/// `Σ_t m_t x_t` per row with the value checks of [`sequence_logprobs`], in one host read when
+/// every entry is finite: the padding zeroed by the mask product ([`zero_padding`]) and kept when
+/// the sums the check reads are finite (which proves every entry finite, padding included);
+/// otherwise, once the per-entry check has cleared the real entries (it names the first bad one),
+/// the sums are made again with `where`.
 fn checked_masked_sum(x: &Tensor, original: &Tensor, m: &Tensor) -> Result<Tensor, LossError> {
-    let weights = crate::aggregate::mask_float(m, x.kind())?;
-    let product = x.f_mul(&weights)?.f_sum_dim_intlist(1, false, None::<Kind>)?;
-    if read_f64(&product.f_sum(Kind::Double)?)?.is_finite() {
-        return Ok(product);
-    }
-    let sum = zero_padded_sum(x, m)?;
-    validate::all_finite(&[validate::FiniteCheck {
-        clean: &sum,
+    let mask_f = mask_float(m, x.kind())?;
+    let row_sums = |finite| -> Result<Tensor, LossError> {
+        Ok(zero_padding(x, m, &mask_f, finite)?.f_sum_dim_intlist(1, false, None::<Kind>)?)
+    };
+    let product = row_sums(true)?;
+    let sums = validate::all_finite_sums(&[validate::FiniteCheck {
+        clean: &product,
         original,
         argument: "logp",
         valid: Some(m),
         also: None,
     }])?;
-    Ok(sum)
+    if sums[0].is_finite() { Ok(product) } else { row_sums(false) }
 }

@@ -3,7 +3,7 @@
 //! per-sequence or per-token weights (rewards, advantages) and a padding mask.
 
 use crate::aggregate::{
-    AggregationMode, Normalizer, mask_float, masked_fill_zero, sequence_weights_of_lengths, weighted_sum,
+    AggregationMode, Normalizer, mask_float, masked_fill_zero, sequence_weights_of_lengths, weighted_sum, zero_padding,
 };
 use crate::checks::Checks;
 use crate::error::LossError;
@@ -90,19 +90,14 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     };
     let mask_f = mask_float(&m, kind)?;
     let d = lp.f_sub(&lo)?;
-    // Padding gets zero in `δ` and exactly zero gradient, whatever it holds. A `where` does that
-    // always (its backward cuts the gradient before the subtraction passes it on), but on the CPU
-    // it is an element loop, several times slower than a product with the 0/1 mask; the product
-    // is right only where padding is finite (`0 · NaN` is NaN). Under full checks the sum that
-    // the finiteness check reads anyway decides: a finite sum of `δ · m` proves every entry of
-    // `δ`, padding included, finite — hence both inputs finite everywhere — and the product then
-    // equals the `where` (up to the sign of zero) with gradient `g · m`, exactly zero on padding.
-    // Otherwise (a NaN or inf in padding, or a sum that overflowed) `δ` is made with `where`.
-    let product = if args.checks.values() { Some(d.f_mul(&mask_f)?) } else { None };
-    let first = match &product {
-        Some(p) => p.shallow_clone(),
-        None => masked_fill_zero(&d, &m)?,
-    };
+    // Padding gets zero in `δ` and exactly zero gradient, whatever it holds. Under full checks `δ`
+    // is first zeroed by the mask product ([`zero_padding`]), assuming padding finite; the sum the
+    // finiteness check reads anyway then tells: a finite sum of `δ · m` proves every entry of `δ`
+    // finite — hence both inputs finite everywhere — and the product stands (equal to `where` up
+    // to the sign of zero). Otherwise (NaN or inf in padding, or an overflowing sum), and under
+    // shape checks, which prove nothing, `δ` is zeroed by `where`.
+    let full = args.checks.values();
+    let first = zero_padding(&d, &m, &mask_f, full)?;
     // One pass covers both log-prob inputs: `δ = log π − log other` is finite exactly where both
     // are (an overflow of the difference only sends the check to each argument, which clears it).
     let mut checks = vec![FiniteCheck {
@@ -115,8 +110,8 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     if let Some((original, argument)) = args.weights {
         checks.push(FiniteCheck { clean: &weights, original, argument, valid: per_token.then_some(&m), also: None });
     }
-    let padding_finite = if args.checks.values() { validate::all_finite_sums(&checks)?[0].is_finite() } else { false };
-    let delta = if product.is_some() && !padding_finite { masked_fill_zero(&d, &m)? } else { first };
+    let padding_finite = full && validate::all_finite_sums(&checks)?[0].is_finite();
+    let delta = if full && !padding_finite { zero_padding(&d, &m, &mask_f, false)? } else { first };
     let lengths = mask_f.f_sum_dim_intlist(1, false, kind)?;
     let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;
     Ok(TokenInputs {
@@ -141,11 +136,7 @@ impl TokenInputs {
 
     /// `[B, T]` `log π`, zero on padding, differentiable (padding gets exactly zero gradient).
     pub(crate) fn logp(&self) -> Result<Tensor, LossError> {
-        if self.padding_finite {
-            // Finite padding (proved by the checks): the vectorised product, gradient `g · m`.
-            return Ok(self.logp_raw.f_mul(&self.mask_f)?);
-        }
-        masked_fill_zero(&self.logp_raw, &self.mask)
+        zero_padding(&self.logp_raw, &self.mask, &self.mask_f, self.padding_finite)
     }
 
     /// Per-sequence mean of `δ` over the unmasked tokens, `[B]` (0 for an empty sequence).

@@ -520,17 +520,27 @@ pub fn evaluate_sampled(
     k: usize,
 ) -> Result<(eval::Summary, PathBuf)> {
     let lp = Loop::new(at, None, s, model)?;
-    let (dir, out) = if iteration == 0 {
-        (model.to_path_buf(), s.work.join(format!("eval-initial-k{k}.json")))
+    let out = sampled_eval_file(&s.work, iteration, k);
+    let dir = if iteration == 0 {
+        model.to_path_buf()
     } else {
         let it = s.work.join(format!("iter-{iteration}"));
         if !it.join("train.done.json").exists() {
             bail!("iteration {iteration} of {} is not finished: nothing to evaluate", s.work.display());
         }
-        (it.join("model"), it.join(format!("eval-k{k}.json")))
+        it.join("model")
     };
     let summary = lp.evaluate_cached_with(&dir, &out, k)?;
     Ok((summary, questions_file(&out)))
+}
+
+/// Where [`evaluate_sampled`] keeps the summary of the loop in `work` at `iteration` with `k`
+/// samples a question (the per-question results beside it, [`questions_file`]).
+pub fn sampled_eval_file(work: &Path, iteration: usize, k: usize) -> PathBuf {
+    match iteration {
+        0 => work.join(format!("eval-initial-k{k}.json")),
+        i => work.join(format!("iter-{i}/eval-k{k}.json")),
+    }
 }
 
 /// The table of iterations on stdout.

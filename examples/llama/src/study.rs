@@ -339,10 +339,8 @@ pub fn sampled_rows(s: &StudySettings) -> Result<Vec<SampledRow>> {
         for arm in c.arms() {
             for &seed in &s.seeds {
                 let work = seed_dir(&s.work, seed).join(&arm.name);
-                for (i, file) in [
-                    (0, work.join(format!("eval-initial-k{k}.json"))),
-                    (last, work.join(format!("iter-{last}/eval-k{k}.json"))),
-                ] {
+                for i in [0, last] {
+                    let file = iterate::sampled_eval_file(&work, i, k);
                     let questions = iterate::questions_file(&file);
                     if file.exists() && questions.exists() {
                         out.push(SampledRow::read(*c, &arm.name, seed, i, k, &questions)?);
@@ -400,8 +398,8 @@ fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySett
     for arm in &arms {
         line(format!("{} at iteration {last}", arm.name), values(&at(&arm.name, last)))?;
     }
+    let first = at(&arms[0].name, last);
     for arm in arms.iter().skip(1) {
-        let first = at(&arms[0].name, last);
         let paired: Vec<(&SampledRow, &SampledRow)> = at(&arm.name, last)
             .into_iter()
             .filter_map(|r| Some((r, *first.iter().find(|f| f.seed == r.seed)?)))
@@ -441,12 +439,12 @@ pub fn run(s: &StudySettings) -> Result<()> {
                 arm.name,
                 done + 1
             );
-            let settings = arm_settings(&dir, s.scale, seed, arm)?;
-            iterate::run(&warm(arm.recipe)?, s.at, &settings, None)?;
+            let (warm_model, settings) = (warm(arm.recipe)?, arm_settings(&dir, s.scale, seed, arm)?);
+            iterate::run(&warm_model, s.at, &settings, None)?;
             for c in s.claims.iter().filter(|c| c.arms().iter().any(|a| a.name == arm.name)) {
                 if let Some(k) = c.sampled_k() {
                     for i in [0, c.iterations(s.scale.iterations)] {
-                        iterate::evaluate_sampled(&warm(arm.recipe)?, s.at, &settings, i, k)?;
+                        iterate::evaluate_sampled(&warm_model, s.at, &settings, i, k)?;
                     }
                 }
             }
@@ -824,11 +822,11 @@ fn training_panels(s: &StudySettings, arms: &[Arm]) -> Result<Vec<Panel>> {
         // step -> (sum of log-ratios, sum of log10 norms, seeds)
         let mut by_step: std::collections::BTreeMap<usize, (f64, f64, usize)> = Default::default();
         for &seed in &s.seeds {
-            let path = seed_dir(&s.work, seed).join(&arm.name).join("iter-1/metrics.jsonl");
-            if !seed_dir(&s.work, seed).join(&arm.name).join("iter-1/train.done.json").exists() {
+            let it = seed_dir(&s.work, seed).join(&arm.name).join("iter-1");
+            if !it.join("train.done.json").exists() {
                 continue;
             }
-            for r in read_jsonl::<crate::metrics::StepRecord>(&path)? {
+            for r in read_jsonl::<crate::metrics::StepRecord>(&it.join("metrics.jsonl"))? {
                 let e = by_step.entry(r.step).or_default();
                 e.0 += r.stats.log_ratio_mean;
                 e.1 += r.grad_norm.max(1e-12).log10();
