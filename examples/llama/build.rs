@@ -2,7 +2,7 @@
 //! build reads it):
 //!
 //! 1. `csrc/onednn_linear.cpp`, compiled against libtorch's headers: oneDNN's packed linear layer
-//!    for generation on the CPU (`src/onednn.rs`), which tch does not wrap.
+//!    for generation and training on the CPU (`src/onednn.rs`), which tch does not wrap.
 //! 2. The `llama` binary must load libtorch's CUDA backend. The binary calls nothing in
 //!    `libtorch_cuda.so` directly, so the linker's default `--as-needed` drops it from the
 //!    binary's needed libraries, and libtorch then reports no CUDA device at run time even on a

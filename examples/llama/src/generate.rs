@@ -316,7 +316,7 @@ pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f3
     let ids = Tensor::from_slice(&all).view([1, n]).to_device(device);
     let mask = Tensor::ones([1, n], (Kind::Bool, device));
     let logp = tch::no_grad(|| -> Result<Tensor> {
-        let logits = model.logits(&ids, &mask).to_kind(Kind::Float); // [1, n, V]
+        let logits = model.logits(&ids, &mask)?.to_kind(Kind::Float); // [1, n, V]
         if !bool::try_from(logits.isfinite().all())? {
             bail!(
                 "the model's logits are not finite (NaN or infinite): its weights overflow in this dtype, or are broken"

@@ -52,18 +52,26 @@ pub struct Llama {
 /// Packed weights and the stamps of the weights they were made from.
 type PackedCopy = (Vec<(usize, i64)>, Arc<Packed>);
 
-/// The matrix products of generation (the cached forward of [`Llama::step`]); training always
-/// uses libtorch's `matmul` on the model's own weights.
+/// The matrix products of the model: generation's (the cached forward of [`Llama::step`]) and
+/// training's ([`Llama::hidden`], [`Llama::logits`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
-    /// libtorch's `matmul` (MKL's `sgemm` on the CPU), as the training forward.
+    /// libtorch's `matmul` (MKL's `sgemm` on the CPU) everywhere.
     Plain,
-    /// On the CPU in f32 or bf16: oneDNN on weights packed once per generation
-    /// ([`crate::onednn`]); the same products summed in another order (equal up to rounding),
-    /// about twice as fast at decoding shapes, at the cost of a packed copy of the weights while
-    /// generating. Elsewhere, or where libtorch lacks oneDNN, [`Kernels::Plain`].
+    /// On the CPU in f32 or bf16, oneDNN ([`crate::onednn`]): generation on weights packed once
+    /// per generation, about twice as fast at decoding shapes, at the cost of a packed copy of
+    /// the weights while generating; training, for models of hidden size
+    /// [`ONEDNN_TRAINING_MIN_HIDDEN`] or more, by [`onednn::train_linear`] (the products and the
+    /// inputs' gradients by oneDNN, the weights' gradients by `mm`). The same products summed in
+    /// another order (equal up to rounding). Elsewhere, or where libtorch lacks oneDNN,
+    /// [`Kernels::Plain`].
     Onednn,
 }
+
+/// The smallest hidden size whose training products [`Kernels::Onednn`] computes with oneDNN.
+/// Measured on 2 cores (docs/performance.md): at SmolLM2-135M's 576, oneDNN's products made a
+/// training step about 9 % faster than MKL's; at the demo model's 128 about 6 % slower.
+pub const ONEDNN_TRAINING_MIN_HIDDEN: i64 = 512;
 
 /// Which keys each query attends to.
 enum Attend {
@@ -179,6 +187,17 @@ impl Llama {
     /// Whether generation packs the weights for oneDNN: [`Kernels::Onednn`] chosen, on the CPU,
     /// in f32 or bf16, with a libtorch that has oneDNN.
     pub fn packs_for_generation(&self) -> bool {
+        self.uses_onednn()
+    }
+
+    /// Whether the training forward ([`Llama::hidden`], [`Llama::logits`]) multiplies with
+    /// [`onednn::train_linear`]: as [`Llama::packs_for_generation`], for models of hidden size
+    /// [`ONEDNN_TRAINING_MIN_HIDDEN`] or more.
+    pub fn trains_with_onednn(&self) -> bool {
+        self.uses_onednn() && self.cfg.hidden_size >= ONEDNN_TRAINING_MIN_HIDDEN
+    }
+
+    fn uses_onednn(&self) -> bool {
         self.kernels == Kernels::Onednn
             && self.device() == Device::Cpu
             && matches!(self.kind, Kind::Float | Kind::BFloat16)
@@ -264,25 +283,45 @@ impl Llama {
 
     /// Final hidden states `[B, T, H]` (after the last RMSNorm) of a padded batch, without cache:
     /// the training forward. `mask [B, T]` is 1/true for real tokens; left or right padding both
-    /// work (positions count real tokens only).
-    pub fn hidden(&self, ids: &Tensor, mask: &Tensor) -> Tensor {
+    /// work (positions count real tokens only). The states at padding positions are unspecified
+    /// (finite, but they depend on the padding); the real positions' do not. An error only if
+    /// oneDNN fails ([`Kernels::Onednn`]).
+    pub fn hidden(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let mask = mask.to_kind(Kind::Bool);
         let positions = positions_from_mask(&mask);
-        if mask.all().int64_value(&[]) == 1 {
-            // No padding: plain causal attention, which lets libtorch use its fused kernels.
-            return infallible(self.run(ids, &positions, &Attend::Causal, None, &Plain));
-        }
         let t = ids.size()[1];
-        // allowed[b, 0, i, j] = j <= i and key j is real; every query may see itself.
-        let causal = Tensor::ones([t, t], (Kind::Bool, ids.device())).tril(0);
-        let allowed =
-            causal.unsqueeze(0).logical_and(&mask.unsqueeze(1)).logical_or(&Tensor::eye(t, (Kind::Bool, ids.device())));
-        infallible(self.run(ids, &positions, &Attend::Mask(allowed.unsqueeze(1)), None, &Plain))
+        // Without padding, or with padding only after each row's real tokens, plain causal
+        // attention gives every real query exactly the keys it may see (the real tokens before
+        // it), and lets libtorch use its fused causal kernel. Otherwise an explicit mask.
+        let right_padded = t < 2
+            || mask.narrow(1, 1, t - 1).logical_and(&mask.narrow(1, 0, t - 1).logical_not()).any().int64_value(&[])
+                == 0;
+        let attend = if right_padded {
+            Attend::Causal
+        } else {
+            // allowed[b, 0, i, j] = j <= i and key j is real; every query may see itself.
+            let causal = Tensor::ones([t, t], (Kind::Bool, ids.device())).tril(0);
+            let allowed = causal
+                .unsqueeze(0)
+                .logical_and(&mask.unsqueeze(1))
+                .logical_or(&Tensor::eye(t, (Kind::Bool, ids.device())));
+            Attend::Mask(allowed.unsqueeze(1))
+        };
+        if self.trains_with_onednn() {
+            self.run(ids, &positions, &attend, None, &TrainOnednn)
+        } else {
+            Ok(infallible(self.run(ids, &positions, &attend, None, &Plain)))
+        }
     }
 
     /// Logits `[B, T, V]` of a padded batch (the training forward), in the model's dtype.
-    pub fn logits(&self, ids: &Tensor, mask: &Tensor) -> Tensor {
-        self.hidden(ids, mask).matmul(&self.lm_head.tr())
+    pub fn logits(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let h = self.hidden(ids, mask)?;
+        if self.trains_with_onednn() {
+            onednn::train_linear(&h, &self.lm_head)
+        } else {
+            Ok(h.matmul(&self.lm_head.tr()))
+        }
     }
 
     /// Feeds `ids [B, T]` at `positions [B, T]` through the model with a cache, marking them
@@ -415,6 +454,28 @@ impl Linears for Plain {
     }
     fn down(&self, m: &Llama, l: usize, x: &Tensor) -> Result<Tensor, Self::Error> {
         Ok(x.matmul(&m.layers[l].mlp.down.tr()))
+    }
+}
+
+/// `x · Wᵀ` by [`onednn::train_linear`] on the model's weights: differentiable, the training
+/// path under [`Kernels::Onednn`].
+struct TrainOnednn;
+
+impl Linears for TrainOnednn {
+    type Error = anyhow::Error;
+    fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let a = &m.layers[l].attn;
+        Ok((onednn::train_linear(h, &a.q)?, onednn::train_linear(h, &a.k)?, onednn::train_linear(h, &a.v)?))
+    }
+    fn o(&self, m: &Llama, l: usize, y: &Tensor) -> Result<Tensor> {
+        onednn::train_linear(y, &m.layers[l].attn.o)
+    }
+    fn gate_up(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        let f = &m.layers[l].mlp;
+        Ok((onednn::train_linear(h, &f.gate)?, onednn::train_linear(h, &f.up)?))
+    }
+    fn down(&self, m: &Llama, l: usize, x: &Tensor) -> Result<Tensor> {
+        onednn::train_linear(x, &m.layers[l].mlp.down)
     }
 }
 

@@ -1,4 +1,5 @@
-//! oneDNN's linear layer on weights packed once, for generation on the CPU.
+//! oneDNN's linear layer on weights packed once, for generation on the CPU, and a differentiable
+//! one for training ([`train_linear`]).
 //!
 //! A decoding step multiplies a few rows (one per sequence) by every weight matrix of the model.
 //! At those shapes libtorch's default CPU matrix product (MKL's `sgemm`, which `matmul` calls) is
@@ -20,6 +21,7 @@ unsafe extern "C" {
     fn topr_onednn_available() -> c_int;
     fn topr_onednn_pack(weight: *const c_void, err: *mut c_char, cap: usize) -> *mut c_void;
     fn topr_onednn_linear(x: *const c_void, packed: *const c_void, err: *mut c_char, cap: usize) -> *mut c_void;
+    fn topr_onednn_train_linear(x: *const c_void, w: *const c_void, err: *mut c_char, cap: usize) -> *mut c_void;
     fn topr_tensor_version(t: *const c_void, data: *mut usize) -> i64;
 }
 
@@ -97,6 +99,24 @@ impl PackedLinear {
     }
 }
 
+/// `x [.., K] · Wᵀ` for `W [N, K]` (f32 or bf16, on the CPU), differentiable in `x` and `W`, for
+/// training: the product and the input's gradient `∂x = ∂y · W` by oneDNN (the weight packed on
+/// each call: training changes it every step), the weight's gradient `∂W = ∂yᵀ · x` by
+/// libtorch's `mm`, which beat oneDNN on that product at every shape measured
+/// (docs/performance.md). Equal to `x.matmul(&w.tr())` and its gradients up to f32 rounding
+/// (tested below); not twice differentiable.
+pub fn train_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (xs, ws) = (x.size(), w.size());
+    if ws.len() != 2 || xs.last() != ws.last() {
+        bail!("oneDNN linear: input {xs:?} and weight {ws:?} do not match");
+    }
+    let mut err = [0u8; ERR_CAP];
+    // SAFETY: both tensors outlive the call; `err` holds ERR_CAP bytes.
+    let raw =
+        unsafe { topr_onednn_train_linear(x.as_ptr().cast(), w.as_ptr().cast(), err.as_mut_ptr().cast(), ERR_CAP) };
+    take(raw, &err, "linear")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +140,50 @@ mod tests {
                 assert!(err < 1e-4, "({n}, {k}) rows {rows}: max difference {err}");
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn the_training_product_and_its_gradients_match_the_plain_ones() -> Result<()> {
+        if !available() {
+            eprintln!("skipped: this libtorch has no oneDNN");
+            return Ok(());
+        }
+        tch::manual_seed(1);
+        for (n, k, rows) in [(96, 64, 5), (300, 128, 70)] {
+            let w = (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).set_requires_grad(true);
+            let x = Tensor::randn([2, rows, k], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let up = Tensor::randn([2, rows, n], (Kind::Float, Device::Cpu));
+            let y = train_linear(&x, &w)?;
+            let want = x.matmul(&w.tr());
+            assert_eq!(y.size(), want.size());
+            let diff = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max()).unwrap();
+            assert!(diff(&y, &want) < 1e-4, "({n}, {k}): product differs by {}", diff(&y, &want));
+            let grads = |y: &Tensor| Tensor::run_backward(&[(y * &up).sum(Kind::Float)], &[&x, &w], false, false);
+            let (got, exp) = (grads(&y), grads(&want));
+            assert!(diff(&got[0], &exp[0]) < 1e-4, "∂x differs by {}", diff(&got[0], &exp[0]));
+            assert!(diff(&got[1], &exp[1]) < 1e-3, "∂W differs by {}", diff(&got[1], &exp[1]));
+            // Only the weight trainable (a frozen input) and only the input (a frozen weight).
+            let xd = x.detach();
+            let g = Tensor::run_backward(&[train_linear(&xd, &w)?.sum(Kind::Float)], &[&w], false, false);
+            assert!(
+                diff(&g[0], &Tensor::run_backward(&[xd.matmul(&w.tr()).sum(Kind::Float)], &[&w], false, false)[0])
+                    < 1e-3
+            );
+            let wd = w.detach();
+            let g = Tensor::run_backward(&[train_linear(&x, &wd)?.sum(Kind::Float)], &[&x], false, false);
+            assert!(
+                diff(&g[0], &Tensor::run_backward(&[x.matmul(&wd.tr()).sum(Kind::Float)], &[&x], false, false)[0])
+                    < 1e-4
+            );
+        }
+        assert!(
+            train_linear(
+                &Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)),
+                &Tensor::zeros([4, 5], (Kind::Float, Device::Cpu))
+            )
+            .is_err()
+        );
         Ok(())
     }
 

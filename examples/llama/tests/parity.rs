@@ -22,7 +22,7 @@ fn our_logits(m: &model::Llama, ids: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<
     let (b, t) = (ids.len() as i64, ids[0].len() as i64);
     let it = Tensor::from_slice(&ids.concat()).view([b, t]);
     let mt = Tensor::from_slice(&mask.concat()).view([b, t]);
-    let l = tch::no_grad(|| m.logits(&it, &mt)).to_kind(Kind::Double);
+    let l = tch::no_grad(|| m.logits(&it, &mt)).unwrap().to_kind(Kind::Double);
     let v = l.size()[2];
     let flat = Vec::<f64>::try_from(&l.flatten(0, -1)).unwrap();
     flat.chunks((t * v) as usize).map(|row| row.chunks(v as usize).map(|x| x.to_vec()).collect()).collect()
@@ -50,7 +50,7 @@ struct Case {
     tol: f64,
 }
 
-const CASES: [Case; 4] = [
+const CASES: [Case; 5] = [
     Case { name: "gqa_untied_f32", args: &["--kv-heads", "2"], kind: Kind::Float, tol: 1e-4 },
     Case {
         name: "gqa_tied_llama3_f32",
@@ -61,6 +61,14 @@ const CASES: [Case; 4] = [
     Case {
         name: "mha_untied_llama3_f32",
         args: &["--kv-heads", "4", "--rope", "llama3", "--layers", "3", "--seed", "2"],
+        kind: Kind::Float,
+        tol: 1e-4,
+    },
+    // Hidden size 512: the training forward's products go through oneDNN (Kernels::Onednn, the
+    // default, from model::ONEDNN_TRAINING_MIN_HIDDEN on).
+    Case {
+        name: "gqa_tied_hidden512_f32",
+        args: &["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", "4"],
         kind: Kind::Float,
         tol: 1e-4,
     },
@@ -75,9 +83,12 @@ const CASES: [Case; 4] = [
 
 #[test]
 fn random_checkpoints_match_transformers() {
-    // Two rows: the first right-padded, the second left-padded.
+    // Two rows: the first right-padded, the second left-padded (an explicit attention mask).
     let ids = vec![vec![256i64, 72, 101, 108, 108, 111, 0, 0], vec![0, 0, 0, 256, 87, 111, 114, 108]];
     let mask = vec![vec![1i64, 1, 1, 1, 1, 1, 0, 0], vec![0, 0, 0, 1, 1, 1, 1, 1]];
+    // Right padding only (plain causal attention): the same rows, the second one right-padded.
+    let right_ids = vec![ids[0].clone(), vec![256i64, 87, 111, 114, 108, 0, 0, 0]];
+    let right_mask = vec![mask[0].clone(), vec![1i64, 1, 1, 1, 1, 0, 0, 0]];
     let prompts = vec![vec![256i64, 72, 105], vec![256, 84, 104, 101, 32, 99, 97, 116], vec![256, 65]];
     for case in CASES {
         let dir = random_checkpoint(case.name, case.args);
@@ -86,6 +97,7 @@ fn random_checkpoints_match_transformers() {
             requests.push(json!({"op": "greedy", "ids": p, "max_new_tokens": 24}));
         }
         requests.push(json!({"op": "chat_ids", "prompt": "  What is 2+2? "}));
+        requests.push(json!({"op": "logits", "ids": right_ids, "mask": right_mask}));
         let theirs = hf(&dir, Value::Array(requests));
         let m = checkpoint::load(&dir, Device::Cpu, case.kind).unwrap();
 
@@ -94,6 +106,10 @@ fn random_checkpoints_match_transformers() {
         let d = max_diff(&ours, &to_vec3(&theirs[0]), &mask);
         eprintln!("{}: max |logit difference| vs transformers = {d:.3e}", case.name);
         assert!(d < case.tol, "{}: max |logit difference| {d} >= {}", case.name, case.tol);
+        let ours = our_logits(&m, &right_ids, &right_mask);
+        let d = max_diff(&ours, &to_vec3(&theirs[5]), &right_mask);
+        eprintln!("{}: right padding only, max |logit difference| = {d:.3e}", case.name);
+        assert!(d < case.tol, "{}: right padding only, max |logit difference| {d} >= {}", case.name, case.tol);
 
         // Greedy generations, ours batched (left-padded, per-row positions), theirs one by one.
         if case.kind == Kind::Float {
@@ -139,7 +155,7 @@ fn kv_cache_decoding_equals_recomputing_the_sequence() {
                 mask = Tensor::cat(&[&mask, &Tensor::ones([b, 1], (Kind::Bool, Device::Cpu))], 1);
             }
             // Recompute everything at once: the logits at each position equal the step logits.
-            let full = m.logits(&seq, &mask);
+            let full = m.logits(&seq, &mask).unwrap();
             for (k, l) in step_logits.iter().enumerate() {
                 let at = full.narrow(1, p - 1 + k as i64, 1).squeeze_dim(1);
                 let d = (&at - l).abs().max().double_value(&[]);
@@ -253,12 +269,12 @@ fn fused_logprob_training_matches_naive_gradients() {
         v
     };
     // Naive.
-    let logits = m.logits(&ids, &mask).narrow(1, 0, 6);
+    let logits = m.logits(&ids, &mask).unwrap().narrow(1, 0, 6);
     let lp = logits.log_softmax(-1, Kind::Float).gather(2, &labels.unsqueeze(2), false).squeeze_dim(2);
     (lp * &weights * lmask.to_kind(Kind::Float)).sum(Kind::Float).backward();
     let naive = grads(&m);
     // Fused.
-    let hidden = m.hidden(&ids, &mask).narrow(1, 0, 6);
+    let hidden = m.hidden(&ids, &mask).unwrap().narrow(1, 0, 6);
     let cfg = topr_loss::LogProbConfig::new().with_chunk_tokens(4);
     let _ = topr_loss::backward_through_fused_logprobs(&hidden, m.lm_head(), &labels, Some(&lmask), &cfg, |x| {
         Ok::<_, topr_loss::LossError>((&x.logp * &weights).sum(Kind::Float))
@@ -269,6 +285,53 @@ fn fused_logprob_training_matches_naive_gradients() {
         let d = (a - b).abs().max().double_value(&[]);
         let scale = a.abs().max().double_value(&[]).max(1e-3);
         assert!(d <= 1e-4 * scale, "{name}: fused gradient differs by {d} (scale {scale})");
+    }
+}
+
+/// The training forward's two kernels (libtorch's matmul, oneDNN from
+/// `ONEDNN_TRAINING_MIN_HIDDEN` on) give the same logits and the same gradient of every
+/// parameter, for a right-padded batch (causal attention) and a left-padded one (a mask).
+#[test]
+fn training_kernels_agree_on_logits_and_gradients() {
+    let dir = random_checkpoint(
+        "train_kernels",
+        &["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", "8"],
+    );
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    assert!(m.cfg.hidden_size >= model::ONEDNN_TRAINING_MIN_HIDDEN);
+    let ids = Tensor::from_slice(&[256i64, 10, 20, 30, 40, 50, 0, 256, 5, 6, 7, 8, 9, 11]).view([2, 7]);
+    let padded = [
+        Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]).view([2, 7]),
+        Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]).view([2, 7]),
+    ];
+    let weights = Tensor::from_slice(&[0.5f32, -1.0]).unsqueeze(1);
+    for mask in &padded {
+        let lmask = mask.narrow(1, 1, 6).to_kind(Kind::Float);
+        let mut run = |kernels: Kernels| -> (Tensor, Vec<(String, Tensor)>) {
+            m.set_kernels(kernels);
+            assert_eq!(m.trains_with_onednn(), kernels == Kernels::Onednn && topr_llama::onednn::available());
+            let logits = m.logits(&ids, mask).unwrap();
+            let lp =
+                logits.narrow(1, 0, 6).log_softmax(-1, Kind::Float).gather(2, &ids.narrow(1, 1, 6).unsqueeze(2), false);
+            (lp.squeeze_dim(2) * &weights * &lmask).sum(Kind::Float).backward();
+            let mut g: Vec<(String, Tensor)> =
+                m.vs.variables().into_iter().map(|(k, t)| (k, t.grad().copy())).collect();
+            g.sort_by(|a, b| a.0.cmp(&b.0));
+            for (_, t) in m.vs.variables() {
+                let _ = t.grad().zero_();
+            }
+            (logits.detach(), g)
+        };
+        let (plain, plain_grads) = run(Kernels::Plain);
+        let (fast, fast_grads) = run(Kernels::Onednn);
+        let real = mask.unsqueeze(2).to_kind(Kind::Float);
+        let d = ((&plain - &fast) * &real).abs().max().double_value(&[]);
+        assert!(d < 1e-4, "logits at real positions differ by {d}");
+        for ((name, a), (_, b)) in plain_grads.iter().zip(&fast_grads) {
+            let d = (a - b).abs().max().double_value(&[]);
+            let scale = a.abs().max().double_value(&[]).max(1e-3);
+            assert!(d <= 1e-4 * scale, "{name}: gradient differs by {d} (scale {scale})");
+        }
     }
 }
 

@@ -94,18 +94,16 @@ fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()
     tch::manual_seed(0);
     let ids = Tensor::randint(m.cfg.vocab_size, [train_batch, train_len], (Kind::Int64, m.device()));
     let mask = Tensor::ones([train_batch, train_len], (Kind::Int64, m.device()));
-    let step = || {
-        let logits = m.logits(&ids, &mask); // [B, T, V]
+    let step = || -> Result<()> {
+        let logits = m.logits(&ids, &mask)?; // [B, T, V]
         let lp = logits.narrow(1, 0, train_len - 1).log_softmax(-1, Kind::Float);
         let nll = -lp.gather(2, &ids.narrow(1, 1, train_len - 1).unsqueeze(2), false).mean(Kind::Float);
         nll.backward();
+        Ok(())
     };
     let flops = flops_per_token(m, train_len);
     let iters = 3;
-    let secs = seconds_per_call(m.device(), iters, || {
-        step();
-        Ok(())
-    })?;
+    let secs = seconds_per_call(m.device(), iters, step)?;
     println!(
         "{}",
         with(
@@ -117,7 +115,7 @@ fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()
     let cfg = topr_loss::LogProbConfig::default();
     let labels = ids.narrow(1, 1, train_len - 1);
     let fused_step = || -> Result<()> {
-        let hidden = m.hidden(&ids, &mask).narrow(1, 0, train_len - 1); // [B, T−1, H]
+        let hidden = m.hidden(&ids, &mask)?.narrow(1, 0, train_len - 1); // [B, T−1, H]
         let _ = topr_loss::backward_through_fused_logprobs(&hidden, m.lm_head(), &labels, None, &cfg, |lp| {
             Ok::<_, topr_loss::LossError>(-lp.logp.mean(Kind::Float))
         })?;

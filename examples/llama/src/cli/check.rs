@@ -83,12 +83,12 @@ pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i6
     let prompt_ids: Vec<Vec<i64>> = (0..prompts).map(|_| (0..len).map(|_| rng.range(0, real - 1)).collect()).collect();
     let ids = Tensor::from_slice(&prompt_ids.concat()).view([prompts, len]);
     let mask = Tensor::ones([prompts, len], (Kind::Int64, Device::Cpu));
-    let (want, l32, l16) = tch::no_grad(|| {
-        let on = |m: &topr_llama::model::Llama| {
-            m.logits(&ids.to(m.device()), &mask.to(m.device())).to_device(Device::Cpu).to_kind(Kind::Float)
+    let (want, l32, l16) = tch::no_grad(|| -> Result<_> {
+        let on = |m: &topr_llama::model::Llama| -> Result<Tensor> {
+            Ok(m.logits(&ids.to(m.device()), &mask.to(m.device()))?.to_device(Device::Cpu).to_kind(Kind::Float))
         };
-        (on(&cpu), on(&dev32), on(&dev16))
-    });
+        Ok((on(&cpu)?, on(&dev32)?, on(&dev16)?))
+    })?;
     let scale = want.abs().max().double_value(&[]);
     if !(scale.is_finite() && scale > 0.0) {
         bail!("the CPU logits of {} are {scale} at most: not a usable model", dir.display());

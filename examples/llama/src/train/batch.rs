@@ -115,7 +115,7 @@ pub fn accumulate(
     let mut tally = Tally::default();
     let (mut values, mut tokens) = (vec![], vec![]);
     for (k, p) in parts.iter().enumerate() {
-        let logits = model.logits(&p.ids, &p.attn);
+        let logits = model.logits(&p.ids, &p.attn)?;
         let l = p.ids.size()[1];
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
             // Keyed by the rank's first unit and the micro-batch's index: distinct across ranks.
