@@ -13,6 +13,9 @@
 # target/bench-llama.jsonl (every measurement, one JSON line each, with its repetition). The sizes
 # can be changed for a quick check of the script: NEW (64 new tokens), B and T (training batch,
 # 8 × 256, the size issue #13 names), LOSS_B and LOSS_T (512 × 2048), ITERS (10 timed calls per loss).
+# TRAIN_ONLY=1 measures the training side by side only (generation reduced to one token at batch 1,
+# no losses); PAIRS=N adds N alternating pairs of training steps with our two training kernels
+# (plain matmul, oneDNN) in one process per repetition.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -21,7 +24,8 @@ reps="${2:-3}"
 out="${3:-target/bench-llama.jsonl}"
 [ -f "$model/model.safetensors" ] || scripts/smollm2.sh "$model"
 cargo build --release -q -p topr-llama --bin llama
-NEW=${NEW:-64} B=${B:-8} T=${T:-256}
+NEW=${NEW:-64} B=${B:-8} T=${T:-256} GEN=${GEN:-1,16} PAIRS=${PAIRS:-0}
+if [ -n "${TRAIN_ONLY:-}" ]; then NEW=1 GEN=1; fi
 LOSS_B=${LOSS_B:-512} LOSS_T=${LOSS_T:-2048} ITERS=${ITERS:-10}
 # The PyTorch side gets the allocator settings the llama binary gives itself (keep_freed_memory).
 malloc=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864)
@@ -29,8 +33,9 @@ malloc=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC
 tag() { python3 -c 'import json,sys; r=int(sys.argv[1]); [print(json.dumps({**json.loads(l), "rep": r})) for l in sys.stdin if l.startswith("{")]' "$1"; }
 for ((r = 0; r < reps; r++)); do
     echo "repetition $((r + 1)) of $reps" >&2
-    ./target/release/llama bench --model "$model" --new-tokens $NEW --train-batch $B --train-len $T 2>/dev/null | tag $r >> "$out"
-    "$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/bench_hf.py "$model" $NEW $B $T 2>/dev/null | tag $r >> "$out"
+    ./target/release/llama bench --model "$model" --new-tokens $NEW --gen-batch $GEN --train-batch $B --train-len $T --kernel-pairs $PAIRS 2>/dev/null | tag $r >> "$out"
+    "$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/bench_hf.py "$model" $NEW $B $T --gen-batch $GEN 2>/dev/null | tag $r >> "$out"
+    if [ -n "${TRAIN_ONLY:-}" ]; then continue; fi
     ./target/release/llama check losses --device cpu --batch $LOSS_B --len $LOSS_T --iters $ITERS 2>/dev/null | tag $r >> "$out"
     env "${malloc[@]}" "$TOPR_REFERENCE_PYTHON" scripts/gpu_bundle/losses_torch.py --device cpu --batch $LOSS_B \
         --len $LOSS_T --iters $ITERS 2>/dev/null | tag $r >> "$out"
@@ -65,6 +70,10 @@ for loss in ["topr_token_loss", "ppo_clip_loss", "dpo_loss"]:
     for checks in ["full", "shapes"]:
         line(f"{loss} ms, {checks} checks / PyTorch", pick(what="loss", loss=loss, checks=checks, device="cpu"),
              pick(what="loss", loss=loss, checks="pytorch", device="cpu"), "ms", "≤ 1")
+pairs = [r["ratio"] for r in rows if r.get("what") == "train_kernels_pair"]
+if pairs:
+    se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
+    print(f"{'train kernels, oneDNN / plain (ours, pairs)':44} {'':>18} {'':>18} {statistics.mean(pairs):>7.3f} ± {se:.3f} (n = {len(pairs)})")
 print("\nroofline (ours): share of the measured peak (a matmul in the same run)")
 peak = [r["tflops"] for r in rows if r.get("what") == "peak"]
 if peak:

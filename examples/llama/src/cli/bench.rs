@@ -3,14 +3,15 @@
 //! through the crate's fused log-prob path), each after one warm-up run. One JSON line per
 //! measurement on stdout. The roofline: a first line gives the machine's peak, a matrix product
 //! in the model's dtype timed in the same run, and every throughput line carries the model FLOPs
-//! a token, the achieved TFLOP/s and their share of that peak.
+//! a token, the achieved TFLOP/s and their share of that peak. With `--kernel-pairs N`, N
+//! alternating pairs of training steps with the two kernels of training, in the same process.
 
 use super::check::sync;
 use anyhow::Result;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 use topr_llama::generate::{self, Sampling};
-use topr_llama::model::Llama;
+use topr_llama::model::{Kernels, Llama};
 use topr_llama::tokenizer::Tokenizer;
 
 pub fn run(
@@ -90,17 +91,60 @@ fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], pe
     Ok(())
 }
 
-fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()> {
+/// The training measurement's batch: `[B, T]` random token ids (seeded) and an all-ones mask.
+fn training_batch(m: &Llama, train_batch: i64, train_len: i64) -> (Tensor, Tensor) {
     tch::manual_seed(0);
     let ids = Tensor::randint(m.cfg.vocab_size, [train_batch, train_len], (Kind::Int64, m.device()));
-    let mask = Tensor::ones([train_batch, train_len], (Kind::Int64, m.device()));
-    let step = || -> Result<()> {
-        let logits = m.logits(&ids, &mask)?; // [B, T, V]
-        let lp = logits.narrow(1, 0, train_len - 1).log_softmax(-1, Kind::Float);
-        let nll = -lp.gather(2, &ids.narrow(1, 1, train_len - 1).unsqueeze(2), false).mean(Kind::Float);
-        nll.backward();
-        Ok(())
+    (ids, Tensor::ones([train_batch, train_len], (Kind::Int64, m.device())))
+}
+
+/// One training step of the measurement: forward + backward of the mean next-token NLL through
+/// the full logits.
+fn nll_step(m: &Llama, ids: &Tensor, mask: &Tensor) -> Result<()> {
+    let len = ids.size()[1];
+    let logits = m.logits(ids, mask)?; // [B, T, V]
+    let lp = logits.narrow(1, 0, len - 1).log_softmax(-1, Kind::Float);
+    let nll = -lp.gather(2, &ids.narrow(1, 1, len - 1).unsqueeze(2), false).mean(Kind::Float);
+    nll.backward();
+    Ok(())
+}
+
+/// `pairs` alternating pairs of [`nll_step`] with [`Kernels::Plain`] and [`Kernels::Onednn`]
+/// (after one warm-up step each): the in-process comparison of the two kernels of training,
+/// which the machine's drift between runs would otherwise hide. Restores the model's kernels.
+pub fn kernel_pairs(m: &mut Llama, train_batch: i64, train_len: i64, pairs: usize) -> Result<()> {
+    if pairs == 0 {
+        return Ok(());
+    }
+    let before = m.kernels();
+    let (ids, mask) = training_batch(m, train_batch, train_len);
+    let tokens = (train_batch * train_len) as f64;
+    let timed = |m: &mut Llama, k: Kernels| -> Result<f64> {
+        m.set_kernels(k);
+        let t0 = Instant::now();
+        nll_step(m, &ids, &mask)?;
+        sync(m.device());
+        Ok(tokens / t0.elapsed().as_secs_f64())
     };
+    timed(m, Kernels::Plain)?;
+    timed(m, Kernels::Onednn)?;
+    for pair in 0..pairs {
+        let plain = timed(m, Kernels::Plain)?;
+        let onednn = timed(m, Kernels::Onednn)?;
+        let onednn_applies = m.trains_with_onednn();
+        println!(
+            "{}",
+            serde_json::json!({"what": "train_kernels_pair", "impl": "topr-loss", "pair": pair, "batch": train_batch, "len": train_len,
+                "plain_tokens_per_s": plain, "onednn_tokens_per_s": onednn, "ratio": onednn / plain, "onednn_applies": onednn_applies})
+        );
+    }
+    m.set_kernels(before);
+    Ok(())
+}
+
+fn training(m: &Llama, train_batch: i64, train_len: i64, peak: f64) -> Result<()> {
+    let (ids, mask) = training_batch(m, train_batch, train_len);
+    let step = || nll_step(m, &ids, &mask);
     let flops = flops_per_token(m, train_len);
     let iters = 3;
     let secs = seconds_per_call(m.device(), iters, step)?;

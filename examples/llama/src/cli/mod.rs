@@ -321,6 +321,11 @@ pub enum Command {
         /// Tokens per sequence of the training measurement (>= 2, at most the model's context).
         #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(2i64, 1 << 20))]
         train_len: i64,
+        /// Also time this many alternating pairs of training steps with the two kernels of
+        /// training (plain matmul, then oneDNN) on the same model and batch: one line per pair
+        /// with both throughputs and their ratio (0: none).
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
+        kernel_pairs: usize,
     },
     /// The GPU check's own measurements (parity with the CPU, the bf16 peak, the losses' speed
     /// and host reads); one JSON line per measurement.
@@ -451,9 +456,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Plot { dir } => c::plot(&dir),
         Command::Convert { model, out } => c::convert(&model, &out),
-        Command::Bench { model, new_tokens, gen_batch, train_batch, train_len } => {
-            let (m, tok) = c::load(&model)?;
-            bench::run(&m, &tok, new_tokens, &gen_batch, train_batch, train_len)
+        Command::Bench { model, new_tokens, gen_batch, train_batch, train_len, kernel_pairs } => {
+            let (mut m, tok) = c::load(&model)?;
+            bench::run(&m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
+            bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)
         }
         Command::Check { what } => match what {
             CheckCommand::Parity { model, device, prompts, len, new_tokens } => {
