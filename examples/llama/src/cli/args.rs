@@ -233,8 +233,9 @@ pub struct ModelArgs {
     /// The weights' dtype (converted on load).
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     pub dtype: Dtype,
-    /// Generation's matrix products on the CPU: onednn (weights packed once per generation,
-    /// about twice as fast at decoding shapes) or plain (libtorch's matmul, as training).
+    /// The matrix products on the CPU: onednn (generation on weights packed once per generation,
+    /// about twice as fast at decoding shapes; training through oneDNN for models of hidden
+    /// size 512 or more) or plain (libtorch's matmul everywhere).
     #[arg(long, value_enum, default_value_t = KernelsArg::Onednn)]
     pub kernels: KernelsArg,
 }

@@ -287,7 +287,7 @@ pub enum Command {
         /// The weights' dtype (converted on load).
         #[arg(long, value_enum, default_value_t = args::Dtype::F32)]
         dtype: args::Dtype,
-        /// Generation's matrix products on the CPU (as for every command that loads a model).
+        /// The matrix products on the CPU (as for every command that loads a model).
         #[arg(long, value_enum, default_value_t = args::KernelsArg::Onednn)]
         kernels: args::KernelsArg,
     },
