@@ -466,6 +466,9 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (with(&["sft-data", "--model", m, "--out", o], &["--slip-rate", "2"]), "--slip-rate"),
         (with(&["bench", "--model", m], &["--train-len", "1"]), "--train-len"),
         (with(&["bench", "--model", m], &["--train-len", "100000"]), "--train-len"),
+        (with(&["bench", "--model", m], &["--kernel-pairs", "-1"]), "--kernel-pairs"),
+        (with(&["demo", "--work", o], &["--sft-epochs", "0"]), "--sft-epochs"),
+        (with(&["demo", "--work", o], &["--iterations", "-2"]), "--iterations"),
         (with(&["init"], &[]), "--out"),
     ];
     for (args, flag) in &cases {

@@ -227,6 +227,12 @@ pub enum Command {
         /// Continue an interrupted demo (finished stages are kept).
         #[arg(long)]
         resume: bool,
+        /// Epochs of the SFT warm-up (default: the scale's, 4 at full scale).
+        #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
+        sft_epochs: Option<usize>,
+        /// TOPR iterations after the warm-up (default: the scale's, 3 at full scale).
+        #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
+        iterations: Option<usize>,
     },
     /// The paper's claims over seeds on the demo's task: per seed a new model, the warm-up and one
     /// `iterate` run per arm (objective and baseline) of the chosen claims; writes study.jsonl,
@@ -425,8 +431,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Init { out, size, vocab_size, seed } => c::init(&out, &size, vocab_size, seed),
         Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),
-        Command::Demo { work, quick, scale, device, resume } => {
-            let scale = if quick { topr_llama::demo::Scale::quick() } else { demo_scale(scale) };
+        Command::Demo { work, quick, scale, device, resume, sft_epochs, iterations } => {
+            let mut scale = if quick { topr_llama::demo::Scale::quick() } else { demo_scale(scale) };
+            scale.sft_epochs = sft_epochs.unwrap_or(scale.sft_epochs);
+            scale.iterations = iterations.unwrap_or(scale.iterations);
             topr_llama::demo::run(&work, scale, device, resume)
         }
         Command::Study { work, claims, seeds, scale, iterations, prompts, eval_n, device, report_only } => {
