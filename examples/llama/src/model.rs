@@ -70,7 +70,8 @@ pub enum Kernels {
 
 /// The smallest hidden size whose training products [`Kernels::Onednn`] computes with oneDNN.
 /// Measured on 2 cores (docs/performance.md): at SmolLM2-135M's 576, oneDNN's products made a
-/// training step about 9 % faster than MKL's; at the demo model's 128 about 6 % slower.
+/// training step 1.11 ± 0.02 times as fast as MKL's (alternating pairs in one process); at the
+/// demo model's 128 about 6 % slower.
 pub const ONEDNN_TRAINING_MIN_HIDDEN: i64 = 512;
 
 /// Which keys each query attends to.
