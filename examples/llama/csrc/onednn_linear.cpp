@@ -85,7 +85,6 @@ at::Tensor* topr_onednn_train_linear(const at::Tensor* x, const at::Tensor* w, c
   return out;
 }
 
-
 // 1 when this libtorch registers both operators (a build with oneDNN on x86 or ARM), else 0.
 int topr_onednn_available() {
   try {
