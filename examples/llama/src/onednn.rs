@@ -37,10 +37,12 @@ pub fn stamp(t: &Tensor) -> (usize, i64) {
 
 const ERR_CAP: usize = 1024;
 
-/// Whether this libtorch has oneDNN's linear operators (builds for x86-64 and ARM do).
+/// Whether this libtorch has oneDNN's linear operators (builds for x86-64 and ARM do). Asked of
+/// libtorch's dispatcher once per process (every training forward and generation asks).
 pub fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     // SAFETY: no arguments; the function catches every C++ exception.
-    unsafe { topr_onednn_available() == 1 }
+    *AVAILABLE.get_or_init(|| unsafe { topr_onednn_available() == 1 })
 }
 
 /// Turns the shim's result into a tensor, or its message into an error.
@@ -164,18 +166,12 @@ mod tests {
             assert!(diff(&got[0], &exp[0]) < 1e-4, "∂x differs by {}", diff(&got[0], &exp[0]));
             assert!(diff(&got[1], &exp[1]) < 1e-3, "∂W differs by {}", diff(&got[1], &exp[1]));
             // Only the weight trainable (a frozen input) and only the input (a frozen weight).
-            let xd = x.detach();
-            let g = Tensor::run_backward(&[train_linear(&xd, &w)?.sum(Kind::Float)], &[&w], false, false);
-            assert!(
-                diff(&g[0], &Tensor::run_backward(&[xd.matmul(&w.tr()).sum(Kind::Float)], &[&w], false, false)[0])
-                    < 1e-3
-            );
-            let wd = w.detach();
-            let g = Tensor::run_backward(&[train_linear(&x, &wd)?.sum(Kind::Float)], &[&x], false, false);
-            assert!(
-                diff(&g[0], &Tensor::run_backward(&[x.matmul(&wd.tr()).sum(Kind::Float)], &[&x], false, false)[0])
-                    < 1e-4
-            );
+            let grad_of = |y: Tensor, of: &Tensor| Tensor::run_backward(&[y.sum(Kind::Float)], &[of], false, false);
+            let (xd, wd) = (x.detach(), w.detach());
+            let (got, exp) = (grad_of(train_linear(&xd, &w)?, &w), grad_of(xd.matmul(&w.tr()), &w));
+            assert!(diff(&got[0], &exp[0]) < 1e-3);
+            let (got, exp) = (grad_of(train_linear(&x, &wd)?, &x), grad_of(x.matmul(&wd.tr()), &x));
+            assert!(diff(&got[0], &exp[0]) < 1e-4);
         }
         assert!(
             train_linear(
