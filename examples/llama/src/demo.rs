@@ -139,13 +139,17 @@ pub enum Recipe {
     /// often right among several samples (seed 0: sampled pass@1 0.019, pass@8 0.133), so that
     /// what RL can use is the model's own variation.
     Natural,
+    /// The sloppy teacher with the same number of optimiser steps spread over more problems:
+    /// twice the scale's problems for half its epochs (8,000 × 2 at full scale instead of
+    /// 4,000 × 4), so the warm-up takes the same time and sees each solution half as often.
+    SloppyFresh,
 }
 
 impl Recipe {
     /// The share of the teacher's solutions with the planted slip.
     pub fn slip_rate(self) -> f64 {
         match self {
-            Self::Sloppy => 0.6,
+            Self::Sloppy | Self::SloppyFresh => 0.6,
             Self::Natural => 0.0,
         }
     }
@@ -155,6 +159,16 @@ impl Recipe {
         match self {
             Self::Sloppy => scale.sft_epochs,
             Self::Natural => 1,
+            Self::SloppyFresh => scale.sft_epochs.div_ceil(2),
+        }
+    }
+
+    /// Problems of the supervised warm-up.
+    pub fn sft_problems(self, scale: Scale) -> usize {
+        match self {
+            Self::Sloppy | Self::Natural => scale.sft_problems,
+            // The same solutions seen in all: problems × epochs as the sloppy recipe's.
+            Self::SloppyFresh => scale.sft_problems * scale.sft_epochs / self.sft_epochs(scale),
         }
     }
 }
@@ -182,7 +196,7 @@ pub fn warm_up_with(dir: &Path, scale: Scale, seed: u64, at: Placement, recipe: 
     if !sft.exists() {
         let cfg = crate::config::LlamaConfig::load(&init_dir)?;
         let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
-        let (problems, style) = task(warm_up_seed(seed), scale.sft_problems).load()?;
+        let (problems, style) = task(warm_up_seed(seed), recipe.sft_problems(scale)).load()?;
         sample::write_solutions(&tok, &problems, &style, &sft, recipe.slip_rate(), 1)?;
     }
     // 3. Supervised warm-up.

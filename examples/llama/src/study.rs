@@ -53,11 +53,18 @@ pub enum Claim {
     /// both verdicts of each), it picks one of k held-out solutions; against pass@1 and majority
     /// voting ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
     Verifier,
+    /// A better result in the same time (issue #13): the demo's TOPR iterations at larger
+    /// learning rates ([`LEARNING_RATES`]), the same steps, data and wall time, for the demo's
+    /// [`LEARNING_RATE_ITERATIONS`] iterations.
+    LearningRate,
+    /// A better result in the same time (issue #13): the same warm-up steps on twice the
+    /// problems for half the epochs ([`Recipe::SloppyFresh`]), then the demo's TOPR iterations.
+    WarmUpData,
 }
 
 impl Claim {
     /// Every claim.
-    pub const ALL: [Claim; 8] = [
+    pub const ALL: [Claim; 10] = [
         Claim::Negatives,
         Claim::Degeneration,
         Claim::Composition,
@@ -66,6 +73,8 @@ impl Claim {
         Claim::Natural,
         Claim::Iterated,
         Claim::Verifier,
+        Claim::LearningRate,
+        Claim::WarmUpData,
     ];
 
     /// The claim's name on the command line and in file names.
@@ -79,6 +88,8 @@ impl Claim {
             Self::Natural => "natural",
             Self::Iterated => "iterated",
             Self::Verifier => "verifier",
+            Self::LearningRate => "learning-rate",
+            Self::WarmUpData => "warm-up-data",
         }
     }
 
@@ -104,6 +115,12 @@ impl Claim {
             }
             Self::Verifier => {
                 "Does a verifier trained with TOPR to judge the model's own solutions pick a better one among k than majority voting?"
+            }
+            Self::LearningRate => {
+                "A better result in the same time? The demo's TOPR iterations at larger learning rates (same steps, data and time)."
+            }
+            Self::WarmUpData => {
+                "A better result in the same time? The warm-up's steps on twice the problems for half the epochs, then the demo's iterations."
             }
         }
     }
@@ -153,6 +170,24 @@ impl Claim {
                 .map(|a| Arm { name: format!("natural-{}", a.name), recipe: Recipe::Natural, ..a })
                 .collect(),
             Self::Iterated => vec![Arm { iterations: Some(ITERATED_ITERATIONS), ..topr }],
+            Self::LearningRate => std::iter::once(demo::DEMO_LR)
+                .chain(LEARNING_RATES)
+                .map(|lr| Arm {
+                    name: if lr == demo::DEMO_LR { topr.name.clone() } else { format!("{}-lr{lr}", topr.name) },
+                    lr,
+                    iterations: Some(LEARNING_RATE_ITERATIONS),
+                    ..topr.clone()
+                })
+                .collect(),
+            Self::WarmUpData => vec![
+                Arm { iterations: Some(LEARNING_RATE_ITERATIONS), ..topr.clone() },
+                Arm {
+                    name: format!("fresh-{}", topr.name),
+                    recipe: Recipe::SloppyFresh,
+                    iterations: Some(LEARNING_RATE_ITERATIONS),
+                    ..topr
+                },
+            ],
         }
     }
 
@@ -185,6 +220,11 @@ pub const COMPOSITION_P_TILDES: [f64; 4] = [0.05, 0.2, 0.5, 0.9];
 pub const SAMPLED_K: usize = 8;
 /// The iterated claim's iterations, whatever the study's `--iterations`.
 pub const ITERATED_ITERATIONS: usize = 5;
+/// The learning-rate claim's rates beside the demo's [`demo::DEMO_LR`].
+pub const LEARNING_RATES: [f64; 2] = [3e-4, 1e-3];
+/// The iterations of the claims that compare with the demo at its own length (learning-rate,
+/// warm-up-data): the demo's.
+pub const LEARNING_RATE_ITERATIONS: usize = 3;
 
 /// One training setting of the study: an objective and its baseline, applied at every
 /// iteration on the model's own graded samples; everything else is the demo's.
@@ -198,6 +238,8 @@ pub struct Arm {
     pub epochs: usize,
     /// The gradient-norm clip (the demo's: 1).
     pub max_grad_norm: Option<f64>,
+    /// The learning rate of its training (the demo's: [`demo::DEMO_LR`]).
+    pub lr: f64,
     /// Which samples of each data set are trained on (the demo's: all).
     pub curate: Curation,
     /// The warm-up the arm starts from (the demo's: the sloppy teacher).
@@ -237,6 +279,7 @@ impl Arm {
             baseline,
             epochs: 1,
             max_grad_norm: Some(1.0),
+            lr: demo::DEMO_LR,
             curate: Curation::All,
             recipe: Recipe::Sloppy,
             iterations: None,
@@ -470,6 +513,7 @@ fn arm_settings(dir: &Path, scale: Scale, seed: u64, arm: &Arm) -> Result<Iterat
         baseline: arm.baseline,
         epochs: arm.epochs,
         max_grad_norm: arm.max_grad_norm,
+        lr: arm.lr,
         seed,
         ..base
     };
@@ -900,6 +944,7 @@ pub fn warm_up_dir(seed_dir: &Path, recipe: Recipe) -> PathBuf {
     match recipe {
         Recipe::Sloppy => seed_dir.to_path_buf(),
         Recipe::Natural => seed_dir.join("natural"),
+        Recipe::SloppyFresh => seed_dir.join("fresh"),
     }
 }
 
@@ -945,12 +990,17 @@ mod tests {
         }
         // Names are distinct, and none is the seed's shared folder.
         let all: Vec<Arm> = Claim::ALL.into_iter().flat_map(|c| c.arms()).collect();
-        assert!(all.iter().all(|a| a.name != "shared" && a.name != "natural"));
+        assert!(all.iter().all(|a| !["shared", "natural", "fresh"].contains(&a.name.as_str())));
         // The natural task's arms start from its own warm-up.
         let natural = Claim::Natural.arms();
         assert_eq!(natural.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["natural-topr-p0.5", "natural-sft"]);
         assert!(natural.iter().all(|a| a.recipe == Recipe::Natural));
-        assert!(all.iter().filter(|a| !a.name.starts_with("natural-")).all(|a| a.recipe == Recipe::Sloppy));
+        assert!(
+            all.iter()
+                .filter(|a| !a.name.starts_with("natural-") && !a.name.starts_with("fresh-"))
+                .all(|a| a.recipe == Recipe::Sloppy)
+        );
+        assert!(all.iter().filter(|a| a.name.starts_with("fresh-")).all(|a| a.recipe == Recipe::SloppyFresh));
         let mut names: Vec<&str> = all.iter().map(|a| a.name.as_str()).collect();
         names.sort();
         names.dedup();
@@ -980,6 +1030,51 @@ mod tests {
         assert_eq!(neg.iterations, Scale::quick().iterations);
         // The same loop, but for its length: the iterated claim continues the negatives claim's run.
         assert_eq!(IterateSettings { iterations: 0, ..it }, IterateSettings { iterations: 0, ..neg });
+    }
+
+    #[test]
+    fn the_fresh_warm_up_takes_the_demo_warm_ups_steps_on_twice_the_problems() {
+        let full = Scale::full();
+        let (fresh, sloppy) = (Recipe::SloppyFresh, Recipe::Sloppy);
+        assert_eq!((fresh.sft_problems(full), fresh.sft_epochs(full)), (8000, 2));
+        assert_eq!((sloppy.sft_problems(full), sloppy.sft_epochs(full)), (4000, 4));
+        assert_eq!(fresh.slip_rate(), sloppy.slip_rate());
+        // One epoch stays one epoch (the quick scale), on as many problems.
+        let quick = Scale::quick();
+        assert_eq!((fresh.sft_problems(quick), fresh.sft_epochs(quick)), (quick.sft_problems, 1));
+        let arms = Claim::WarmUpData.arms();
+        assert_eq!(arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["topr-p0.5", "fresh-topr-p0.5"]);
+        assert_eq!(
+            Arm { name: String::new(), recipe: Recipe::Sloppy, ..arms[1].clone() },
+            Arm { name: String::new(), ..arms[0].clone() }
+        );
+        let seed = Path::new("/s/seed-3");
+        assert_eq!(warm_up_dir(seed, fresh), seed.join("fresh"));
+    }
+
+    #[test]
+    fn the_learning_rate_claim_changes_only_the_rate_of_the_demo_arm() {
+        let arms = Claim::LearningRate.arms();
+        assert_eq!(
+            arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["topr-p0.5", "topr-p0.5-lr0.0003", "topr-p0.5-lr0.001"]
+        );
+        assert_eq!(LEARNING_RATE_ITERATIONS, Scale::full().iterations);
+        assert_eq!(Claim::LearningRate.iterations(2), Scale::full().iterations);
+        let dir = Path::new("/nonexistent/seed-0");
+        let demo = arm_settings(dir, Scale::full(), 0, &Claim::Negatives.arms()[0]).unwrap();
+        for (arm, lr) in arms.iter().zip([demo::DEMO_LR, 3e-4, 1e-3]) {
+            let it = arm_settings(dir, Scale::full(), 0, arm).unwrap();
+            assert_eq!(it.train.lr, lr);
+            // The same loop but for the rate, the folder and the length.
+            let same = |s: &IterateSettings| IterateSettings {
+                iterations: 0,
+                work: PathBuf::new(),
+                train: TrainSettings { lr: 0.0, ..s.train.clone() },
+                ..s.clone()
+            };
+            assert_eq!(same(&it), same(&demo));
+        }
     }
 
     #[test]
