@@ -53,7 +53,7 @@ pub enum Claim {
     /// both verdicts of each), it picks one of k held-out solutions; against pass@1 and majority
     /// voting ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
     Verifier,
-    /// A better result in the same time (issue #13): the demo's TOPR iterations at larger
+    /// A better result in the same time (issue #13): the demo's TOPR iterations at other
     /// learning rates ([`LEARNING_RATES`]), the same steps, data and wall time, for the demo's
     /// [`LEARNING_RATE_ITERATIONS`] iterations.
     LearningRate,
@@ -117,7 +117,7 @@ impl Claim {
                 "Does a verifier trained with TOPR to judge the model's own solutions pick a better one among k than majority voting?"
             }
             Self::LearningRate => {
-                "A better result in the same time? The demo's TOPR iterations at larger learning rates (same steps, data and time)."
+                "A better result in the same time? The demo's TOPR iterations at other learning rates (same steps, data and time)."
             }
             Self::WarmUpData => {
                 "A better result in the same time? The warm-up's steps on twice the problems for half the epochs, then the demo's iterations."
@@ -221,7 +221,7 @@ pub const SAMPLED_K: usize = 8;
 /// The iterated claim's iterations, whatever the study's `--iterations`.
 pub const ITERATED_ITERATIONS: usize = 5;
 /// The learning-rate claim's rates beside the demo's [`demo::DEMO_LR`].
-pub const LEARNING_RATES: [f64; 2] = [3e-4, 1e-3];
+pub const LEARNING_RATES: [f64; 3] = [3e-5, 3e-4, 1e-3];
 /// The iterations of the claims that compare with the demo at its own length (learning-rate,
 /// warm-up-data): the demo's.
 pub const LEARNING_RATE_ITERATIONS: usize = 3;
@@ -1057,13 +1057,13 @@ mod tests {
         let arms = Claim::LearningRate.arms();
         assert_eq!(
             arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
-            ["topr-p0.5", "topr-p0.5-lr0.0003", "topr-p0.5-lr0.001"]
+            ["topr-p0.5", "topr-p0.5-lr0.00003", "topr-p0.5-lr0.0003", "topr-p0.5-lr0.001"]
         );
         assert_eq!(LEARNING_RATE_ITERATIONS, Scale::full().iterations);
         assert_eq!(Claim::LearningRate.iterations(2), Scale::full().iterations);
         let dir = Path::new("/nonexistent/seed-0");
         let demo = arm_settings(dir, Scale::full(), 0, &Claim::Negatives.arms()[0]).unwrap();
-        for (arm, lr) in arms.iter().zip([demo::DEMO_LR, 3e-4, 1e-3]) {
+        for (arm, lr) in arms.iter().zip([demo::DEMO_LR, 3e-5, 3e-4, 1e-3]) {
             let it = arm_settings(dir, Scale::full(), 0, arm).unwrap();
             assert_eq!(it.train.lr, lr);
             // The same loop but for the rate, the folder and the length.
