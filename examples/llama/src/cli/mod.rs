@@ -242,9 +242,9 @@ pub enum Command {
         /// Working directory (one folder per seed, one per arm inside it).
         #[arg(long, default_value = "runs/study")]
         work: PathBuf,
-        /// The claims to test, comma-separated: negatives, degeneration, composition, peers,
-        /// off-policy and composition (one iteration each), natural, iterated (5 iterations),
-        /// verifier, or all.
+        /// The claims to test, comma-separated: negatives, degeneration, peers, natural,
+        /// composition and off-policy (one iteration each), iterated (5 iterations),
+        /// learning-rate and warm-up-data (the demo's 3 iterations), verifier, or all.
         #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
         claims: Claims,
         /// Number of seeds (the seeds 0..n).
