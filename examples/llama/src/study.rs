@@ -53,6 +53,10 @@ pub enum Claim {
     /// both verdicts of each), it picks one of k held-out solutions; against pass@1 and majority
     /// voting ([`crate::verify`]). Not an `iterate` arm: its own pipeline per seed.
     Verifier,
+    /// Far off-policy, the baseline held equal: TIS and naive REINFORCE with TOPR's baseline for
+    /// p̃ = 0.5 (the off-policy claim runs them with c = 0), so that what differs from TOPR's
+    /// arm is the objective alone. The off-policy claim's setting.
+    OffPolicyBaseline,
     /// A better result in the same time (issue #13): the demo's TOPR iterations at other
     /// learning rates ([`LEARNING_RATES`]), the same steps, data and wall time, for the demo's
     /// [`LEARNING_RATE_ITERATIONS`] iterations.
@@ -64,7 +68,7 @@ pub enum Claim {
 
 impl Claim {
     /// Every claim.
-    pub const ALL: [Claim; 10] = [
+    pub const ALL: [Claim; 11] = [
         Claim::Negatives,
         Claim::Degeneration,
         Claim::Composition,
@@ -73,6 +77,7 @@ impl Claim {
         Claim::Natural,
         Claim::Iterated,
         Claim::Verifier,
+        Claim::OffPolicyBaseline,
         Claim::LearningRate,
         Claim::WarmUpData,
     ];
@@ -88,6 +93,7 @@ impl Claim {
             Self::Natural => "natural",
             Self::Iterated => "iterated",
             Self::Verifier => "verifier",
+            Self::OffPolicyBaseline => "off-policy-baseline",
             Self::LearningRate => "learning-rate",
             Self::WarmUpData => "warm-up-data",
         }
@@ -116,6 +122,9 @@ impl Claim {
             Self::Verifier => {
                 "Does a verifier trained with TOPR to judge the model's own solutions pick a better one among k than majority voting?"
             }
+            Self::OffPolicyBaseline => {
+                "Far off-policy with the baseline held equal: is TOPR's stability its objective or its baseline? TOPR against TIS and naive REINFORCE, all with the baseline for p̃ = 0.5."
+            }
             Self::LearningRate => {
                 "A better result in the same time? The demo's TOPR iterations at other learning rates (same steps, data and time)."
             }
@@ -129,6 +138,7 @@ impl Claim {
     /// claim has none (it runs [`crate::verify::run`] per seed).
     pub fn arms(self) -> Vec<Arm> {
         let topr = Arm::topr(demo::DEMO_P_TILDE);
+        let p_half = Baseline::TargetPositiveProportion(demo::DEMO_P_TILDE);
         match self {
             Self::Verifier => vec![],
             Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
@@ -151,19 +161,22 @@ impl Claim {
                 Arm::new("dpo", Objective::Dpo, Baseline::Zero),
             ],
             Self::OffPolicy => [
-                ("topr", Objective::Topr, Baseline::TargetPositiveProportion(demo::DEMO_P_TILDE)),
+                ("topr", Objective::Topr, p_half),
                 ("is", Objective::Is, Baseline::Zero),
                 ("tis", Objective::Tis, Baseline::Zero),
                 ("reinforce", Objective::Reinforce, Baseline::Zero),
                 ("ppo", Objective::Ppo, Baseline::Zero),
             ]
             .into_iter()
-            .map(|(n, o, b)| Arm {
-                epochs: 4,
-                max_grad_norm: Some(100.0),
-                iterations: Some(1),
-                ..Arm::new(&format!("{n}-offpolicy"), o, b)
-            })
+            .map(|(n, o, b)| Arm::off_policy(n, o, b))
+            .collect(),
+            Self::OffPolicyBaseline => [
+                ("topr", Objective::Topr, p_half),
+                ("tis-p0.5", Objective::Tis, p_half),
+                ("reinforce-p0.5", Objective::Reinforce, p_half),
+            ]
+            .into_iter()
+            .map(|(n, o, b)| Arm::off_policy(n, o, b))
             .collect(),
             Self::Natural => [topr, Arm::new("sft", Objective::Sft, Baseline::Zero)]
                 .into_iter()
@@ -283,6 +296,17 @@ impl Arm {
             curate: Curation::All,
             recipe: Recipe::Sloppy,
             iterations: None,
+        }
+    }
+
+    /// An arm of the far off-policy setting: four epochs on one data set (one iteration), the
+    /// gradient norm clipped at 100; named `{name}-offpolicy`.
+    fn off_policy(name: &str, objective: Objective, baseline: Baseline) -> Self {
+        Self {
+            epochs: 4,
+            max_grad_norm: Some(100.0),
+            iterations: Some(1),
+            ..Self::new(&format!("{name}-offpolicy"), objective, baseline)
         }
     }
 
@@ -1030,6 +1054,26 @@ mod tests {
         assert_eq!(neg.iterations, Scale::quick().iterations);
         // The same loop, but for its length: the iterated claim continues the negatives claim's run.
         assert_eq!(IterateSettings { iterations: 0, ..it }, IterateSettings { iterations: 0, ..neg });
+    }
+
+    #[test]
+    fn the_off_policy_baseline_claim_holds_the_baseline_and_the_setting_equal() {
+        let arms = Claim::OffPolicyBaseline.arms();
+        assert_eq!(
+            arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["topr-offpolicy", "tis-p0.5-offpolicy", "reinforce-p0.5-offpolicy"]
+        );
+        // Its TOPR arm is the off-policy claim's (run once for both).
+        assert_eq!(arms[0], Claim::OffPolicy.arms()[0]);
+        for a in &arms {
+            assert_eq!(a.p_tilde(), Some(demo::DEMO_P_TILDE), "{}", a.name);
+            assert_eq!(
+                Arm { name: String::new(), objective: Objective::Topr, ..a.clone() },
+                Arm { name: String::new(), ..arms[0].clone() }
+            );
+        }
+        assert_eq!((arms[1].objective, arms[2].objective), (Objective::Tis, Objective::Reinforce));
+        assert_eq!(Claim::OffPolicyBaseline.iterations(2), 1);
     }
 
     #[test]

@@ -243,7 +243,7 @@ pub enum Command {
         #[arg(long, default_value = "runs/study")]
         work: PathBuf,
         /// The claims to test, comma-separated: negatives, degeneration, peers, natural,
-        /// composition and off-policy (one iteration each), iterated (5 iterations),
+        /// composition, off-policy and off-policy-baseline (one iteration each), iterated (5 iterations),
         /// learning-rate and warm-up-data (the demo's 3 iterations), verifier, or all.
         #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
         claims: Claims,
