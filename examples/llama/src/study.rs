@@ -59,7 +59,7 @@ pub enum Claim {
     OffPolicyBaseline,
     /// A better result in the same time (issue #13): the demo's TOPR iterations at other
     /// learning rates ([`LEARNING_RATES`]), the same steps, data and wall time, for the demo's
-    /// [`LEARNING_RATE_ITERATIONS`] iterations.
+    /// [`SAME_TIME_ITERATIONS`] iterations.
     LearningRate,
     /// A better result in the same time (issue #13): the same warm-up steps on twice the
     /// problems for half the epochs ([`Recipe::SloppyFresh`]), then the demo's TOPR iterations.
@@ -138,7 +138,9 @@ impl Claim {
     /// claim has none (it runs [`crate::verify::run`] per seed).
     pub fn arms(self) -> Vec<Arm> {
         let topr = Arm::topr(demo::DEMO_P_TILDE);
-        let p_half = Baseline::TargetPositiveProportion(demo::DEMO_P_TILDE);
+        let p_half = topr.baseline;
+        // The demo's arm at the demo's length: the reference of the same-time claims.
+        let demo_length = Arm { iterations: Some(SAME_TIME_ITERATIONS), ..topr.clone() };
         match self {
             Self::Verifier => vec![],
             Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
@@ -183,23 +185,16 @@ impl Claim {
                 .map(|a| Arm { name: format!("natural-{}", a.name), recipe: Recipe::Natural, ..a })
                 .collect(),
             Self::Iterated => vec![Arm { iterations: Some(ITERATED_ITERATIONS), ..topr }],
-            Self::LearningRate => std::iter::once(demo::DEMO_LR)
-                .chain(LEARNING_RATES)
-                .map(|lr| Arm {
-                    name: if lr == demo::DEMO_LR { topr.name.clone() } else { format!("{}-lr{lr}", topr.name) },
+            Self::LearningRate => std::iter::once(demo_length.clone())
+                .chain(LEARNING_RATES.map(|lr| Arm {
+                    name: format!("{}-lr{lr}", topr.name),
                     lr,
-                    iterations: Some(LEARNING_RATE_ITERATIONS),
-                    ..topr.clone()
-                })
+                    ..demo_length.clone()
+                }))
                 .collect(),
             Self::WarmUpData => vec![
-                Arm { iterations: Some(LEARNING_RATE_ITERATIONS), ..topr.clone() },
-                Arm {
-                    name: format!("fresh-{}", topr.name),
-                    recipe: Recipe::SloppyFresh,
-                    iterations: Some(LEARNING_RATE_ITERATIONS),
-                    ..topr
-                },
+                demo_length.clone(),
+                Arm { name: format!("fresh-{}", topr.name), recipe: Recipe::SloppyFresh, ..demo_length },
             ],
         }
     }
@@ -237,7 +232,7 @@ pub const ITERATED_ITERATIONS: usize = 5;
 pub const LEARNING_RATES: [f64; 3] = [3e-5, 3e-4, 1e-3];
 /// The iterations of the claims that compare with the demo at its own length (learning-rate,
 /// warm-up-data): the demo's.
-pub const LEARNING_RATE_ITERATIONS: usize = 3;
+pub const SAME_TIME_ITERATIONS: usize = 3;
 
 /// One training setting of the study: an objective and its baseline, applied at every
 /// iteration on the model's own graded samples; everything else is the demo's.
@@ -1103,7 +1098,7 @@ mod tests {
             arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
             ["topr-p0.5", "topr-p0.5-lr0.00003", "topr-p0.5-lr0.0003", "topr-p0.5-lr0.001"]
         );
-        assert_eq!(LEARNING_RATE_ITERATIONS, Scale::full().iterations);
+        assert_eq!(SAME_TIME_ITERATIONS, Scale::full().iterations);
         assert_eq!(Claim::LearningRate.iterations(2), Scale::full().iterations);
         let dir = Path::new("/nonexistent/seed-0");
         let demo = arm_settings(dir, Scale::full(), 0, &Claim::Negatives.arms()[0]).unwrap();
