@@ -31,6 +31,8 @@ use tch::{Kind, Tensor};
 /// assert_eq!(GroupAdvantage::asymre(), GroupAdvantage::AsymRe { shift: -0.1 });
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum GroupAdvantage {
     /// `(R − m_g)/(s_g + eps)`, `s_g` the unbiased group standard deviation (as TRL and verl
@@ -85,6 +87,8 @@ pub enum GroupAdvantage {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum SingletonGroup {
     /// The completion is its own group mean (so its spread is 0): the crate's convention and

@@ -52,6 +52,8 @@ use tch::{Kind, Tensor};
 /// # let _ = dr_grpo;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum AggregationMode {
     /// `Σ m ℓ / N`: every token weighs the same (PPO in verl, DAPO, Trinity-RFT).

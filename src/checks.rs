@@ -46,6 +46,8 @@ use tch::{Device, Tensor};
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum Checks {
     /// Every check, values included: a few host reads per call.

@@ -53,11 +53,15 @@ use tch::{Kind, Tensor};
 /// assert!(cfg.with_ratio(0.0).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct ClipCovConfig {
     /// `ε_low ≥ 0`: PPO's ratio clip below at `1 − ε_low` (`∞`: none).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip_low: f64,
     /// `ε_high ≥ 0`: PPO's ratio clip above at `1 + ε_high` (`∞`: none).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip_high: f64,
     /// `ρ ∈ (0, 1]`: `k = max(⌊ρ N⌋, 1)` tokens are detached.
     pub ratio: f64,
@@ -216,6 +220,8 @@ impl ClipCovConfig {
 /// assert!(cfg.with_coef(f64::NAN).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct KlCovConfig {
     /// `ρ ∈ (0, 1]`: `k = max(⌊ρ N⌋, 1)` tokens get the penalty.

@@ -9,7 +9,7 @@
 
 use crate::error::LossError;
 use crate::output::{OnDevice, diagnostics_struct, stats};
-use crate::topr::{ToprConfig, branch_clamp};
+use crate::topr_config::{ToprConfig, branch_clamp};
 use tch::{Kind, Tensor};
 
 /// Batch statistics of the off-policy REINFORCE family, for logging.

@@ -12,7 +12,8 @@
 
 use crate::aggregate::Normalizer;
 use crate::checks::Checks;
-use crate::dpo::{DpoConfig, DpoDiagnostics, dpo_diagnostics};
+use crate::dpo::{DpoDiagnostics, dpo_diagnostics};
+use crate::dpo_config::DpoConfig;
 use crate::dpo_pairs::{Inputs, check_inputs, per_pair_loss};
 use crate::error::LossError;
 use crate::output::LossOutput;
@@ -39,6 +40,8 @@ use tch::{Kind, Tensor};
 /// assert!(DpoMix::of(DpoConfig::dpo(), f64::NAN).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(into = "Vec<(DpoConfig, f64)>", try_from = "Vec<(DpoConfig, f64)>"))]
 #[non_exhaustive]
 pub struct DpoMix {
     terms: [(DpoConfig, f64); DpoMix::MAX_TERMS],

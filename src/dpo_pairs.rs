@@ -9,7 +9,7 @@
 //! reference margins), in f32 or wider, with `log_sigmoid` for every `log σ`.
 
 use crate::checks::Checks;
-use crate::dpo::{DpoConfig, DpoVariant};
+use crate::dpo_config::{DpoConfig, DpoVariant};
 use crate::error::LossError;
 use crate::validate::{self, FiniteCheck};
 use tch::Tensor;

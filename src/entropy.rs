@@ -34,6 +34,8 @@ use tch::{Kind, Tensor};
 /// assert!(cfg.with_coef(f64::INFINITY).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct EntropyConfig {
     /// The coefficient (finite; positive rewards entropy, negative penalises it).

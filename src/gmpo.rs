@@ -43,11 +43,15 @@ use tch::{Kind, Tensor};
 /// assert!(cfg.with_clip(-0.1, 0.4).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct GmpoConfig {
     /// `ε_low ≥ 0`: for `A < 0` a token's log-ratio is clipped below at `−ε_low` (`∞`: no clip).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip_low: f64,
     /// `ε_high ≥ 0`: for `A > 0` a token's log-ratio is clipped above at `ε_high` (`∞`: no clip).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip_high: f64,
     /// `δ` is clamped to `±max_log_ratio` before anything else (> 0; 20 as in the PPO family), so
     /// the unclipped side of the sequence ratio stays below `e^M`. verl does not clamp here.

@@ -33,6 +33,8 @@ use tch::Tensor;
 /// assert_eq!(KlConfig::default().estimator, KlEstimator::K3);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum KlEstimator {
     /// `d`.
@@ -62,6 +64,8 @@ pub enum KlEstimator {
 /// assert!(cfg.validate().is_ok());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct KlConfig {
     /// The estimator.

@@ -21,6 +21,7 @@ use crate::error::LossError;
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct FixedKlController {
     /// The coefficient `β`.
@@ -85,6 +86,7 @@ impl FixedKlController {
 /// # Ok::<(), topr_loss::LossError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct AdaptiveKlController {
     /// The current coefficient `β`.

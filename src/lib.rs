@@ -48,8 +48,8 @@
 //! ## Map of the crate
 //!
 //! The TOPR family:
-//! - [`topr_loss`] and [`ToprConfig`] with its presets, on sequence log-probabilities `[B]`
-//!   (`src/topr.rs`).
+//! - [`topr_loss`] on sequence log-probabilities `[B]` (`src/topr.rs`), and [`ToprConfig`] with
+//!   its presets and [`TieRule`] (`src/topr_config.rs`).
 //! - [`topr_token_loss`] — the same family on per-token log-probabilities `[B, T]` with a padding
 //!   mask, at the paper's, verl's or Trinity-RFT's ratio level (`src/topr_token.rs`).
 //! - [`taper`], [`truncated_weight`], [`taper_scalar`] — truncation and the taper, in log space
@@ -63,8 +63,8 @@
 //!   PPO-clip (dual clip, clip-higher), GSPO, CISPO (`src/ppo.rs`).
 //! - [`dpo_loss`], [`dpo_rewards`] with [`DpoConfig`] and [`DpoDiagnostics`] — DPO, cDPO, IPO,
 //!   hinge, reference-free, and TRL's other pairwise losses: robust DPO, EXO, NCA, BCO, SPPO, AOT,
-//!   APO, DiscoPOP, length-normalised DPO ([`DpoVariant`], `src/dpo.rs`; the per-pair formulas in
-//!   `src/dpo_pairs.rs`).
+//!   APO, DiscoPOP, length-normalised DPO ([`DpoVariant`]; `src/dpo.rs`, the settings in
+//!   `src/dpo_config.rs`, the per-pair formulas in `src/dpo_pairs.rs`).
 //! - [`dpo_mix_loss`] with [`DpoMix`] — a weighted sum of DPO-family losses, TRL's
 //!   `loss_type=[..]` with `loss_weights` (`src/dpo_mix.rs`).
 //! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE, batch-std scaling),
@@ -182,6 +182,26 @@
 //!   libtorch error as its `source()` where there is one. Closures given to
 //!   [`backward_through_logprobs`] return the caller's own error type.
 //! - Padding may hold NaN or inf; it gets exactly zero gradient.
+//!
+//! ## Features
+//!
+//! - `serde`: `Serialize` and `Deserialize` for every config and its enums, to record a run's
+//!   settings or read them from a file. Enum values are the snake-case names of their variants
+//!   (`"sequence_mean"`, `"seq_max"` for [`RejectionScope::SequenceMax`] as in verl,
+//!   `{"dr_grpo": {"length": 512.0}}`); an infinite limit (`b_pos` of
+//!   [`ToprConfig::importance_sampling`], `clip_low` of [`PpoConfig::cispo`]) is written as `null`;
+//!   a config with a `Default` reads a record that leaves fields out with the default's values; a
+//!   [`DpoMix`] is the list of its `(config, weight)` terms. A config read from a file is checked
+//!   like any other (its `validate`, and every loss call).
+//!
+//!   ```
+//!   # #[cfg(feature = "serde")] {
+//!   let cfg: topr_loss::ToprConfig = serde_json::from_str(r#"{"baseline": -0.5}"#).unwrap();
+//!   assert_eq!(cfg, topr_loss::ToprConfig::canonical().with_baseline(-0.5));
+//!   assert_eq!(serde_json::to_string(&topr_loss::RatioLevel::Token).unwrap(), r#""token""#);
+//!   # }
+//!   ```
+//! - `doc-only`: builds the documentation without libtorch (docs.rs); the library cannot run.
 
 #![warn(missing_docs)]
 
@@ -192,6 +212,7 @@ mod checks;
 mod covariance;
 mod diagnostics;
 mod dpo;
+mod dpo_config;
 mod dpo_mix;
 mod dpo_pairs;
 mod entropy;
@@ -206,10 +227,13 @@ mod output;
 mod ppo;
 mod rollout_correction;
 mod sapo;
+#[cfg(feature = "serde")]
+mod serde_support;
 mod taper;
 mod token_advantages;
 mod token_inputs;
 mod topr;
+mod topr_config;
 mod topr_token;
 mod validate;
 mod value;
@@ -225,7 +249,8 @@ pub use covariance::{
     ClipCovConfig, KlCovConfig, clip_cov_loss, clip_cov_loss_output, kl_cov_loss, kl_cov_loss_output,
 };
 pub use diagnostics::ToprDiagnostics;
-pub use dpo::{DpoConfig, DpoDiagnostics, DpoRewards, DpoVariant, dpo_loss, dpo_loss_output, dpo_rewards};
+pub use dpo::{DpoDiagnostics, DpoRewards, dpo_loss, dpo_loss_output, dpo_rewards};
+pub use dpo_config::{DpoConfig, DpoVariant};
 pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
 pub use entropy::{EntropyConfig, EntropyDiagnostics, entropy_loss, entropy_loss_output, top_entropy_mask};
 pub use error::{LossError, TorchError};
@@ -256,6 +281,7 @@ pub use taper::{taper, taper_scalar, truncated_weight};
 pub use token_advantages::{
     TokenAdvantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,
 };
-pub use topr::{TieRule, ToprConfig, topr_loss, topr_loss_output};
+pub use topr::{topr_loss, topr_loss_output};
+pub use topr_config::{TieRule, ToprConfig};
 pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss, topr_token_loss_output};
 pub use value::{ValueDiagnostics, ValueLossConfig, value_loss, value_loss_output};

@@ -44,6 +44,8 @@ use tch::{Device, Kind, Tensor};
 /// assert!(cfg.validate().is_ok());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct LogProbConfig {
     /// Tokens per chunk (> 0): the extra memory is about `chunk_tokens × V` f32 values (a few
@@ -180,6 +182,8 @@ pub struct TokenLogProbs {
 /// assert_eq!(topr_loss::SequenceReduce::default(), topr_loss::SequenceReduce::Sum);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum SequenceReduce {
     /// `Σ_t m log π_t`: the sequence log-probability (DPO, TOPR).

@@ -44,11 +44,15 @@ use tch::{Kind, Tensor};
 /// assert!(cfg.with_dual_clip(Some(0.5)).validate().is_err()); // c must exceed 1
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct PpoConfig {
     /// `ε_low`: the ratio is clipped below at `1 − ε_low` (`≥ 0`; `∞` means no lower clip).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip_low: f64,
     /// `ε_high`: the ratio is clipped above at `1 + ε_high` (`≥ 0`; `∞` means no upper clip).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip_high: f64,
     /// Dual clip `c > 1`: for `A < 0` the loss is capped at `−c A`. `None` disables it.
     pub dual_clip: Option<f64>,

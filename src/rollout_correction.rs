@@ -44,6 +44,8 @@ use tch::{Kind, Tensor};
 /// assert_eq!(RolloutCorrection::default().level, CorrectionLevel::Token);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum CorrectionLevel {
     /// `ρ_t = e^{δ_t}` per token: biased, low variance (verl `rollout_is="token"`, TRL `token_*`).
@@ -62,6 +64,8 @@ pub enum CorrectionLevel {
 /// assert_ne!(WeightRule::Truncate, WeightRule::Mask);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum WeightRule {
     /// Truncated importance sampling (TIS): `w = min(max(ρ, lo), hi)`.
@@ -89,6 +93,8 @@ pub enum WeightRule {
 /// assert!(RolloutCorrection::token_tis(0.0).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct RolloutCorrection {
     /// Token or sequence ratios.
@@ -98,6 +104,7 @@ pub struct RolloutCorrection {
     /// `lo ≥ 0` (0: no lower bound).
     pub min: f64,
     /// `hi > lo` (may be `∞`: no upper bound, plain importance sampling for `Truncate`).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub max: f64,
     /// Divide the weights by their mean over the batch's tokens (token level) or sequences
     /// (sequence level), so that they average 1 (verl `rollout_is_batch_normalize`).
@@ -552,6 +559,8 @@ pub fn apply_token_weights(
 /// assert_ne!(topr_loss::Divergence::K1, topr_loss::Divergence::K3);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum Divergence {
     /// `−δ`, tested against a band `[ln lo, ln hi]` (bounds given as ratios `μ/π`).
@@ -569,15 +578,20 @@ pub enum Divergence {
 /// assert_ne!(topr_loss::RejectionScope::Token, topr_loss::RejectionScope::SequenceMean);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum RejectionScope {
     /// Each token on its own (rejects tokens).
     Token,
     /// The sum over the sequence's tokens (rejects sequences).
+    #[cfg_attr(feature = "serde", serde(rename = "seq_sum"))]
     SequenceSum,
     /// The mean over the sequence's tokens (rejects sequences).
+    #[cfg_attr(feature = "serde", serde(rename = "seq_mean"))]
     SequenceMean,
     /// The largest token value of the sequence (rejects sequences; not with [`Divergence::K1`]).
+    #[cfg_attr(feature = "serde", serde(rename = "seq_max"))]
     SequenceMax,
 }
 
@@ -595,6 +609,7 @@ pub enum RejectionScope {
 /// assert!(Rejection::k1(RejectionScope::Token, 2.0, 0.5).validate().is_err()); // lo > hi
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct Rejection {
     /// The statistic.
@@ -606,6 +621,7 @@ pub struct Rejection {
     /// The upper bound: a ratio `hi > 0` for K1 (`−δ ≤ ln hi`), the statistic's maximum otherwise.
     pub max: f64,
     /// `δ` is clamped to `±max_log_ratio` first (verl: 20).
+    #[cfg_attr(feature = "serde", serde(default = "crate::serde_support::rejection_max_log_ratio"))]
     pub max_log_ratio: f64,
 }
 

@@ -41,6 +41,8 @@ use tch::Tensor;
 /// assert!(cfg.with_temperatures(0.0, 1.0).validate().is_err()); // τ must be > 0
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct SapoConfig {
     /// `τ_pos > 0`: the gate's temperature for tokens with `A > 0`.

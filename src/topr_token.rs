@@ -32,7 +32,8 @@ use crate::diagnostics::{ToprDiagnostics, topr_diagnostics};
 use crate::error::LossError;
 use crate::output::LossOutput;
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
-use crate::topr::{TieRule, ToprConfig, guard_finite, positive_branch, tapered_terms};
+use crate::topr::{guard_finite, positive_branch, tapered_terms};
+use crate::topr_config::{TieRule, ToprConfig};
 use tch::{Kind, Tensor};
 
 /// At which level the importance ratio `π/μ` is formed.
@@ -45,6 +46,8 @@ use tch::{Kind, Tensor};
 /// assert_eq!(ToprTokenConfig::verl().ratio, RatioLevel::SequenceMean);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum RatioLevel {
     /// The sequence ratio `exp(Σ_t δ_t)` = `π(τ)/μ(τ)`: the paper's.
@@ -75,6 +78,8 @@ pub enum RatioLevel {
 /// assert_eq!(tis.topr, ToprConfig::tis());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct ToprTokenConfig {
     /// Truncation limits, baseline and tie rule.

@@ -29,10 +29,13 @@ use tch::{Kind, Tensor};
 /// assert!(ValueLossConfig::ppo().with_clip(-1.0).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 #[non_exhaustive]
 pub struct ValueLossConfig {
     /// `ε`: the new value is kept within `v_old ± ε` in the clipped term (`≥ 0`; `∞`: no clip,
     /// the plain squared error).
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_support::limit"))]
     pub clip: f64,
     /// How per-token losses are reduced.
     pub aggregation: AggregationMode,

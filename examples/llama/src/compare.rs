@@ -18,8 +18,8 @@ use crate::eval::QuestionResult;
 use crate::identity::ModelId;
 use crate::iterate::{self, Loop};
 use crate::metrics::read_jsonl;
-use crate::study::mean_se;
-use crate::train::{Baseline, Objective, TrainSettings};
+use crate::settings::{Baseline, Objective, TrainSettings};
+use crate::stats::{self, mean_se};
 use anyhow::{Context, Result, bail};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -143,8 +143,8 @@ fn paired(a: &[(String, bool, bool)], b: &[(String, bool, bool)]) -> Result<(f64
     if a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.0 != y.0) {
         bail!("two evaluations of the comparison are not on the same questions");
     }
-    let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| f64::from(u8::from(x.1)) - f64::from(u8::from(y.1))).collect();
-    Ok(mean_se(&d))
+    let correct = |q: &[(String, bool, bool)]| q.iter().map(|x| f64::from(u8::from(x.1))).collect::<Vec<_>>();
+    stats::paired(&correct(a), &correct(b))
 }
 
 fn row(

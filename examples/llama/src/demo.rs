@@ -13,9 +13,10 @@
 
 use crate::checkpoint::Placement;
 use crate::generate::{Sampling, SamplingParams};
-use crate::iterate::{self, Curation, IterateSettings};
+use crate::iterate;
+use crate::settings::{Baseline, Curation, IterateSettings, Objective, TrainSettings};
 use crate::task::TaskSpec;
-use crate::train::{self, Baseline, Objective, TrainSettings};
+use crate::train;
 use crate::{Refusal, init, optim, sample, tokenizer};
 use anyhow::{Context, Result, bail};
 use std::path::Path;

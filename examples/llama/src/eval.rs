@@ -6,27 +6,12 @@ use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
 use crate::shard::Shard;
 use crate::task::{self, Problem};
+pub use crate::task::{PromptStyle, prompt_ids};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::Write;
-
-/// How a problem becomes a prompt.
-#[derive(Clone)]
-pub enum PromptStyle {
-    /// The chat template with the question and the answer instruction as the user message.
-    Chat,
-    /// Worked examples then the question, for base models.
-    FewShot(Vec<Problem>),
-}
-
-pub fn prompt_ids(tok: &Tokenizer, style: &PromptStyle, p: &Problem) -> Result<Vec<i64>> {
-    match style {
-        PromptStyle::Chat => tok.prompt_ids(&task::chat_message(p), true),
-        PromptStyle::FewShot(shots) => tok.prompt_ids(&task::few_shot_prompt(shots, p), false),
-    }
-}
 
 /// One question's results.
 #[derive(Serialize, serde::Deserialize)]

@@ -22,11 +22,13 @@
 //! | [`sample`] | sampling a graded off-policy data set, resumable, in shards that merge |
 //! | [`shard`] | a share of the work of several processes |
 //! | [`parallel`] | data-parallel training over a c10d process group |
+//! | [`settings`] | typed, checked settings of training and of the loop, every rule over them in one place |
 //! | [`train`] | off-policy training with every objective, micro-batching, resume |
 //! | [`optim`] | AdamW and Adafactor with savable state |
 //! | [`iterate`] | the self-taught loop |
 //! | [`metrics`] | the records of the JSONL metric files, shared by writers and readers |
 //! | [`plot`] | the PNG plots |
+//! | [`stats`] | a mean and its standard error, paired differences: the one definition every report uses |
 //! | [`init`] | a small Llama from scratch with a byte-level tokenizer |
 //! | [`io`] | atomic and checked writes, locks, the refusal to write into an input |
 //! | [`identity`] | what a resumable run was made from, and what differs on resume |
@@ -50,7 +52,9 @@ pub mod optim;
 pub mod parallel;
 pub mod plot;
 pub mod sample;
+pub mod settings;
 pub mod shard;
+pub mod stats;
 pub mod study;
 pub mod task;
 pub mod tokenizer;

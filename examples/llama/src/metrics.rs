@@ -76,7 +76,7 @@ pub struct IterationRecord {
     /// The settings of the run that made this row (absent in files written before they were
     /// recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub settings: Option<crate::iterate::IterateSettings>,
+    pub settings: Option<crate::settings::IterateSettings>,
     pub truncated_fraction_neg: Option<f64>,
 }
 

@@ -6,13 +6,12 @@
 //! last complete prompt and never regenerates what is there. Each batch reseeds the generator
 //! from `seed` and the batch index, so a resumed run produces the same lines as an uninterrupted one.
 
-use crate::eval::{PromptStyle, prompt_ids};
 use crate::generate::{self, Decoding, Sampling};
 use crate::identity::{Digest, ModelId};
 use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
 use crate::shard::Shard;
-use crate::task::{self, Problem};
+use crate::task::{self, Problem, PromptStyle, prompt_ids};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};

@@ -14,10 +14,11 @@
 
 use crate::checkpoint::Placement;
 use crate::demo::{self, Recipe, Scale};
-use crate::iterate::{self, Curation, IterateSettings};
+use crate::iterate;
 use crate::metrics::{IterationRecord, read_jsonl};
 use crate::plot::{Panel, Series};
-use crate::train::{Baseline, Objective, TrainSettings};
+use crate::settings::{Baseline, Curation, IterateSettings, Objective, TrainSettings};
+use crate::stats::mean_se;
 use crate::verify::{self, VerifySettings, VerifySummary};
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
@@ -701,20 +702,6 @@ pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
     Ok(out)
 }
 
-/// Mean and standard error (sample standard deviation over √n; NaN for fewer than two values).
-pub fn mean_se(v: &[f64]) -> (f64, f64) {
-    let n = v.len() as f64;
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    let m = v.iter().sum::<f64>() / n;
-    if v.len() < 2 {
-        return (m, f64::NAN);
-    }
-    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0);
-    (m, (var / n).sqrt())
-}
-
 fn fmt(ms: (f64, f64)) -> String {
     match (ms.0.is_nan(), ms.1.is_nan()) {
         (true, _) => "–".into(),
@@ -975,17 +962,6 @@ pub fn seed_dir(work: &Path, seed: u64) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mean_and_standard_error_by_definition() {
-        let (m, se) = mean_se(&[1.0, 2.0, 3.0, 6.0]);
-        assert_eq!(m, 3.0);
-        // sample variance (4 + 1 + 0 + 9) / 3, over n = 4
-        assert!((se - (14.0f64 / 3.0 / 4.0).sqrt()).abs() < 1e-15);
-        assert_eq!(mean_se(&[0.25]).0, 0.25);
-        assert!(mean_se(&[0.25]).1.is_nan());
-        assert!(mean_se(&[]).0.is_nan());
-    }
 
     #[test]
     fn claims_parse_and_share_the_topr_arm() {

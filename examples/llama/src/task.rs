@@ -5,7 +5,7 @@
 //! "The answer is N"; one that does not is *invalid* (and counts as wrong). GSM8K's reference
 //! solutions end with "#### N", which the extractor also reads.
 
-use crate::eval::PromptStyle;
+use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -333,5 +333,21 @@ impl TaskSpec {
             }
         };
         Ok((problems, style))
+    }
+}
+/// How a problem becomes a prompt.
+#[derive(Clone)]
+pub enum PromptStyle {
+    /// The chat template with the question and the answer instruction as the user message.
+    Chat,
+    /// Worked examples then the question, for base models.
+    FewShot(Vec<Problem>),
+}
+
+/// The token ids of `p`'s prompt in `style`.
+pub fn prompt_ids(tok: &Tokenizer, style: &PromptStyle, p: &Problem) -> Result<Vec<i64>> {
+    match style {
+        PromptStyle::Chat => tok.prompt_ids(&chat_message(p), true),
+        PromptStyle::FewShot(shots) => tok.prompt_ids(&few_shot_prompt(shots, p), false),
     }
 }

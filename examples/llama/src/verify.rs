@@ -27,13 +27,14 @@
 //!    and the oracle (pass@k), each with its standard error over questions.
 
 use crate::checkpoint::{self, Placement};
-use crate::eval::{PromptStyle, majority, prompt_ids};
+use crate::eval::majority;
 use crate::generate::{self, Sampling};
 use crate::sample::{self, Sample, SampleSettings, SamplingRecord};
+use crate::settings::TrainSettings;
 use crate::shard::Shard;
-use crate::task::{self, Problem, Source, TaskSpec};
+use crate::task::{self, Problem, PromptStyle, Source, TaskSpec, prompt_ids};
 use crate::tokenizer::Tokenizer;
-use crate::train::{self, TrainSettings};
+use crate::train;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -161,21 +162,8 @@ pub struct VerifiedQuestion {
     pub majority_correct: bool,
 }
 
-/// A mean over questions with its standard error (standard deviation / √n).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Estimate {
-    pub mean: f64,
-    pub se: f64,
-}
-
-impl Estimate {
-    pub fn of(values: &[f64]) -> Self {
-        let n = values.len() as f64;
-        let mean = values.iter().sum::<f64>() / n.max(1.0);
-        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-        Self { mean, se: (var / n.max(1.0)).sqrt() }
-    }
-}
+/// A mean over questions with its standard error ([`crate::stats`]).
+pub use crate::stats::Estimate;
 
 /// What the selection measured on the held-out questions.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -9,11 +9,11 @@ use tch::{Device, Kind};
 use topr_llama::checkpoint::Placement;
 use topr_llama::generate::{Decoding, Sampling, SamplingParams};
 use topr_llama::init;
-use topr_llama::iterate::{Curation, IterateSettings};
 use topr_llama::model::Kernels;
 use topr_llama::optim::OptimizerConfig;
+use topr_llama::settings::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, TrainSettings};
+use topr_llama::settings::{Curation, IterateSettings};
 use topr_llama::task::{Prompting, Source, TaskSpec};
-use topr_llama::train::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, TrainSettings};
 
 /// Parses `--device` (cpu, cuda or cuda:N), refusing CUDA when this machine has none.
 pub fn parse_device(s: &str) -> Result<Device, String> {
@@ -139,7 +139,7 @@ pub fn parse_rollout_correction(s: &str) -> Result<CorrectionArg, String> {
         _ => return Err(format!("{usage}, got {s:?}")),
     };
     c.validate().map_err(|e| format!("{usage}: {e}"))?;
-    Ok(CorrectionArg(Some(c.with_checks(topr_loss::Checks::Shapes))))
+    Ok(CorrectionArg(Some(c)))
 }
 
 /// `--rejection`: `k1-SCOPE:MIN:MAX` (bounds on the ratio μ/π) or `k2-SCOPE:MAX` / `k3-SCOPE:MAX`,
@@ -187,8 +187,8 @@ pub fn parse_dpo_mix(s: &str) -> Result<DpoMixArg, String> {
     let mut terms = vec![];
     for part in s.split(',') {
         let (name, w) = part.trim().split_once(':').ok_or_else(|| format!("{usage}, got {s:?}"))?;
-        let loss = DpoLossArg::from_str(name, false).map_err(|_| format!("{usage}: unknown loss {name:?}"))?;
-        terms.push((loss.into(), parse_finite(w)?));
+        let loss = DpoLoss::from_str(name, false).map_err(|_| format!("{usage}: unknown loss {name:?}"))?;
+        terms.push((loss, parse_finite(w)?));
     }
     if terms.is_empty() || terms.len() > topr_loss::DpoMix::MAX_TERMS {
         return Err(format!("{usage}, got {} terms", terms.len()));
@@ -261,179 +261,11 @@ impl ModelArgs {
     }
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-pub enum ObjectiveArg {
-    /// TOPR (the paper's truncation limits).
-    Topr,
-    /// Truncated importance sampling.
-    Tis,
-    /// Supervised fine-tuning (positives only).
-    Sft,
-    /// Naive REINFORCE (ratio ignored).
-    Reinforce,
-    /// Plain importance sampling.
-    Is,
-    /// PPO-clip with advantages R − c.
-    Ppo,
-    /// PPO-clip with GRPO's group advantages.
-    Grpo,
-    /// DPO on (correct, incorrect) pairs.
-    Dpo,
-    /// GSPO (sequence-level ratio) with GRPO's group advantages.
-    Gspo,
-    /// CISPO (clipped stop-gradient ratio on REINFORCE) with GRPO's group advantages.
-    Cispo,
-    /// SAPO (smooth gate in place of the clip) with group advantages.
-    Sapo,
-    /// GMPO (geometric mean of clipped token ratios) with group advantages.
-    Gmpo,
-    /// Clip-Cov with group advantages.
-    ClipCov,
-    /// KL-Cov with group advantages.
-    KlCov,
-}
-
-impl From<ObjectiveArg> for Objective {
-    fn from(o: ObjectiveArg) -> Self {
-        match o {
-            ObjectiveArg::Topr => Objective::Topr,
-            ObjectiveArg::Tis => Objective::Tis,
-            ObjectiveArg::Sft => Objective::Sft,
-            ObjectiveArg::Reinforce => Objective::Reinforce,
-            ObjectiveArg::Is => Objective::Is,
-            ObjectiveArg::Ppo => Objective::Ppo,
-            ObjectiveArg::Grpo => Objective::Grpo,
-            ObjectiveArg::Dpo => Objective::Dpo,
-            ObjectiveArg::Gspo => Objective::Gspo,
-            ObjectiveArg::Cispo => Objective::Cispo,
-            ObjectiveArg::Sapo => Objective::Sapo,
-            ObjectiveArg::Gmpo => Objective::Gmpo,
-            ObjectiveArg::ClipCov => Objective::ClipCov,
-            ObjectiveArg::KlCov => Objective::KlCov,
-        }
-    }
-}
-
-/// The advantage estimators of the group-advantage objectives.
-#[derive(Clone, Copy, ValueEnum)]
-pub enum AdvantageArg {
-    /// (R − group mean) / (group std + 1e-6).
-    Grpo,
-    /// R − group mean.
-    DrGrpo,
-    /// Leave-one-out group mean.
-    Rloo,
-    /// (R − group mean) / (std of all rewards + 1e-4), TRL's scale_rewards="batch".
-    BatchStd,
-    /// OPO's length-weighted group baseline.
-    Opo,
-    /// REINFORCE++ (outcome reward, γ = 1, whitened over all tokens).
-    ReinforcePp,
-    /// REINFORCE++-baseline (R − group mean, whitened over all tokens).
-    ReinforcePpBaseline,
-}
-
-impl From<AdvantageArg> for Advantage {
-    fn from(a: AdvantageArg) -> Self {
-        match a {
-            AdvantageArg::Grpo => Self::Grpo,
-            AdvantageArg::DrGrpo => Self::DrGrpo,
-            AdvantageArg::Rloo => Self::Rloo,
-            AdvantageArg::BatchStd => Self::BatchStd,
-            AdvantageArg::Opo => Self::Opo,
-            AdvantageArg::ReinforcePp => Self::ReinforcePp,
-            AdvantageArg::ReinforcePpBaseline => Self::ReinforcePpBaseline,
-        }
-    }
-}
-
-/// The KL estimators, with verl's names.
-#[derive(Clone, Copy, ValueEnum)]
-pub enum KlEstimatorArg {
-    K1,
-    K2,
-    K3,
-    Abs,
-    /// k3 with its value clamped to ±10 (verl's low_var_kl).
-    LowVarKl,
-    /// k3's value with k2's gradient (verl's k3+).
-    K3Plus,
-    /// k1's value with k2's gradient (verl's k1+).
-    K1Plus,
-}
-
-impl From<KlEstimatorArg> for KlEstimatorSetting {
-    fn from(k: KlEstimatorArg) -> Self {
-        match k {
-            KlEstimatorArg::K1 => Self::K1,
-            KlEstimatorArg::K2 => Self::K2,
-            KlEstimatorArg::K3 => Self::K3,
-            KlEstimatorArg::Abs => Self::Abs,
-            KlEstimatorArg::LowVarKl => Self::LowVarKl,
-            KlEstimatorArg::K3Plus => Self::K3Plus,
-            KlEstimatorArg::K1Plus => Self::K1Plus,
-        }
-    }
-}
-
-/// The DPO family's losses, by TRL's `loss_type` names.
-#[derive(Clone, Copy, ValueEnum)]
-pub enum DpoLossArg {
-    Sigmoid,
-    Ipo,
-    Hinge,
-    Robust,
-    ExoPair,
-    NcaPair,
-    BcoPair,
-    SppoHard,
-    Aot,
-    AotUnpaired,
-    ApoZero,
-    ApoDown,
-    Discopop,
-    SigmoidNorm,
-}
-
-impl From<DpoLossArg> for DpoLoss {
-    fn from(d: DpoLossArg) -> Self {
-        match d {
-            DpoLossArg::Sigmoid => Self::Sigmoid,
-            DpoLossArg::Ipo => Self::Ipo,
-            DpoLossArg::Hinge => Self::Hinge,
-            DpoLossArg::Robust => Self::Robust,
-            DpoLossArg::ExoPair => Self::ExoPair,
-            DpoLossArg::NcaPair => Self::NcaPair,
-            DpoLossArg::BcoPair => Self::BcoPair,
-            DpoLossArg::SppoHard => Self::SppoHard,
-            DpoLossArg::Aot => Self::Aot,
-            DpoLossArg::AotUnpaired => Self::AotUnpaired,
-            DpoLossArg::ApoZero => Self::ApoZero,
-            DpoLossArg::ApoDown => Self::ApoDown,
-            DpoLossArg::Discopop => Self::Discopop,
-            DpoLossArg::SigmoidNorm => Self::SigmoidNorm,
-        }
-    }
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum RatioArg {
-    /// One ratio per sequence (the paper).
-    Sequence,
-    /// The per-token mean log-ratio of a sequence (verl).
-    SequenceMean,
-    /// One ratio per token (Trinity-RFT).
-    Token,
-}
-
-impl From<RatioArg> for topr_loss::RatioLevel {
-    fn from(r: RatioArg) -> Self {
-        match r {
-            RatioArg::Sequence => Self::Sequence,
-            RatioArg::SequenceMean => Self::SequenceMean,
-            RatioArg::Token => Self::Token,
-        }
-    }
+/// `--ratio`: the TOPR family's ratio level by its record name (`sequence`, `sequence-mean`
+/// or `token`; `-` and `_` alike).
+pub fn parse_ratio(s: &str) -> Result<topr_loss::RatioLevel, String> {
+    serde_json::from_value(serde_json::Value::String(s.trim().replace('-', "_")))
+        .map_err(|_| format!("expected sequence (one ratio per sequence, the paper), sequence-mean (the per-token mean log-ratio, verl) or token (one ratio per token, Trinity-RFT), got {s:?}"))
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -447,8 +279,8 @@ pub enum OptimizerArg {
 /// The objective and what its loss weighs samples by.
 #[derive(Args, Clone)]
 pub struct ObjectiveArgs {
-    #[arg(long, value_enum, default_value_t = ObjectiveArg::Topr)]
-    pub objective: ObjectiveArg,
+    #[arg(long, value_enum, default_value_t = Objective::Topr)]
+    pub objective: Objective,
     /// The baseline c subtracted from rewards.
     #[arg(long, allow_hyphen_values = true, conflicts_with = "target_positive_proportion", value_parser = parse_finite)]
     pub baseline: Option<f64>,
@@ -456,15 +288,17 @@ pub struct ObjectiveArgs {
     /// share of the weight (the paper finds 0.1–0.2 best on GSM8K).
     #[arg(long, allow_hyphen_values = true, value_parser = parse_unit_interval)]
     pub target_positive_proportion: Option<f64>,
-    /// The TOPR family's ratio level.
-    #[arg(long, value_enum, default_value_t = RatioArg::Sequence)]
-    pub ratio: RatioArg,
+    /// The TOPR family's ratio level: sequence (one ratio per sequence, the paper), sequence-mean
+    /// (the per-token mean log-ratio of a sequence, verl) or token (one ratio per token,
+    /// Trinity-RFT).
+    #[arg(long, default_value = "sequence", value_parser = parse_ratio)]
+    pub ratio: topr_loss::RatioLevel,
     /// DPO's β (strength of the implicit KL constraint to μ; > 0).
     #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = parse_positive)]
     pub dpo_beta: f64,
     /// Which loss of the DPO family (TRL's loss_type names).
-    #[arg(long, value_enum, default_value_t = DpoLossArg::Sigmoid)]
-    pub dpo_loss: DpoLossArg,
+    #[arg(long, value_enum, default_value_t = DpoLoss::Sigmoid)]
+    pub dpo_loss: DpoLoss,
     /// A weighted sum of DPO-family losses in place of --dpo-loss (TRL's loss_type list with
     /// loss_weights): `sigmoid:0.8,bco-pair:0.2`. β and ε are shared; the terms must all use summed
     /// log-probs or all per-token means (ipo, sigmoid-norm).
@@ -481,14 +315,14 @@ pub struct ObjectiveArgs {
     pub rollout_correction: CorrectionArg,
     /// How grpo, gspo, cispo, sapo, gmpo, clip-cov and kl-cov compute advantages from each
     /// question's rewards.
-    #[arg(long, value_enum, default_value_t = AdvantageArg::Grpo)]
-    pub advantage: AdvantageArg,
+    #[arg(long, value_enum, default_value_t = Advantage::Grpo)]
+    pub advantage: Advantage,
     /// Add a KL penalty of π to μ (the sampling model) with this coefficient (>= 0; 0: none).
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
     pub kl_coef: f64,
     /// The KL penalty's estimator.
-    #[arg(long, value_enum, default_value_t = KlEstimatorArg::K3)]
-    pub kl_estimator: KlEstimatorArg,
+    #[arg(long, value_enum, default_value_t = KlEstimatorSetting::K3)]
+    pub kl_estimator: KlEstimatorSetting,
     /// Add an entropy bonus with this coefficient (>= 0; 0: none).
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
     pub entropy_coef: f64,
@@ -572,6 +406,8 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The training settings these options give, checked ([`TrainSettings::check`]); a refusal
+    /// names the options of the fields it concerns.
     pub fn settings(&self) -> Result<TrainSettings> {
         let (obj, opt, batches, run) = (&self.objective, &self.optimizer, &self.batches, &self.run);
         let baseline = match (obj.baseline, obj.target_positive_proportion) {
@@ -583,10 +419,10 @@ impl TrainArgs {
             OptimizerArg::Adamw => OptimizerConfig::adamw(opt.weight_decay),
             OptimizerArg::Adafactor => OptimizerConfig::adafactor(opt.weight_decay),
         };
-        Ok(TrainSettings {
-            objective: obj.objective.into(),
+        let s = TrainSettings {
+            objective: obj.objective,
             baseline,
-            ratio: obj.ratio.into(),
+            ratio: obj.ratio,
             optimizer: optimizer?,
             lr: opt.lr,
             batch_size: batches.batch_size,
@@ -597,70 +433,33 @@ impl TrainArgs {
             lr_decay: opt.lr_decay,
             seed: batches.train_seed,
             dpo_beta: obj.dpo_beta,
-            rollout_correction: {
-                if matches!(obj.objective, ObjectiveArg::Dpo) {
-                    let used = [
-                        ("--rollout-correction", obj.rollout_correction.0.is_some()),
-                        ("--kl-coef", obj.kl_coef > 0.0),
-                        ("--entropy-coef", obj.entropy_coef > 0.0),
-                        ("--top-entropy", obj.top_entropy.is_some()),
-                        ("--rejection", obj.rejection.0.is_some()),
-                        ("--off-policy-mask", obj.off_policy_mask.is_some()),
-                    ];
-                    if let Some((flag, _)) = used.iter().find(|(_, on)| *on) {
-                        anyhow::bail!("{flag} applies to the token-level losses, not to DPO's pairs");
-                    }
-                }
-                obj.rollout_correction.0
-            },
-            dpo_loss: obj.dpo_loss.into(),
-            dpo_mix: {
-                let terms = obj.dpo_mix.0.clone();
-                if !terms.is_empty() {
-                    if !matches!(obj.objective, ObjectiveArg::Dpo) {
-                        anyhow::bail!("--dpo-mix applies to --objective dpo");
-                    }
-                    if terms.iter().any(|(l, _)| l.reduce() != terms[0].0.reduce()) {
-                        anyhow::bail!(
-                            "--dpo-mix: ipo and sigmoid-norm take per-token means, the others sums: they cannot share one mix"
-                        );
-                    }
-                    let mix = terms.iter().skip(1).fold(
-                        topr_loss::DpoMix::of(terms[0].0.config(obj.dpo_beta, obj.dpo_label_smoothing), terms[0].1),
-                        |m, (l, w)| m.with_term(l.config(obj.dpo_beta, obj.dpo_label_smoothing), *w),
-                    );
-                    mix.validate().map_err(|e| anyhow::anyhow!("--dpo-mix: {e}"))?;
-                }
-                terms
-            },
-            dpo_label_smoothing: {
-                let loss: DpoLoss = obj.dpo_loss.into();
-                loss.config(obj.dpo_beta, obj.dpo_label_smoothing)
-                    .validate()
-                    .map_err(|e| anyhow::anyhow!("--dpo-loss / --dpo-label-smoothing: {e}"))?;
-                obj.dpo_label_smoothing
-            },
-            advantage: {
-                let default = matches!(obj.advantage, AdvantageArg::Grpo);
-                let objective: Objective = obj.objective.into();
-                if !default && !objective.uses_group_advantages() {
-                    anyhow::bail!(
-                        "--advantage applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov)"
-                    );
-                }
-                obj.advantage.into()
-            },
+            dpo_loss: obj.dpo_loss,
+            dpo_label_smoothing: obj.dpo_label_smoothing,
+            dpo_mix: obj.dpo_mix.0.clone(),
+            advantage: obj.advantage,
             kl_coef: obj.kl_coef,
-            kl_estimator: obj.kl_estimator.into(),
+            kl_estimator: obj.kl_estimator,
             entropy_coef: obj.entropy_coef,
             top_entropy: obj.top_entropy,
             rejection: obj.rejection.0,
             off_policy_mask: obj.off_policy_mask,
+            rollout_correction: obj.rollout_correction.0,
             skip_bad_records: run.skip_bad_records,
             save_every: run.save_every,
             resume: run.resume,
-        })
+        };
+        s.check().map_err(|e| anyhow::anyhow!("{}: {e}", flags(&e.fields)))?;
+        Ok(s)
     }
+}
+
+/// The options of the training settings' `fields` (`dpo_mix` → `--dpo-mix`), joined by ` / `.
+pub fn flags(fields: &[&str]) -> String {
+    let flag = |f: &&str| match *f {
+        "seed" => "--train-seed".to_string(),
+        f => format!("--{}", f.replace('_', "-")),
+    };
+    fields.iter().map(flag).collect::<Vec<_>>().join(" / ")
 }
 
 /// Sampling settings shared by `eval`, `sample` and `iterate`.

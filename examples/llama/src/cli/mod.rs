@@ -519,12 +519,12 @@ fn parse_arms(s: &str) -> Result<Arms, String> {
             }
             _ => (name, Baseline::Zero),
         };
-        let objective = <args::ObjectiveArg as clap::ValueEnum>::from_str(objective, false)
+        let objective = <topr_llama::settings::Objective as clap::ValueEnum>::from_str(objective, false)
             .map_err(|_| format!("arm {name:?}: unknown objective {objective:?} (see `llama train --help`)"))?;
         if out.iter().any(|a| a.name == name) {
             return Err(format!("arm {name:?} is listed twice"));
         }
-        out.push(topr_llama::compare::CompareArm { name: name.into(), objective: objective.into(), baseline });
+        out.push(topr_llama::compare::CompareArm { name: name.into(), objective, baseline });
     }
     if out.is_empty() {
         return Err("no arm given".into());

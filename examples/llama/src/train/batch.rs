@@ -2,83 +2,14 @@
 //! accumulation of their losses' gradients with the counts of the whole step, gradient clipping
 //! and the learning-rate schedule.
 
-use super::objective::{Extras, Loss, Tally, TallySums, Unit};
+use super::objective::{Extras, Loss, Tally, TallySums};
+use super::units::{Unit, micro_batches};
 use crate::metrics::{StepStats, ToprStats};
 use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
-use crate::sample::Sample;
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 use topr_loss::{BatchCounts, LogProbConfig, Normalizer, backward_through_logprobs};
-
-/// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
-/// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
-/// log-probs `[b, L−1]` and the per-row values `[b]` (rewards or advantages).
-pub struct MicroBatch {
-    pub ids: Tensor,
-    pub attn: Tensor,
-    pub labels: Tensor,
-    pub mask: Tensor,
-    pub logp_mu: Tensor,
-    pub values: Tensor,
-}
-
-pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
-    let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1);
-    let b = rows.len();
-    let mut ids = vec![0i64; b * len];
-    let mut attn = vec![0i64; b * len];
-    let mut mask = vec![false; b * (len - 1)];
-    let mut mu = vec![0f32; b * (len - 1)];
-    for (r, (s, _)) in rows.iter().enumerate() {
-        let all: Vec<i64> = s.prompt_ids.iter().chain(&s.completion_ids).copied().collect();
-        ids[r * len..r * len + all.len()].copy_from_slice(&all);
-        attn[r * len..r * len + all.len()].iter_mut().for_each(|a| *a = 1);
-        // Completion token k sits at position p + k and is predicted at position p + k − 1.
-        let p = s.prompt_ids.len();
-        for (k, lp) in s.logp_mu.iter().enumerate() {
-            mask[r * (len - 1) + p + k - 1] = true;
-            mu[r * (len - 1) + p + k - 1] = *lp;
-        }
-    }
-    let (b, l) = (b as i64, len as i64);
-    let ids = Tensor::from_slice(&ids).view([b, l]).to_device(device);
-    MicroBatch {
-        labels: ids.narrow(1, 1, l - 1),
-        ids,
-        attn: Tensor::from_slice(&attn).view([b, l]).to_device(device),
-        mask: Tensor::from_slice(&mask).view([b, l - 1]).to_device(device),
-        logp_mu: Tensor::from_slice(&mu).view([b, l - 1]).to_device(device),
-        values: Tensor::from_slice(&rows.iter().map(|r| r.1).collect::<Vec<_>>()).to_device(device),
-    }
-}
-
-/// The micro-batches of one step's units, about `micro` completions each: singles as they come;
-/// pairs as `[chosen…, rejected…]`.
-fn micro_batches(batch: &[Unit], micro: usize, device: tch::Device) -> Result<Vec<MicroBatch>> {
-    let per_micro = match batch.first() {
-        Some(u) => (micro / u.completions()).max(1),
-        None => bail!("an optimiser step needs at least one completion"),
-    };
-    Ok(batch
-        .chunks(per_micro)
-        .map(|c| {
-            let mut rows: Vec<(&Sample, f32)> = vec![];
-            let mut second = vec![];
-            for u in c {
-                match *u {
-                    Unit::Single(s, v) => rows.push((s, v)),
-                    Unit::Pair(w, l) => {
-                        rows.push((w, 0.0));
-                        second.push((l, 0.0));
-                    }
-                }
-            }
-            rows.extend(second);
-            micro_batch(&rows, device)
-        })
-        .collect())
-}
 
 /// Accumulates the gradient of one optimiser step over micro-batches of about `micro`
 /// completions (does not step). The loss uses the counts of the whole step, so the sum over

@@ -17,19 +17,20 @@
 mod batch;
 mod objective;
 mod state;
+mod units;
 
 pub use crate::metrics::{StepStats, ToprStats};
-pub use batch::{MicroBatch, accumulate, clip_grad_norm, learning_rate, micro_batch};
-pub use objective::{
-    Advantage, Baseline, DpoLoss, Extras, Loss, Objective, Unit, p_tilde, resolve_baseline, units, units_with,
-};
+pub use crate::settings::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, SettingError, TrainSettings};
+pub use batch::{accumulate, clip_grad_norm, learning_rate};
+pub use objective::{Extras, Loss, p_tilde, resolve_baseline};
+pub use units::{MicroBatch, Unit, micro_batch, units, units_with};
 
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
 use crate::identity::{Digest, FileId, ModelId};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
-use crate::optim::{Optimizer, OptimizerConfig};
+use crate::optim::Optimizer;
 use crate::parallel::{self, ProcessGroup};
 use crate::sample::Sample;
 use anyhow::{Context, Result, bail};
@@ -38,120 +39,12 @@ use state::{MetricsLog, Progress, StateDir};
 use std::path::Path;
 use tch::Tensor;
 
-/// Everything [`run`] needs besides the model and the data.
-///
-/// Serialised, it is the record of a run's settings that a resumed run must match (see
-/// [`crate::identity`]): every field but `save_every` and `resume`, which do not change the
-/// result.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainSettings {
-    pub objective: Objective,
-    pub baseline: Baseline,
-    /// The ratio level of the TOPR family (the paper's is `Sequence`).
-    #[serde(with = "ratio_level")]
-    pub ratio: topr_loss::RatioLevel,
-    pub optimizer: OptimizerConfig,
-    pub lr: f64,
-    /// Completions per optimiser step.
-    pub batch_size: usize,
-    /// Completions per forward/backward pass (gradient accumulation; same update for any value).
-    pub micro_batch_size: usize,
-    pub epochs: usize,
-    /// Clip the gradient's norm to this (`None`: no clipping).
-    pub max_grad_norm: Option<f64>,
-    pub warmup_steps: usize,
-    /// Decay the learning rate linearly to 0 after the warm-up (else constant).
-    pub lr_decay: bool,
-    /// The seed of the per-epoch shuffles.
-    pub seed: u64,
-    /// DPO's β.
-    pub dpo_beta: f64,
-    /// Which DPO-family loss (absent from older run records: sigmoid).
-    #[serde(default)]
-    pub dpo_loss: DpoLoss,
-    /// Label smoothing ε of the DPO losses that take it (absent from older run records: 0).
-    #[serde(default)]
-    pub dpo_label_smoothing: f64,
-    /// A weighted sum of DPO-family losses in place of `dpo_loss` (empty: none; absent from
-    /// older records: none).
-    #[serde(default)]
-    pub dpo_mix: Vec<(DpoLoss, f64)>,
-    /// How the group-advantage objectives compute advantages (absent from older records: GRPO's).
-    #[serde(default)]
-    pub advantage: Advantage,
-    /// The coefficient of a KL penalty of π to μ (0: none; absent from older records: 0).
-    #[serde(default)]
-    pub kl_coef: f64,
-    /// Its estimator (absent from older records: k3).
-    #[serde(default)]
-    pub kl_estimator: KlEstimatorSetting,
-    /// The coefficient of an entropy bonus (0: none; absent from older records: 0).
-    #[serde(default)]
-    pub entropy_coef: f64,
-    /// Train only this share of each micro-batch's tokens, the highest-entropy ones (absent from
-    /// older records: all tokens).
-    #[serde(default)]
-    pub top_entropy: Option<f64>,
-    /// Drop what a divergence rule of π against μ rejects (absent from older records: none).
-    #[serde(default, with = "rejection_setting")]
-    pub rejection: Option<topr_loss::Rejection>,
-    /// DeepSeek-V3.2's off-policy sequence mask threshold (absent from older records: none).
-    #[serde(default)]
-    pub off_policy_mask: Option<f64>,
-    /// Importance weights of π against μ on the token-level losses' terms (`None`: off). Absent
-    /// from run records written before it existed, which then read as off.
-    #[serde(default, with = "correction_setting")]
-    pub rollout_correction: Option<topr_loss::RolloutCorrection>,
-    /// Skip malformed data-set records and completions longer than the context (counted) instead
-    /// of refusing the data set.
-    pub skip_bad_records: bool,
-    /// Save the training state every this many steps (0: never; a kill then restarts the stage).
-    #[serde(skip)]
-    pub save_every: usize,
-    /// Continue from the saved state of an interrupted run in the same output directory.
-    #[serde(skip)]
-    pub resume: bool,
-}
-
-/// The KL estimators `--kl-estimator` offers, with verl's names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KlEstimatorSetting {
-    K1,
-    K2,
-    #[default]
-    K3,
-    Abs,
-    /// verl's `low_var_kl`: k3 with its value clamped to ±10.
-    LowVarKl,
-    /// k3's value with k2's gradient (verl's `k3+`).
-    K3Plus,
-    /// k1's value with k2's gradient (verl's `k1+`).
-    K1Plus,
-}
-
-impl KlEstimatorSetting {
-    /// The crate's config for this estimator with coefficient `coef`, token-mean.
-    pub fn config(self, coef: f64) -> topr_loss::KlConfig {
-        use topr_loss::KlConfig;
-        let c = match self {
-            Self::K1 => KlConfig::k1(),
-            Self::K2 => KlConfig::k2(),
-            Self::K3 => KlConfig::k3(),
-            Self::Abs => KlConfig::abs(),
-            Self::LowVarKl => KlConfig::low_var_kl(),
-            Self::K3Plus => KlConfig::k3().with_straight_through(true),
-            Self::K1Plus => KlConfig::k1().with_straight_through(true),
-        };
-        c.with_coef(coef).with_checks(topr_loss::Checks::Shapes)
-    }
-}
-
 impl TrainSettings {
     /// What every token-level loss of a step gets besides its own terms.
     pub fn extras(&self) -> Extras {
         Extras {
-            correction: self.rollout_correction,
+            // The settings record the method; the losses of a step run without host reads.
+            correction: self.rollout_correction.map(|c| c.with_checks(topr_loss::Checks::Shapes)),
             rejection: self.rejection,
             off_policy_mask: self.off_policy_mask,
             top_entropy: self.top_entropy,
@@ -159,154 +52,6 @@ impl TrainSettings {
             entropy: (self.entropy_coef > 0.0).then(|| {
                 topr_loss::EntropyConfig::bonus().with_coef(self.entropy_coef).with_checks(topr_loss::Checks::Shapes)
             }),
-        }
-    }
-}
-
-/// `Option<topr_loss::Rejection>` (which has no serde support) as `null` or
-/// `{"divergence": "k1"|"k2"|"k3", "scope": "token"|"seq_sum"|"seq_mean"|"seq_max", "min": lo, "max": hi}`.
-mod rejection_setting {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error};
-    use topr_loss::{Divergence, Rejection, RejectionScope};
-
-    #[derive(Serialize, Deserialize)]
-    struct Setting {
-        divergence: String,
-        scope: String,
-        min: f64,
-        max: f64,
-    }
-
-    const SCOPES: [(RejectionScope, &str); 4] = [
-        (RejectionScope::Token, "token"),
-        (RejectionScope::SequenceSum, "seq_sum"),
-        (RejectionScope::SequenceMean, "seq_mean"),
-        (RejectionScope::SequenceMax, "seq_max"),
-    ];
-
-    pub fn serialize<S: Serializer>(r: &Option<Rejection>, s: S) -> Result<S::Ok, S::Error> {
-        r.map(|r| Setting {
-            divergence: match r.divergence {
-                Divergence::K1 => "k1",
-                Divergence::K2 => "k2",
-                _ => "k3",
-            }
-            .into(),
-            scope: SCOPES.iter().find(|(sc, _)| *sc == r.scope).map_or("token", |(_, n)| n).into(),
-            min: r.min,
-            max: r.max,
-        })
-        .serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Rejection>, D::Error> {
-        let Some(v) = Option::<Setting>::deserialize(d)? else { return Ok(None) };
-        let scope = SCOPES
-            .iter()
-            .find(|(_, n)| *n == v.scope)
-            .map(|(sc, _)| *sc)
-            .ok_or_else(|| D::Error::custom(format!("unknown rejection scope {}", v.scope)))?;
-        Ok(Some(match v.divergence.as_str() {
-            "k1" => Rejection::k1(scope, v.min, v.max),
-            "k2" => Rejection::k2(scope, v.max),
-            "k3" => Rejection::k3(scope, v.max),
-            other => return Err(D::Error::custom(format!("unknown divergence {other}"))),
-        }))
-    }
-}
-
-/// `Option<topr_loss::RolloutCorrection>` (which has no serde support) as `null` or
-/// `{"level": "token"|"sequence", "rule": "truncate"|"mask", "min": lo, "max": hi}` (`max` may be
-/// `null` for no upper bound).
-mod correction_setting {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error};
-    use topr_loss::{CorrectionLevel, RolloutCorrection, WeightRule};
-
-    #[derive(Serialize, Deserialize)]
-    struct Setting {
-        level: String,
-        rule: String,
-        min: f64,
-        max: Option<f64>,
-    }
-
-    pub fn serialize<S: Serializer>(c: &Option<RolloutCorrection>, s: S) -> Result<S::Ok, S::Error> {
-        c.map(|c| Setting {
-            level: if c.level == CorrectionLevel::Sequence { "sequence" } else { "token" }.into(),
-            rule: if c.rule == WeightRule::Mask { "mask" } else { "truncate" }.into(),
-            min: c.min,
-            max: c.max.is_finite().then_some(c.max),
-        })
-        .serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<RolloutCorrection>, D::Error> {
-        let Some(v) = Option::<Setting>::deserialize(d)? else { return Ok(None) };
-        let max = v.max.unwrap_or(f64::INFINITY);
-        let c = match (v.level.as_str(), v.rule.as_str()) {
-            ("token", "truncate") => RolloutCorrection::token_tis(max),
-            ("sequence", "truncate") => RolloutCorrection::sequence_tis(max),
-            ("token", "mask") => RolloutCorrection::token_mis(v.min, max),
-            ("sequence", "mask") => RolloutCorrection::sequence_mis(v.min, max),
-            (l, r) => return Err(D::Error::custom(format!("unknown rollout correction {l}/{r}"))),
-        };
-        Ok(Some(c.with_bounds(v.min, max).with_checks(topr_loss::Checks::Shapes)))
-    }
-}
-
-/// `topr_loss::RatioLevel` (which has no serde support) as `sequence`, `sequence_mean` or
-/// `token`.
-mod ratio_level {
-    use serde::{Deserialize, Deserializer, Serializer, de::Error};
-    use topr_loss::RatioLevel;
-
-    pub fn serialize<S: Serializer>(r: &RatioLevel, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(match r {
-            RatioLevel::Sequence => "sequence",
-            RatioLevel::SequenceMean => "sequence_mean",
-            RatioLevel::Token => "token",
-            _ => "other",
-        })
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<RatioLevel, D::Error> {
-        match String::deserialize(d)?.as_str() {
-            "sequence" => Ok(RatioLevel::Sequence),
-            "sequence_mean" => Ok(RatioLevel::SequenceMean),
-            "token" => Ok(RatioLevel::Token),
-            other => Err(D::Error::custom(format!("unknown ratio level {other:?}"))),
-        }
-    }
-}
-
-impl TrainSettings {
-    /// Refuses settings that would train on nothing or silently mean something else: sizes and
-    /// epochs of 0, a learning rate, clipping norm or DPO β that is not finite and > 0, a baseline
-    /// that is not finite.
-    pub fn check(&self) -> Result<()> {
-        for (what, v) in
-            [("batch size", self.batch_size), ("micro-batch size", self.micro_batch_size), ("epoch count", self.epochs)]
-        {
-            if v == 0 {
-                bail!("the {what} must be >= 1, got 0");
-            }
-        }
-        let positive = [
-            ("learning rate", Some(self.lr)),
-            ("clipping norm", self.max_grad_norm),
-            ("DPO beta", Some(self.dpo_beta)),
-        ];
-        for (what, v) in positive {
-            if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
-                bail!("the {what} must be finite and > 0, got {v}");
-            }
-        }
-        match self.baseline {
-            Baseline::Fixed(c) if !c.is_finite() => bail!("the baseline must be finite, got {c}"),
-            Baseline::TargetPositiveProportion(p) if !(0.0..=1.0).contains(&p) => {
-                bail!("the target positive proportion must lie in [0, 1], got {p}")
-            }
-            _ => Ok(()),
         }
     }
 }

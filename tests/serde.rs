@@ -1,0 +1,116 @@
+//! The `serde` feature: every config and enum round-trips through JSON, with the names the docs
+//! use, and infinite limits written as `null`. (The workspace's Llama crate enables the feature,
+//! so a plain `cargo test` at the root runs these; `cargo test -p topr-loss --features serde`
+//! alone does too.)
+#![cfg(feature = "serde")]
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use topr_loss::*;
+
+/// `v` as JSON, checked to read back as the same value.
+fn round_trip<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(v: T) -> Value {
+    let text = serde_json::to_string(&v).unwrap();
+    let back: T = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+    assert_eq!(back, v, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn every_preset_round_trips() {
+    for c in [
+        ToprConfig::canonical(),
+        ToprConfig::naive_reinforce(),
+        ToprConfig::sft(),
+        ToprConfig::tis().with_baseline(-0.25).with_tie(TieRule::Tapered),
+        ToprConfig::importance_sampling().with_checks(Checks::Shapes),
+    ] {
+        round_trip(c);
+    }
+    for c in [ToprTokenConfig::paper(), ToprTokenConfig::verl(), ToprTokenConfig::trinity()] {
+        round_trip(c);
+    }
+    for c in [PpoConfig::ppo(), PpoConfig::dapo(), PpoConfig::gspo(), PpoConfig::cispo()] {
+        round_trip(c);
+    }
+    for c in [DpoConfig::dpo(), DpoConfig::cdpo(0.1), DpoConfig::ipo(), DpoConfig::discopop(), DpoConfig::aot()] {
+        round_trip(c);
+    }
+    for c in [KlConfig::k1(), KlConfig::k2(), KlConfig::k3(), KlConfig::abs(), KlConfig::low_var_kl()] {
+        round_trip(c);
+    }
+    round_trip(ValueLossConfig::ppo().with_clip(f64::INFINITY));
+    round_trip(ValueLossConfig::verl());
+    round_trip(SapoConfig::sapo());
+    round_trip(GmpoConfig::gmpo());
+    round_trip(ClipCovConfig::clip_cov());
+    round_trip(KlCovConfig::kl_cov());
+    round_trip(EntropyConfig::bonus().with_coef(0.01));
+    round_trip(RolloutCorrection::sequence_mis(0.5, 2.0).with_batch_normalize(true));
+    round_trip(Rejection::k1(RejectionScope::SequenceMean, 0.5, 2.0));
+    round_trip(Rejection::k3(RejectionScope::SequenceMax, 0.01));
+    round_trip(DpoMix::of(DpoConfig::dpo(), 0.8).with_term(DpoConfig::bco_pair(), 0.2));
+    for g in [GroupAdvantage::grpo(), GroupAdvantage::DrGrpo, GroupAdvantage::Rloo] {
+        round_trip(g);
+    }
+    for a in [AggregationMode::TokenMean, AggregationMode::DrGrpo { length: 512.0 }] {
+        round_trip(a);
+    }
+    round_trip(SingletonGroup::ZeroMeanUnitStd);
+}
+
+#[test]
+fn names_are_the_documented_ones() {
+    assert_eq!(round_trip(RatioLevel::SequenceMean), json!("sequence_mean"));
+    assert_eq!(round_trip(TieRule::Tapered), json!("tapered"));
+    assert_eq!(round_trip(Checks::Shapes), json!("shapes"));
+    // verl's names for the rejection scopes (`seq_sum_k1`, `seq_max_k2`, …).
+    assert_eq!(round_trip(RejectionScope::SequenceSum), json!("seq_sum"));
+    assert_eq!(round_trip(RejectionScope::SequenceMax), json!("seq_max"));
+    assert_eq!(round_trip(DpoVariant::AotUnpaired), json!("aot_unpaired"));
+    assert_eq!(round_trip(AggregationMode::SeqMeanTokenMean), json!("seq_mean_token_mean"));
+    assert_eq!(round_trip(AggregationMode::DrGrpo { length: 4.0 }), json!({"dr_grpo": {"length": 4.0}}));
+    let topr = round_trip(ToprConfig::canonical());
+    assert_eq!(
+        topr,
+        json!({"a_pos": 1.0, "b_pos": 1.0, "a_neg": 0.0, "b_neg": 1.0, "baseline": 0.0, "tie": "positive", "checks": "full"})
+    );
+}
+
+#[test]
+fn infinite_limits_are_null_and_read_back() {
+    let is = round_trip(ToprConfig::importance_sampling());
+    assert_eq!((is["b_pos"].clone(), is["b_neg"].clone()), (Value::Null, Value::Null));
+    let cispo = round_trip(PpoConfig::cispo());
+    assert_eq!(cispo["clip_low"], Value::Null);
+    let tis: RolloutCorrection =
+        serde_json::from_value(round_trip(RolloutCorrection::token_tis(f64::INFINITY))).unwrap();
+    assert_eq!(tis.max, f64::INFINITY);
+}
+
+#[test]
+fn a_mix_reads_from_its_terms_and_refuses_none_or_too_many() {
+    let two = round_trip(DpoMix::of(DpoConfig::ipo(), 2.0).with_term(DpoConfig::hinge(), 0.5));
+    assert_eq!(two.as_array().map(Vec::len), Some(2));
+    assert!(serde_json::from_value::<DpoMix>(json!([])).is_err());
+    let five = Value::Array(vec![two[0].clone(); DpoMix::MAX_TERMS + 1]);
+    let err = serde_json::from_value::<DpoMix>(five).unwrap_err().to_string();
+    assert!(err.contains("at most"), "{err}");
+    // A config read from JSON is checked like any other: a bad value is refused by `validate`.
+    let bad: ToprConfig = serde_json::from_value(json!({"a_pos": 2.0, "b_pos": 1.0, "a_neg": 0.0, "b_neg": 1.0, "baseline": 0.0, "tie": "positive", "checks": "full"})).unwrap();
+    assert!(bad.validate().is_err());
+}
+
+#[test]
+fn fields_left_out_take_the_defaults_values() {
+    let c: ToprConfig = serde_json::from_value(json!({"b_neg": 2.0})).unwrap();
+    assert_eq!(c, ToprConfig::canonical().with_negative_limits(0.0, 2.0));
+    let p: PpoConfig = serde_json::from_value(json!({})).unwrap();
+    assert_eq!(p, PpoConfig::default());
+    // A rejection rule has no default, but its clamp does (the constructors' 20).
+    let r: Rejection =
+        serde_json::from_value(json!({"divergence": "k3", "scope": "token", "min": 0.0, "max": 0.1})).unwrap();
+    assert_eq!(r, Rejection::k3(RejectionScope::Token, 0.1));
+    assert!(serde_json::from_value::<Rejection>(json!({"divergence": "k3"})).is_err());
+}
