@@ -17,6 +17,7 @@ use crate::checkpoint::Placement;
 use crate::eval::QuestionResult;
 use crate::identity::ModelId;
 use crate::iterate::{self, Loop};
+use crate::layout::LoopDir;
 use crate::metrics::read_jsonl;
 use crate::settings::{Baseline, Objective, TrainSettings};
 use crate::stats::{self, mean_se};
@@ -63,29 +64,25 @@ pub struct CompareRow {
     pub vs_run_se: f64,
 }
 
-/// The comparison's folder in the run.
-pub fn compare_dir(run: &Path, iteration: usize) -> PathBuf {
-    run.join(format!("compare-iter-{iteration}"))
-}
-
 /// Trains and evaluates every arm (or reuses the finished ones), then writes `compare.jsonl`
 /// and `compare.md` and prints the table.
 pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
     let rec = iterate::read_run(&s.run)?;
     let i = s.iteration;
-    let it_dir = s.run.join(format!("iter-{i}"));
-    if i == 0 || !it_dir.join("train.done.json").exists() || !it_dir.join("eval.json").exists() {
+    let work = LoopDir::new(&s.run);
+    let it = work.iteration(i);
+    if i == 0 || !it.trained() || !it.eval().exists() {
         bail!(
             "iteration {i} of {} is not finished (no {}): run `iterate` to it first",
             s.run.display(),
-            it_dir.join("eval.json").display()
+            it.eval().display()
         );
     }
     let (mu_dir, mu_eval) = if i == 1 {
-        (rec.model.path.clone(), s.run.join("eval-initial.json"))
+        (rec.model.path.clone(), work.initial_eval())
     } else {
-        let prev = s.run.join(format!("iter-{}", i - 1));
-        (prev.join("model"), prev.join("eval.json"))
+        let prev = work.iteration(i - 1);
+        (prev.model(), prev.eval())
     };
     if i == 1 && ModelId::of(&mu_dir)? != rec.model {
         bail!("the run's initial model {} has changed since the run started: its μ is gone", mu_dir.display());
@@ -99,11 +96,11 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
             s.arms.iter().map(|a| &a.name).collect::<Vec<_>>()
         );
     }
-    let out = compare_dir(&s.run, i);
+    let out = work.compare(i);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let _lock = crate::io::Lock::dir(&out)?;
     let lp = Loop::new(s.at, None, &rec.settings, &mu_dir)?;
-    let data = it_dir.join("data.jsonl");
+    let data = it.data();
     let t0 = std::time::Instant::now();
     for (k, arm) in s.arms.iter().enumerate() {
         eprintln!("[compare {:.0} s] arm {} ({}/{})", t0.elapsed().as_secs_f64(), arm.name, k + 1, s.arms.len());
@@ -114,7 +111,7 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
         lp.evaluate_cached(&dir.join("model"), &dir.join("eval.json"))?;
     }
     let mu = questions(&mu_eval)?;
-    let own = questions(&it_dir.join("eval.json"))?;
+    let own = questions(&it.eval())?;
     let mut rows = vec![row("mu", i, &mu, &mu, &own)?, row("run", i, &own, &mu, &own)?];
     for arm in &s.arms {
         rows.push(row(&arm.name, i, &questions(&out.join(&arm.name).join("eval.json"))?, &mu, &own)?);
@@ -133,7 +130,7 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
 
 /// Whether each held-out question was answered correctly (greedy), in question order.
 fn questions(eval_summary: &Path) -> Result<Vec<(String, bool, bool)>> {
-    let file = iterate::questions_file(eval_summary);
+    let file = crate::layout::questions_file(eval_summary);
     let rows: Vec<QuestionResult> = read_jsonl(&file)?;
     Ok(rows.into_iter().map(|q| (q.id, q.greedy_correct, q.greedy_invalid)).collect())
 }

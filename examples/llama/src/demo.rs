@@ -14,6 +14,7 @@
 use crate::checkpoint::Placement;
 use crate::generate::{Sampling, SamplingParams};
 use crate::iterate;
+use crate::layout::DemoDir;
 use crate::settings::{Baseline, Curation, IterateSettings, Objective, TrainSettings};
 use crate::task::TaskSpec;
 use crate::train;
@@ -186,14 +187,15 @@ pub fn warm_up_with(dir: &Path, scale: Scale, seed: u64, at: Placement, recipe: 
     let t0 = std::time::Instant::now();
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // 1. A new model.
-    let init_dir = dir.join("init");
+    let stages = DemoDir::new(dir);
+    let init_dir = stages.init();
     // A model is whole once its config.json is written (the last file).
     if !init_dir.join("config.json").exists() {
         let _ = std::fs::remove_dir_all(&init_dir); // what an interrupted init left
         init::init(&init_dir, scale.size, seed as i64)?;
     }
     // 2. The sloppy teacher's worked solutions (deterministic: rewritten if missing).
-    let sft = dir.join("sft.jsonl");
+    let sft = stages.sft_data();
     if !sft.exists() {
         let cfg = crate::config::LlamaConfig::load(&init_dir)?;
         let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
@@ -201,7 +203,7 @@ pub fn warm_up_with(dir: &Path, scale: Scale, seed: u64, at: Placement, recipe: 
         sample::write_solutions(&tok, &problems, &style, &sft, recipe.slip_rate(), 1)?;
     }
     // 3. Supervised warm-up.
-    let warm = dir.join("warm-up");
+    let warm = stages.warm_up();
     if !warm.join("config.json").exists() {
         eprintln!("[warm-up {:.0} s] supervised warm-up on {}", t0.elapsed().as_secs_f64(), sft.display());
         let o = TrainSettings {
@@ -241,7 +243,7 @@ pub fn iterate_settings(work: std::path::PathBuf, scale: Scale, seed: u64, train
 
 /// Runs (or, with `resume`, continues) the demo in `work` on `device`.
 pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()> {
-    if work.join("init").exists() && !resume {
+    if DemoDir::new(work).init().exists() && !resume {
         bail!(Refusal::EarlierDemo(work.to_path_buf()));
     }
     std::fs::create_dir_all(work).with_context(|| format!("creating {}", work.display()))?;
@@ -251,9 +253,10 @@ pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()
     let warm = warm_up(work, scale, 0, at)?;
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());
-    let settings = iterate_settings(work.join("topr"), scale, 0, topr_settings()?);
+    let topr = DemoDir::new(work).topr();
+    let settings = iterate_settings(topr.path().to_path_buf(), scale, 0, topr_settings()?);
     iterate::run(&warm, at, &settings, None)?;
-    eprintln!("[demo {:.0} s] done; plots: {}", t0.elapsed().as_secs_f64(), work.join("topr/iterations.png").display());
+    eprintln!("[demo {:.0} s] done; plots: {}", t0.elapsed().as_secs_f64(), topr.plot().display());
     Ok(())
 }
 

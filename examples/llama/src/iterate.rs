@@ -9,27 +9,19 @@ use crate::eval::{self, EvalSettings};
 use crate::generate::Decoding;
 use crate::identity::{Digest, ModelId};
 use crate::io::{Append, Lock};
+pub use crate::layout::questions_file;
+use crate::layout::{self, IterationDir, LoopDir};
 use crate::metrics::IterationRecord;
 use crate::parallel::{self, ProcessGroup};
 use crate::sample;
 use crate::settings::TrainSettings;
 pub use crate::settings::{Curation, IterateSettings};
-use crate::task::{self, PromptStyle, Source};
+use crate::stage;
+use crate::task::{self, PromptStyle};
 use crate::train;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-
-/// The held-out problems: the held-out file, else synthetic problems from another seed.
-fn eval_problems(s: &IterateSettings) -> Result<Vec<task::Problem>> {
-    match (&s.eval_data, &s.task.source) {
-        (Some(p), _) => Ok(task::load_gsm8k(p, s.train.skip_bad_records)?.0.into_iter().take(s.eval_n).collect()),
-        (None, Source::Synthetic { difficulty, .. }) => {
-            Ok(task::synthetic_problems(s.task.seed.wrapping_add(999_983), s.eval_n, *difficulty))
-        }
-        (None, Source::Gsm8k(_)) => bail!("GSM8K evaluation needs a held-out data file (e.g. the test file)"),
-    }
-}
 
 /// The loop's fixed inputs: where models are loaded, the problems and the held-out evaluation.
 /// [`crate::compare`] uses it to train other objectives on an iteration's data.
@@ -56,7 +48,7 @@ impl<'a> Loop<'a> {
         initial: &Path,
     ) -> Result<Self> {
         let (problems, style) = s.task.load()?;
-        let held_out = eval_problems(s)?;
+        let held_out = task::held_out(&s.task, s.eval_data.as_deref(), s.eval_n, s.train.skip_bad_records)?;
         let shared = match &s.shared {
             Some(dir) => {
                 // What the initial evaluation and the first data set depend on.
@@ -90,23 +82,24 @@ impl<'a> Loop<'a> {
     fn evaluate_cached_with(&self, dir: &Path, out: &Path, samples: usize) -> Result<eval::Summary> {
         if dir == self.initial
             && let Some(name) = out.file_name()
-            && let Some(first) = self.shared_file(name)?
+            && let Some(shared) = self.shared_dir()?
         {
+            let first = shared.join(name);
             let summary = self.evaluate_here(dir, &first, samples)?;
             if parallel::is_main(self.group) {
-                copy_finished(&questions_file(&first), &questions_file(out))?;
-                copy_finished(&first, out)?;
+                stage::copy_finished(&questions_file(&first), &questions_file(out))?;
+                stage::copy_finished(&first, out)?;
             }
             return Ok(summary);
         }
         self.evaluate_here(dir, out, samples)
     }
 
-    /// `name` in this loop's shared folder (created if needed), if the loop has one.
-    fn shared_file(&self, name: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+    /// This loop's shared folder (created if needed), if the loop has one.
+    fn shared_dir(&self) -> Result<Option<PathBuf>> {
         let Some(dir) = &self.shared else { return Ok(None) };
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        Ok(Some(dir.join(name)))
+        Ok(Some(dir.clone()))
     }
 
     fn evaluate_here(&self, dir: &Path, out: &Path, samples: usize) -> Result<eval::Summary> {
@@ -141,22 +134,21 @@ impl<'a> Loop<'a> {
         Ok(s)
     }
 
-    /// Iteration `i`'s sampling (with μ from `mu_dir`) and training, or the summary of its
-    /// finished training. Sampling resumes and a finished data set is never regenerated; μ is
-    /// loaded once, sampled from, then trained in place (it becomes π) and saved to `model_dir`.
-    fn sample_and_train(&self, i: usize, mu_dir: &Path, dir: &Path, model_dir: &Path) -> Result<train::Summary> {
-        let done = dir.join("train.done.json");
-        let data = dir.join("data.jsonl");
+    /// Iteration `i`'s sampling (with μ from `mu_dir`) and training in `dir`, or the summary of
+    /// its finished training. Sampling resumes and a finished data set is never regenerated; μ is
+    /// loaded once, sampled from, then trained in place (it becomes π) and saved to `dir`'s model.
+    fn sample_and_train(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<train::Summary> {
+        let data = dir.data();
         let main = parallel::is_main(self.group);
-        if parallel::main_says(self.group, main && done.exists() && data.exists())? {
-            return read_done(&done);
+        if parallel::main_says(self.group, main && dir.trained() && data.exists())? {
+            return stage::read_done(&dir.done());
         }
         let s = self.s;
         let (m, tok) = checkpoint::open(mu_dir, self.at)?;
         let seed = (s.train.seed as i64).wrapping_add(1_000 * i as i64);
         // The first data set of loops sharing a folder is sampled there once (a finished one is
         // not sampled again), then copied here.
-        let first = if i == 1 { self.shared_file("iter-1-data.jsonl")? } else { None };
+        let first = if i == 1 { self.shared_dir()?.map(|d| layout::shared_first_data(&d)) } else { None };
         let sampling = sample::SampleSettings {
             samples_per_prompt: s.samples_per_prompt,
             sampling: s.sampling,
@@ -168,13 +160,13 @@ impl<'a> Loop<'a> {
         sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, sample_to, self.group)?;
         if let Some(first) = &first {
             if main {
-                copy_finished(&sample::run_file(first), &sample::run_file(&data))?;
-                copy_finished(first, &data)?;
+                stage::copy_finished(&sample::run_file(first), &sample::run_file(&data))?;
+                stage::copy_finished(first, &data)?;
             }
             // Every rank trains on the copy rank 0 made.
             parallel::barrier(self.group)?;
         }
-        self.train_on(Some(m), mu_dir, &data, &s.train, dir, model_dir)
+        self.train_on(Some(m), mu_dir, &data, &s.train, dir.path(), &dir.model())
     }
 
     /// Trains a copy of μ (`mu_dir`; `mu` when it is already loaded) on the data set `data` with
@@ -189,10 +181,10 @@ impl<'a> Loop<'a> {
         dir: &Path,
         model_dir: &Path,
     ) -> Result<train::Summary> {
-        let done = dir.join("train.done.json");
+        let done = layout::done_file(dir);
         let main = parallel::is_main(self.group);
         if parallel::main_says(self.group, main && done.exists())? {
-            return read_done(&done);
+            return stage::read_done(&done);
         }
         let m = match mu {
             Some(m) => m,
@@ -206,7 +198,7 @@ impl<'a> Loop<'a> {
         if main {
             checkpoint::save(&m, mu_dir, model_dir)?;
             train::finish(dir);
-            crate::io::write_file(&done, serde_json::to_string(&summary)?)?;
+            stage::write_done(&done, &summary)?;
         }
         // The next stage loads the saved model on every rank.
         parallel::barrier(self.group)?;
@@ -214,32 +206,9 @@ impl<'a> Loop<'a> {
     }
 }
 
-/// Puts a copy of the finished file `from` at `to` (a hard link where the file system allows),
-/// unless `to` exists; `to` appears whole or not at all.
-fn copy_finished(from: &Path, to: &Path) -> Result<()> {
-    if to.exists() {
-        return Ok(());
-    }
-    crate::io::replace_with(to, |tmp| {
-        if std::fs::hard_link(from, tmp).is_err() {
-            std::fs::copy(from, tmp).with_context(|| format!("copying {}", from.display()))?;
-        }
-        Ok(())
-    })
-}
-
-/// The per-question results written beside an evaluation's summary `out`.
-pub fn questions_file(out: &Path) -> PathBuf {
-    out.with_extension("questions.jsonl")
-}
-
-fn read_done(done: &Path) -> Result<train::Summary> {
-    serde_json::from_str(&std::fs::read_to_string(done)?).with_context(|| format!("reading {}", done.display()))
-}
-
 /// The record of the loop in `work` (`settings.json`), as [`check_run`] compares it.
 pub fn read_run(work: &Path) -> Result<IterateRun> {
-    let file = work.join("settings.json");
+    let file = LoopDir::new(work).settings();
     let text = std::fs::read_to_string(&file)
         .with_context(|| format!("reading {} (is {} an `iterate` work directory?)", file.display(), work.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))
@@ -261,30 +230,18 @@ const MAY_CHANGE: [&str; 1] = ["iterations"];
 /// Refuses to continue the loop in `work` with other inputs or settings than it was started
 /// with (listing what differs), or one whose record is missing; records `run` in a new loop.
 fn check_run(work: &Path, started: bool, run: &IterateRun) -> Result<()> {
-    let file = work.join("settings.json");
+    let file = LoopDir::new(work).settings();
     if !started {
-        return crate::io::write_file(&file, serde_json::to_string_pretty(run)?);
+        return stage::write_record(&file, run);
     }
-    let text = std::fs::read_to_string(&file).with_context(|| {
+    let saved = stage::read_record(&file).with_context(|| {
         format!(
             "{} holds an earlier run without the record of its settings ({} cannot be read; an older version wrote it), so resuming it cannot be checked: choose another work directory",
             work.display(),
             file.display()
         )
     })?;
-    let saved: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
-    // Read as the settings of this version (fields added since then take their defaults, which
-    // mean "off"), so that a record written before a setting existed matches a run without it.
-    let saved = match serde_json::from_value::<IterateRun>(saved.clone()) {
-        Ok(r) => serde_json::to_value(r)?,
-        Err(_) => saved,
-    };
-    let differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &MAY_CHANGE);
-    if !differences.is_empty() {
-        bail!(Refusal::ChangedSettings { dir: work.to_path_buf(), differences, run: crate::Resumable::Iterations });
-    }
-    Ok(())
+    stage::check(&saved, run, &MAY_CHANGE, work, crate::Resumable::Iterations)
 }
 
 /// `iterations.jsonl`: the rows already there are kept as they are (a resumed loop with fewer
@@ -332,7 +289,7 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
     let _lock = if main {
         std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
         let lock = Lock::dir(&s.work)?;
-        let started = s.work.join("eval-initial.json").exists() || s.work.join("iter-1").exists();
+        let started = LoopDir::new(&s.work).started();
         if started && !s.train.resume {
             bail!(Refusal::EarlierIterations(s.work.clone()));
         }
@@ -346,7 +303,7 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
     if !main {
         return run_stages(&lp, model, None);
     }
-    let mut table = Table::open(&s.work.join("iterations.jsonl"))?;
+    let mut table = Table::open(&LoopDir::new(&s.work).table())?;
     run_stages(&lp, model, Some(&mut table))?;
     crate::plot::report("iterations", || crate::plot::plot_iterations(&s.work));
     print_table(&table.rows);
@@ -362,7 +319,8 @@ fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<
             eprintln!("{line}");
         }
     };
-    let before = lp.evaluate_cached(model, &s.work.join("eval-initial.json"))?;
+    let work = LoopDir::new(&s.work);
+    let before = lp.evaluate_cached(model, &work.initial_eval())?;
     add(IterationRecord {
         accuracy: before.pass1_greedy,
         data_positive_fraction: None,
@@ -378,11 +336,10 @@ fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<
     ));
     let mut mu_dir = model.to_path_buf();
     for i in 1..=s.iterations {
-        let dir = s.work.join(format!("iter-{i}"));
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let model_dir = dir.join("model");
-        let summary = lp.sample_and_train(i, &mu_dir, &dir, &model_dir)?;
-        let e = lp.evaluate_cached(&model_dir, &dir.join("eval.json"))?;
+        let dir = work.iteration(i);
+        std::fs::create_dir_all(dir.path()).with_context(|| format!("creating {}", dir.path().display()))?;
+        let summary = lp.sample_and_train(i, &mu_dir, &dir)?;
+        let e = lp.evaluate_cached(&dir.model(), &dir.eval())?;
         let opt = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
         say(format!(
             "iteration {i}: held-out pass@1 {:.3}, invalid {:.3}, data {:.1}% positive, p~ {}, truncated (neg) {}",
@@ -401,7 +358,7 @@ fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<
             settings: Some(s.clone()),
             truncated_fraction_neg: summary.truncated_fraction_neg,
         })?;
-        mu_dir = model_dir;
+        mu_dir = dir.model();
     }
     Ok(())
 }
@@ -409,9 +366,8 @@ fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<
 /// The held-out evaluation of the loop `s` at `iteration` (0: its initial model `model`; the
 /// iteration must be finished) with `k` sampled completions a question from the loop's sampling
 /// distribution beside the greedy one: sampled pass@1, maj@k and pass@k. Made once and cached in
-/// `eval-initial-k{k}.json` (in the shared folder, when the loop has one) or
-/// `iter-I/eval-k{k}.json`, the per-question results beside it ([`questions_file`], which this
-/// returns). One process.
+/// [`LoopDir::sampled_eval`] (in the shared folder, when the loop has one), the per-question
+/// results beside it ([`questions_file`], which this returns). One process.
 pub fn evaluate_sampled(
     model: &Path,
     at: Placement,
@@ -420,27 +376,19 @@ pub fn evaluate_sampled(
     k: usize,
 ) -> Result<(eval::Summary, PathBuf)> {
     let lp = Loop::new(at, None, s, model)?;
-    let out = sampled_eval_file(&s.work, iteration, k);
+    let work = LoopDir::new(&s.work);
+    let out = work.sampled_eval(iteration, k);
     let dir = if iteration == 0 {
         model.to_path_buf()
     } else {
-        let it = s.work.join(format!("iter-{iteration}"));
-        if !it.join("train.done.json").exists() {
+        let it = work.iteration(iteration);
+        if !it.trained() {
             bail!("iteration {iteration} of {} is not finished: nothing to evaluate", s.work.display());
         }
-        it.join("model")
+        it.model()
     };
     let summary = lp.evaluate_cached_with(&dir, &out, k)?;
     Ok((summary, questions_file(&out)))
-}
-
-/// Where [`evaluate_sampled`] keeps the summary of the loop in `work` at `iteration` with `k`
-/// samples a question (the per-question results beside it, [`questions_file`]).
-pub fn sampled_eval_file(work: &Path, iteration: usize, k: usize) -> PathBuf {
-    match iteration {
-        0 => work.join(format!("eval-initial-k{k}.json")),
-        i => work.join(format!("iter-{i}/eval-k{k}.json")),
-    }
 }
 
 /// The table of iterations on stdout.

@@ -31,6 +31,8 @@
 //! | [`stats`] | a mean and its standard error, paired differences: the one definition every report uses |
 //! | [`init`] | a small Llama from scratch with a byte-level tokenizer |
 //! | [`io`] | atomic and checked writes, locks, the refusal to write into an input |
+//! | [`layout`] | every file and folder name of the work directories, spelled once |
+//! | [`stage`] | resumable stages: run records compared on resume, done markers, whole copies |
 //! | [`identity`] | what a resumable run was made from, and what differs on resume |
 //! | [`demo`] | the README's demo |
 //! | [`verify`] | the generative verifier: trained with TOPR to judge solutions, then picking among k |
@@ -45,6 +47,7 @@ pub mod identity;
 pub mod init;
 pub mod io;
 pub mod iterate;
+pub mod layout;
 pub mod metrics;
 pub mod model;
 pub mod onednn;
@@ -54,6 +57,7 @@ pub mod plot;
 pub mod sample;
 pub mod settings;
 pub mod shard;
+pub mod stage;
 pub mod stats;
 pub mod study;
 pub mod task;

@@ -6,6 +6,7 @@
 //! usual system folders (Debian's `fonts-dejavu-core`). Without one, plotting is skipped with a
 //! message; the metrics are in the JSONL files either way.
 
+use crate::layout::{self, LoopDir};
 use crate::metrics::{IterationRecord, StepRecord, ToprStats, read_jsonl};
 use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
@@ -253,11 +254,11 @@ fn step_panels(runs: &[(String, Vec<StepRecord>)]) -> Vec<Panel> {
 
 /// `dir/training.png` from `dir/metrics.jsonl`.
 pub fn plot_training(dir: &Path) -> Result<PathBuf> {
-    let rows: Vec<StepRecord> = read_jsonl(&dir.join("metrics.jsonl"))?;
+    let rows: Vec<StepRecord> = read_jsonl(&layout::metrics_file(dir))?;
     if rows.is_empty() {
-        bail!("{}: no steps to plot", dir.join("metrics.jsonl").display());
+        bail!("{}: no steps to plot", layout::metrics_file(dir).display());
     }
-    let out = dir.join("training.png");
+    let out = layout::training_plot(dir);
     draw(&out, &step_panels(&[("run".into(), rows)]), 3)?;
     Ok(out)
 }
@@ -265,7 +266,8 @@ pub fn plot_training(dir: &Path) -> Result<PathBuf> {
 /// `work/iterations.png`: held-out accuracy and invalid rate per iteration, the data's share of
 /// positives, and the per-step curves of every iteration's training.
 pub fn plot_iterations(work: &Path) -> Result<PathBuf> {
-    let table: Vec<IterationRecord> = read_jsonl(&work.join("iterations.jsonl"))?;
+    let run = LoopDir::new(work);
+    let table: Vec<IterationRecord> = read_jsonl(&run.table())?;
     let per_iter = |metric: fn(&IterationRecord) -> Option<f64>| -> Vec<(f64, f64)> {
         table.iter().map(|r| (r.iteration as f64, metric(r).unwrap_or(f64::NAN))).collect()
     };
@@ -282,13 +284,13 @@ pub fn plot_iterations(work: &Path) -> Result<PathBuf> {
     let mut runs = vec![];
     for r in table.iter().skip(1) {
         let i = r.iteration;
-        let m = work.join(format!("iter-{i}")).join("metrics.jsonl");
+        let m = run.iteration(i).metrics();
         if m.exists() {
             runs.push((format!("iteration {i}"), read_jsonl(&m)?));
         }
     }
     panels.extend(step_panels(&runs));
-    let out = work.join("iterations.png");
+    let out = run.plot();
     draw(&out, &panels, 3)?;
     Ok(out)
 }

@@ -385,12 +385,9 @@ fn sample_run(
 /// Whether `out` holds the whole data set `run` describes: its record equal to `run` and every
 /// completion there (anything unreadable: no).
 fn is_complete(out: &Path, run: &SampleRun) -> bool {
-    let saved =
-        std::fs::read_to_string(run_file(out)).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    let same = match (saved, serde_json::to_value(run)) {
-        (Some(a), Ok(b)) => crate::identity::differences(&a, &b, &[]).is_empty(),
-        _ => false,
-    };
+    let same = crate::stage::read_record(&run_file(out))
+        .and_then(|saved| crate::stage::changes(&saved, run, &[]))
+        .is_ok_and(|d| d.is_empty());
     same && read_dataset(out, false).is_ok_and(|(r, _)| r.len() == run.problems * run.samples_per_prompt)
 }
 
@@ -400,29 +397,20 @@ fn check_run(out: &Path, run: &SampleRun) -> Result<()> {
     let file = run_file(out);
     let started = std::fs::metadata(out).is_ok_and(|m| m.len() > 0);
     if started {
-        let text = std::fs::read_to_string(&file).with_context(|| {
+        let saved = crate::stage::read_record(&file).with_context(|| {
             format!(
                 "{} exists, and {} that records how it was sampled cannot be read (an older version, or another command, wrote it): use a new output file",
                 out.display(),
                 file.display()
             )
         })?;
-        let saved: serde_json::Value =
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
-        let mut differences = crate::identity::differences(&saved, &serde_json::to_value(run)?, &[]);
+        let mut differences = crate::stage::changes(&saved, run, &[])?;
         if differences.iter().any(|d| d.starts_with("prompts.")) {
             differences.push("(the problems or their prompts differ: another task, task seed, size, data file, prompt style or tokenizer)".into());
         }
-        if !differences.is_empty() {
-            bail!(crate::Refusal::ChangedSettings {
-                dir: out.to_path_buf(),
-                differences,
-                run: crate::Resumable::Sampling
-            });
-        }
-        return Ok(());
+        return crate::stage::refuse(out, crate::Resumable::Sampling, differences);
     }
-    crate::io::write_file(&file, serde_json::to_string_pretty(run)?)
+    crate::stage::write_record(&file, run)
 }
 
 /// The file shard `shard` of a data set `out` is sampled into when [`sample_parallel`] runs it
@@ -489,8 +477,7 @@ fn write_merged(mut parts: Vec<ShardPart>, names: &[String], out: &Path) -> Resu
     for (part, name) in parts.iter().zip(names) {
         let shard = part.run.shard.unwrap_or(Shard::WHOLE);
         let same = SampleRun { shard: None, ..part.run.clone() };
-        let differences =
-            crate::identity::differences(&serde_json::to_value(&whole)?, &serde_json::to_value(&same)?, &[]);
+        let differences = crate::stage::changes(&serde_json::to_value(&whole)?, &same, &[])?;
         if !differences.is_empty() {
             bail!("{name} and {} were sampled by different runs: {}", names[0], differences.join(", "));
         }
@@ -514,7 +501,7 @@ fn write_merged(mut parts: Vec<ShardPart>, names: &[String], out: &Path) -> Resu
         }
         Ok(())
     })?;
-    crate::io::write_file(&run_file(out), serde_json::to_string_pretty(&whole)?)?;
+    crate::stage::write_record(&run_file(out), &whole)?;
     Ok(written)
 }
 

@@ -351,3 +351,15 @@ pub fn prompt_ids(tok: &Tokenizer, style: &PromptStyle, p: &Problem) -> Result<V
         PromptStyle::FewShot(shots) => tok.prompt_ids(&few_shot_prompt(shots, p), false),
     }
 }
+/// The held-out problems of a loop or an evaluation on `task`: the first `n` of the GSM8K file
+/// `file` (malformed records skipped with `skip_bad`), or else, for the synthetic task, `n`
+/// synthetic problems of the task's difficulty from another seed than its training problems'.
+pub fn held_out(task: &TaskSpec, file: Option<&Path>, n: usize, skip_bad: bool) -> Result<Vec<Problem>> {
+    match (file, &task.source) {
+        (Some(p), _) => Ok(load_gsm8k(p, skip_bad)?.0.into_iter().take(n).collect()),
+        (None, Source::Synthetic { difficulty, .. }) => {
+            Ok(synthetic_problems(task.seed.wrapping_add(999_983), n, *difficulty))
+        }
+        (None, Source::Gsm8k(_)) => bail!("GSM8K held-out questions need a file (e.g. the test file)"),
+    }
+}

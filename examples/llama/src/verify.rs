@@ -29,10 +29,11 @@
 use crate::checkpoint::{self, Placement};
 use crate::eval::majority;
 use crate::generate::{self, Sampling};
+use crate::layout::VerifyDir;
 use crate::sample::{self, Sample, SampleSettings, SamplingRecord};
 use crate::settings::TrainSettings;
 use crate::shard::Shard;
-use crate::task::{self, Problem, PromptStyle, Source, TaskSpec, prompt_ids};
+use crate::task::{self, Problem, PromptStyle, TaskSpec, prompt_ids};
 use crate::tokenizer::Tokenizer;
 use crate::train;
 use anyhow::{Context, Result, bail};
@@ -185,17 +186,6 @@ pub struct VerifySummary {
     pub positive_fraction: f64,
 }
 
-/// The held-out problems: the file, else synthetic problems from another seed (as `iterate`).
-fn held_out(s: &VerifySettings) -> Result<Vec<Problem>> {
-    match (&s.eval_data, &s.task.source) {
-        (Some(p), _) => Ok(task::load_gsm8k(p, s.train.skip_bad_records)?.0.into_iter().take(s.eval_n).collect()),
-        (None, Source::Synthetic { difficulty, .. }) => {
-            Ok(task::synthetic_problems(s.task.seed.wrapping_add(999_983), s.eval_n, *difficulty))
-        }
-        (None, Source::Gsm8k(_)) => bail!("GSM8K held-out questions need a file (e.g. the test file)"),
-    }
-}
-
 /// Runs (or continues: finished stages are reused) the generative-verifier pipeline from the
 /// solver in `model`, loaded with `at`, in `s.work`; returns and writes its summary.
 pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySummary> {
@@ -205,9 +195,10 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     crate::io::refuse_overlap(model, &s.work, "work directory")?;
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     let (problems, style) = s.task.load()?;
-    let held = held_out(s)?;
+    let held = task::held_out(&s.task, s.eval_data.as_deref(), s.eval_n, s.train.skip_bad_records)?;
     // 1–2. The solver's graded solutions.
-    let (solutions, held_solutions) = (s.work.join("solutions.jsonl"), s.work.join("heldout-solutions.jsonl"));
+    let layout = VerifyDir::new(&s.work);
+    let (solutions, held_solutions) = layout.solutions();
     {
         let (m, tok) = checkpoint::open(model, at)?;
         for (path, probs, seed) in [(&solutions, &problems, s.seed), (&held_solutions, &held, s.seed.wrapping_add(1))] {
@@ -222,7 +213,7 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         }
     }
     // 3. The judge problems (solutions too long for the judge's context shown by their end).
-    let (judge_train, judge_held) = (s.work.join("judge-train.jsonl"), s.work.join("judge-heldout.jsonl"));
+    let (judge_train, judge_held) = layout.judge_problems();
     let held_samples = sample::read_dataset(&held_solutions, false)?.0;
     let cfg = crate::config::LlamaConfig::load(model)?;
     let tok = Tokenizer::load(model, &cfg)?;
@@ -276,14 +267,14 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         });
     }
     pb.finish_and_clear();
-    crate::io::write_atomic(&s.work.join("verify.jsonl"), |w| {
+    crate::io::write_atomic(&layout.questions(), |w| {
         for r in &rows {
             writeln!(w, "{}", serde_json::to_string(r)?)?;
         }
         Ok(())
     })?;
     let summary = summarize(&rows, s.k);
-    crate::io::write_file(&s.work.join("verify.json"), serde_json::to_string_pretty(&summary)?)?;
+    crate::io::write_file(&layout.summary(), serde_json::to_string_pretty(&summary)?)?;
     Ok(summary)
 }
 
@@ -299,8 +290,8 @@ fn train_round(
     problems: &[Problem],
     verdicts: &[Vec<i64>; 2],
 ) -> Result<PathBuf> {
-    let dir = s.work.join("verifier").join(format!("round-{round}"));
-    let (model_dir, done, data) = (dir.join("model"), dir.join("train.done.json"), dir.join("data.jsonl"));
+    let dir = VerifyDir::new(&s.work).round(round);
+    let (model_dir, done, data) = (dir.join("model"), crate::layout::done_file(&dir), dir.join("data.jsonl"));
     let settings = TrainSettings { resume: true, ..s.train.clone() };
     if done.exists() {
         // A finished round is reused only for the same inputs and training settings.
@@ -309,18 +300,13 @@ fn train_round(
             let cfg = crate::config::LlamaConfig::load(mu)?;
             let samples = train::load_data(&data, cfg.max_position_embeddings as usize, cfg.vocab_size, false)?;
             let record = train::RunRecord::new(mu, &data, &samples, &settings)?;
-            let differences = crate::identity::differences(
+            crate::stage::check(
                 &serde_json::to_value(&saved.record)?,
-                &serde_json::to_value(&record)?,
+                &record,
                 &[],
-            );
-            if !differences.is_empty() {
-                bail!(crate::Refusal::ChangedSettings {
-                    dir: s.work.clone(),
-                    differences,
-                    run: crate::Resumable::Iterations
-                });
-            }
+                &s.work,
+                crate::Resumable::Iterations,
+            )?;
         }
         return Ok(model_dir);
     }
@@ -368,7 +354,7 @@ fn train_round(
     let summary = train::run(&m, &samples, &settings, &record, &dir, None)?;
     checkpoint::save(&m, mu, &model_dir)?;
     train::finish(&dir);
-    crate::io::write_file(&done, serde_json::to_string(&RoundDone { record, summary })?)?;
+    crate::stage::write_done(&done, &RoundDone { record, summary })?;
     Ok(model_dir)
 }
 

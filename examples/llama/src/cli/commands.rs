@@ -177,9 +177,9 @@ pub fn sft_data(model: &ModelArgs, task: &TaskArgs, out: &Path, slip_rate: f64) 
 }
 
 pub fn plot(dir: &Path) -> Result<()> {
-    let path = if dir.join("iterations.jsonl").exists() {
+    let path = if topr_llama::layout::LoopDir::new(dir).table().exists() {
         plot::plot_iterations(dir)?
-    } else if dir.join("metrics.jsonl").exists() {
+    } else if topr_llama::layout::metrics_file(dir).exists() {
         plot::plot_training(dir)?
     } else {
         bail!("{} holds neither iterations.jsonl (iterate) nor metrics.jsonl (train)", dir.display());

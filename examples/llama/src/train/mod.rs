@@ -257,7 +257,8 @@ pub fn run(
             dir.display()
         );
     }
-    let mut metrics = if main { Some(MetricsLog::open(&dir.join("metrics.jsonl"), progress.step)?) } else { None };
+    let mut metrics =
+        if main { Some(MetricsLog::open(&crate::layout::metrics_file(dir), progress.step)?) } else { None };
     let pb = if main { progress_bar(plan.total, progress.step) } else { indicatif::ProgressBar::hidden() };
     for epoch in 0..o.epochs {
         for (step, batch) in plan.epoch(epoch, o.seed) {

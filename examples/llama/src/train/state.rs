@@ -112,11 +112,7 @@ impl StateDir {
                 self.path().display()
             );
         };
-        let differences =
-            crate::identity::differences(&serde_json::to_value(saved_run)?, &serde_json::to_value(run)?, &[]);
-        if !differences.is_empty() {
-            bail!(Refusal::ChangedSettings { dir: self.dir.clone(), differences, run: Resumable::Training });
-        }
+        crate::stage::check(&serde_json::to_value(saved_run)?, run, &[], &self.dir, Resumable::Training)?;
         Ok(Some(saved))
     }
 

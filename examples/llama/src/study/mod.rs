@@ -1,0 +1,388 @@
+//! `llama study`: the paper's claims tested over seeds, on the demo's task and model.
+//!
+//! For every seed the study builds its own shared stages once — a new model (`init`, seeded), the
+//! sloppy teacher's worked solutions and the supervised warm-up (the demo's stages 1–3, with the
+//! seed in the model's initialisation and in the problems) — then runs each *arm* (an objective
+//! and its baseline) as an `iterate` loop from that warm-up, with the seed's own training and
+//! held-out questions. Every arm of every seed is a directory of its own; a killed study resumes
+//! where it stopped (finished stages are reused, an interrupted `iterate` continues).
+//!
+//! A *claim* groups the arms it compares ([`Claim::arms`]); arms shared by several claims run
+//! once. After each arm the study rewrites `study.jsonl` (one [`StudyRow`] per claim, arm, seed
+//! and iteration), `study.md` (a table per claim: mean and standard error over seeds, and the
+//! paired difference of each arm to the claim's reference arm) and `claim-NAME.png`.
+//!
+//! The study is three rooms: [`claims`] (what is tested: the claims and their arms), this
+//! module (running them: the seeds' stages and the arms' loops) and [`report`] (the tables and
+//! plots, from the records of what ran).
+
+pub mod claims;
+pub mod report;
+
+pub use claims::{
+    Arm, COMPOSITION_P_TILDES, COMPOSITION_RAW_SHARES, Claim, ITERATED_ITERATIONS, LEARNING_RATES,
+    SAME_TIME_ITERATIONS, SAMPLED_K,
+};
+pub use report::{SampledRow, StudyRow, VerifierRow, report, rows, sampled_rows, verifier_rows};
+
+use crate::checkpoint::Placement;
+use crate::demo::{self, Recipe, Scale};
+use crate::iterate;
+use crate::layout::{SeedDir, StudyDir};
+use crate::settings::{IterateSettings, TrainSettings};
+use crate::verify::{self, VerifySettings};
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+/// What a study runs.
+#[derive(Debug, Clone)]
+pub struct StudySettings {
+    pub work: PathBuf,
+    pub claims: Vec<Claim>,
+    pub seeds: Vec<u64>,
+    pub scale: Scale,
+    pub at: Placement,
+}
+
+/// Runs (or continues) the study; rewrites its tables and plots after every arm.
+pub fn run(s: &StudySettings) -> Result<()> {
+    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
+    let _lock = crate::io::Lock::dir(&s.work)?;
+    let t0 = std::time::Instant::now();
+    // Each arm once; one that several claims share runs the most iterations any of them needs.
+    let mut arms: Vec<Arm> = vec![];
+    for c in &s.claims {
+        for a in c.arms() {
+            match arms.iter_mut().find(|b| b.name == a.name) {
+                Some(b) => b.iterations = Some(b.iterations(s.scale.iterations).max(a.iterations(s.scale.iterations))),
+                None => arms.push(a),
+            }
+        }
+    }
+    let total = arms.len() * s.seeds.len();
+    let mut done = 0;
+    for &seed in &s.seeds {
+        let dir = seed_dir(&s.work, seed);
+        // Each recipe's warm-up is made once per seed, when an arm (or the verifier) first needs it.
+        let warm = |recipe: Recipe| demo::warm_up_with(&warm_up_dir(&dir, recipe), s.scale, seed, s.at, recipe);
+        for arm in &arms {
+            eprintln!(
+                "[study {:.0} s] seed {seed}, arm {} ({}/{total})",
+                t0.elapsed().as_secs_f64(),
+                arm.name,
+                done + 1
+            );
+            let (warm_model, settings) = (warm(arm.recipe)?, arm_settings(&dir, s.scale, seed, arm)?);
+            iterate::run(&warm_model, s.at, &settings, None)?;
+            for c in s.claims.iter().filter(|c| c.arms().iter().any(|a| a.name == arm.name)) {
+                if let Some(k) = c.sampled_k() {
+                    for i in [0, c.iterations(s.scale.iterations)] {
+                        iterate::evaluate_sampled(&warm_model, s.at, &settings, i, k)?;
+                    }
+                }
+            }
+            done += 1;
+            report(s)?;
+        }
+        if s.claims.contains(&Claim::Verifier) {
+            eprintln!("[study {:.0} s] seed {seed}, the verifier", t0.elapsed().as_secs_f64());
+            verify::run(&warm(Recipe::Sloppy)?, s.at, &verifier_settings(&dir, s.scale, seed)?)?;
+            report(s)?;
+        }
+    }
+    eprintln!("[study {:.0} s] done: {}", t0.elapsed().as_secs_f64(), StudyDir::new(&s.work).report().display());
+    Ok(())
+}
+
+/// The `iterate` settings of `arm` for `seed`: the demo's TOPR iterations with the arm's
+/// objective and baseline.
+fn arm_settings(dir: &SeedDir, scale: Scale, seed: u64, arm: &Arm) -> Result<IterateSettings> {
+    let base = demo::topr_settings()?;
+    let train = TrainSettings {
+        objective: arm.objective,
+        baseline: arm.baseline,
+        epochs: arm.epochs,
+        max_grad_norm: arm.max_grad_norm,
+        lr: arm.lr,
+        seed,
+        ..base
+    };
+    // Every arm of a seed starts from its warm-up with the same questions and sampling: the
+    // initial evaluation and the first data set are made once, in `shared`.
+    Ok(IterateSettings {
+        curate: arm.curate,
+        iterations: arm.iterations(scale.iterations),
+        shared: Some(dir.shared()),
+        ..demo::iterate_settings(dir.arm(&arm.name).path().to_path_buf(), scale, seed, train)
+    })
+}
+
+/// The verifier's pipeline for `seed`, from the warm model: the demo's training questions and
+/// sampling, k = 4 solutions a question, two rounds of the judge's TOPR training (the demo's TOPR
+/// settings), the arms' held-out questions.
+pub fn verifier_settings(dir: &SeedDir, scale: Scale, seed: u64) -> Result<VerifySettings> {
+    let it = demo::iterate_settings(dir.verifier(), scale, seed, demo::topr_settings()?);
+    Ok(VerifySettings {
+        task: it.task,
+        eval_data: None,
+        eval_n: scale.eval_n,
+        k: 4,
+        sampling: it.sampling,
+        train: TrainSettings { seed, ..it.train },
+        judge_iterations: 2,
+        batch_prompts: 16,
+        seed: seed as i64,
+        work: dir.verifier(),
+    })
+}
+
+/// The seeds `0..n`.
+pub fn seeds(n: usize) -> Vec<u64> {
+    (0..n as u64).collect()
+}
+
+/// Where a seed's warm-up of `recipe` lives: the seed's folder for the demo's, a sub-folder
+/// `natural/` for the natural task's.
+pub fn warm_up_dir(seed_dir: &SeedDir, recipe: Recipe) -> PathBuf {
+    match recipe {
+        Recipe::Sloppy => seed_dir.path().to_path_buf(),
+        Recipe::Natural => seed_dir.natural(),
+        Recipe::SloppyFresh => seed_dir.fresh(),
+    }
+}
+
+/// Where the study of `work` keeps the stages of `seed`.
+pub fn seed_dir(work: &Path, seed: u64) -> SeedDir {
+    StudyDir::new(work).seed(seed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report::{step_gains, training_panels};
+    use super::*;
+    use crate::settings::Objective;
+
+    #[test]
+    fn claims_parse_and_share_the_topr_arm() {
+        for c in Claim::ALL {
+            assert_eq!(Claim::parse(c.name()), Some(c));
+            assert_eq!(c.arms().is_empty(), c == Claim::Verifier);
+        }
+        assert_eq!(Claim::Negatives.arms()[0], Claim::Degeneration.arms()[0]);
+        assert_eq!(Claim::parse("stability"), None);
+    }
+
+    #[test]
+    fn composition_crosses_raw_shares_with_p_tildes() {
+        let arms = Claim::Composition.arms();
+        assert_eq!(arms.len(), COMPOSITION_RAW_SHARES.len() * COMPOSITION_P_TILDES.len());
+        for raw in COMPOSITION_RAW_SHARES {
+            for p in COMPOSITION_P_TILDES {
+                let arm = arms.iter().find(|a| a.raw_share() == Some(raw) && a.p_tilde() == Some(p)).unwrap();
+                assert_eq!(arm.name, format!("topr-p{p}-raw{raw}"));
+            }
+        }
+        // Names are distinct, and none is the seed's shared folder.
+        let all: Vec<Arm> = Claim::ALL.into_iter().flat_map(|c| c.arms()).collect();
+        assert!(all.iter().all(|a| !SeedDir::RESERVED.contains(&a.name.as_str())));
+        // The natural task's arms start from its own warm-up.
+        let natural = Claim::Natural.arms();
+        assert_eq!(natural.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["natural-topr-p0.5", "natural-sft"]);
+        assert!(natural.iter().all(|a| a.recipe == Recipe::Natural));
+        assert!(
+            all.iter()
+                .filter(|a| !a.name.starts_with("natural-") && !a.name.starts_with("fresh-"))
+                .all(|a| a.recipe == Recipe::Sloppy)
+        );
+        assert!(all.iter().filter(|a| a.name.starts_with("fresh-")).all(|a| a.recipe == Recipe::SloppyFresh));
+        let mut names: Vec<&str> = all.iter().map(|a| a.name.as_str()).collect();
+        names.sort();
+        names.dedup();
+        for n in &names {
+            let same: Vec<&Arm> = all.iter().filter(|a| a.name == *n).collect();
+            // Arms of one name differ at most in their iterations (a loop may be continued).
+            let settings = |a: &Arm| Arm { iterations: None, ..a.clone() };
+            assert!(same.windows(2).all(|w| settings(w[0]) == settings(w[1])), "two different arms named {n}");
+        }
+    }
+
+    #[test]
+    fn the_iterated_claim_continues_the_demo_arm_for_its_own_iterations() {
+        let arms = Claim::Iterated.arms();
+        assert_eq!(arms.len(), 1);
+        assert_eq!(arms[0].name, Claim::Negatives.arms()[0].name);
+        assert_eq!(Claim::Iterated.iterations(2), ITERATED_ITERATIONS);
+        assert_eq!(Claim::Negatives.iterations(2), 2);
+        assert_eq!(Claim::Verifier.iterations(3), 3);
+        // One data set sampled once: the off-policy and composition claims run one iteration.
+        assert_eq!(Claim::OffPolicy.iterations(2), 1);
+        assert_eq!(Claim::Composition.iterations(3), 1);
+        let dir = &SeedDir::new("/nonexistent/seed-0");
+        let it = arm_settings(dir, Scale::quick(), 0, &arms[0]).unwrap();
+        assert_eq!(it.iterations, ITERATED_ITERATIONS);
+        let neg = arm_settings(dir, Scale::quick(), 0, &Claim::Negatives.arms()[0]).unwrap();
+        assert_eq!(neg.iterations, Scale::quick().iterations);
+        // The same loop, but for its length: the iterated claim continues the negatives claim's run.
+        assert_eq!(IterateSettings { iterations: 0, ..it }, IterateSettings { iterations: 0, ..neg });
+    }
+
+    #[test]
+    fn the_off_policy_baseline_claim_holds_the_baseline_and_the_setting_equal() {
+        let arms = Claim::OffPolicyBaseline.arms();
+        assert_eq!(
+            arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["topr-offpolicy", "tis-p0.5-offpolicy", "reinforce-p0.5-offpolicy"]
+        );
+        // Its TOPR arm is the off-policy claim's (run once for both).
+        assert_eq!(arms[0], Claim::OffPolicy.arms()[0]);
+        for a in &arms {
+            assert_eq!(a.p_tilde(), Some(demo::DEMO_P_TILDE), "{}", a.name);
+            assert_eq!(
+                Arm { name: String::new(), objective: Objective::Topr, ..a.clone() },
+                Arm { name: String::new(), ..arms[0].clone() }
+            );
+        }
+        assert_eq!((arms[1].objective, arms[2].objective), (Objective::Tis, Objective::Reinforce));
+        assert_eq!(Claim::OffPolicyBaseline.iterations(2), 1);
+    }
+
+    #[test]
+    fn the_fresh_warm_up_takes_the_demo_warm_ups_steps_on_twice_the_problems() {
+        let full = Scale::full();
+        let (fresh, sloppy) = (Recipe::SloppyFresh, Recipe::Sloppy);
+        assert_eq!((fresh.sft_problems(full), fresh.sft_epochs(full)), (8000, 2));
+        assert_eq!((sloppy.sft_problems(full), sloppy.sft_epochs(full)), (4000, 4));
+        assert_eq!(fresh.slip_rate(), sloppy.slip_rate());
+        // One epoch stays one epoch (the quick scale), on as many problems.
+        let quick = Scale::quick();
+        assert_eq!((fresh.sft_problems(quick), fresh.sft_epochs(quick)), (quick.sft_problems, 1));
+        let arms = Claim::WarmUpData.arms();
+        assert_eq!(arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["topr-p0.5", "fresh-topr-p0.5"]);
+        assert_eq!(
+            Arm { name: String::new(), recipe: Recipe::Sloppy, ..arms[1].clone() },
+            Arm { name: String::new(), ..arms[0].clone() }
+        );
+        let seed = Path::new("/s/seed-3");
+        assert_eq!(warm_up_dir(&SeedDir::new(seed), fresh), seed.join("fresh"));
+    }
+
+    #[test]
+    fn the_learning_rate_claim_changes_only_the_rate_of_the_demo_arm() {
+        let arms = Claim::LearningRate.arms();
+        assert_eq!(
+            arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["topr-p0.5", "topr-p0.5-lr0.00003", "topr-p0.5-lr0.0003", "topr-p0.5-lr0.001"]
+        );
+        assert_eq!(SAME_TIME_ITERATIONS, Scale::full().iterations);
+        assert_eq!(Claim::LearningRate.iterations(2), Scale::full().iterations);
+        let dir = &SeedDir::new("/nonexistent/seed-0");
+        let demo = arm_settings(dir, Scale::full(), 0, &Claim::Negatives.arms()[0]).unwrap();
+        for (arm, lr) in arms.iter().zip([demo::DEMO_LR, 3e-5, 3e-4, 1e-3]) {
+            let it = arm_settings(dir, Scale::full(), 0, arm).unwrap();
+            assert_eq!(it.train.lr, lr);
+            // The same loop but for the rate, the folder and the length.
+            let same = |s: &IterateSettings| IterateSettings {
+                iterations: 0,
+                work: PathBuf::new(),
+                train: TrainSettings { lr: 0.0, ..s.train.clone() },
+                ..s.clone()
+            };
+            assert_eq!(same(&it), same(&demo));
+        }
+    }
+
+    #[test]
+    fn sampled_rows_count_correct_samples_per_question() {
+        let dir = std::env::temp_dir().join(format!("study_sampled_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let q = |id: &str, answers: [Option<f64>; 2]| crate::eval::QuestionResult {
+            id: id.into(),
+            question: String::new(),
+            reference: 3.0,
+            greedy_completion: String::new(),
+            greedy_answer: None,
+            greedy_correct: false,
+            greedy_invalid: true,
+            greedy_tokens: 0,
+            sample_correct: answers.iter().map(|a| *a == Some(3.0)).collect(),
+            sample_answers: answers.to_vec(),
+        };
+        // Two samples each: both right; one right, one invalid; both wrong with the same answer.
+        let lines: String = [q("a", [Some(3.0), Some(3.0)]), q("b", [Some(3.0), None]), q("c", [Some(4.0), Some(4.0)])]
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap() + "\n")
+            .collect();
+        let file = dir.join("q.jsonl");
+        std::fs::write(&file, lines).unwrap();
+        let r = SampledRow::read(Claim::Negatives, "sft", 3, 2, 2, &file).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(r.pass1_sampled, 0.5), "{r:?}"); // (1 + 0.5 + 0) / 3
+        assert!(close(r.maj_at_k, 2.0 / 3.0), "{r:?}"); // a and b (b's only valid answer is right)
+        assert!(close(r.pass_at_k, 2.0 / 3.0), "{r:?}");
+        assert!(close(r.invalid_sampled, 1.0 / 6.0), "{r:?}");
+        assert!(close(r.none_correct, 1.0 / 3.0), "{r:?}");
+        assert!(close(r.at_most_one_correct, 2.0 / 3.0), "{r:?}");
+        assert_eq!((r.questions, r.k, r.seed, r.iteration), (3, 2, 3, 2));
+        // A file of another k is refused.
+        assert!(SampledRow::read(Claim::Negatives, "sft", 3, 2, 8, &file).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn training_panels_average_finished_seeds_per_step() {
+        let work = std::env::temp_dir().join(format!("study_training_{}", std::process::id()));
+        let arm = &Claim::OffPolicy.arms()[0];
+        let step = |step: usize, log_ratio: f64, grad_norm: f64| crate::metrics::StepRecord {
+            baseline: 0.0,
+            epoch: 0,
+            grad_norm,
+            lr: 1e-4,
+            p_tilde: None,
+            stats: crate::metrics::StepStats { log_ratio_mean: log_ratio, ..Default::default() },
+            step,
+        };
+        // Seeds 0 and 1 finished, seed 2 unfinished (ignored).
+        for (seed, rows, done) in [
+            (0, vec![step(1, 0.0, 1.0), step(2, -1.0, 100.0)], true),
+            (1, vec![step(1, 0.0, 10.0), step(2, -3.0, 1000.0)], true),
+            (2, vec![step(1, -50.0, 1e9)], false),
+        ] {
+            let dir = seed_dir(&work, seed).arm(&arm.name).iteration(1).path().to_path_buf();
+            std::fs::create_dir_all(&dir).unwrap();
+            let text: String = rows.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect();
+            std::fs::write(dir.join("metrics.jsonl"), text).unwrap();
+            if done {
+                std::fs::write(dir.join("train.done.json"), "{}").unwrap();
+            }
+        }
+        let s = StudySettings {
+            work: work.clone(),
+            claims: vec![Claim::OffPolicy],
+            seeds: seeds(3),
+            scale: Scale::quick(),
+            at: Placement::f32(tch::Device::Cpu),
+        };
+        let panels = training_panels(&s, std::slice::from_ref(arm)).unwrap();
+        assert_eq!(panels[0].series[0].points, vec![(1.0, 0.0), (2.0, -2.0)]);
+        assert_eq!(panels[1].series[0].points, vec![(1.0, 0.5), (2.0, 2.5)]);
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    #[test]
+    fn step_gains_are_paired_differences_over_the_seeds_that_have_both() {
+        let arms = vec![Arm::topr(0.5)];
+        // seed 0: 0.1, 0.2, 0.4; seed 1: 0.1, 0.3 (iteration 2 missing).
+        let acc = |_: &str, seed: u64, i: usize| match (seed, i) {
+            (0, 0) | (1, 0) => Some(0.1),
+            (0, 1) => Some(0.2),
+            (0, 2) => Some(0.4),
+            (1, 1) => Some(0.3),
+            _ => None,
+        };
+        let mut md = String::new();
+        step_gains(&mut md, &arms, &[0, 1], 2, acc).unwrap();
+        // 0 → 1: mean of 0.1 and 0.2 with SE 0.05; 1 → 2: seed 0 only.
+        assert!(md.contains("| topr-p0.5 | 0.150 ± 0.050 | 0.200 (one seed) |"), "{md}");
+        assert!(md.contains("| arm | 0 → 1 | 1 → 2 |"), "{md}");
+    }
+}

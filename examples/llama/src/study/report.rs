@@ -1,0 +1,549 @@
+//! The study's report, read from the records of what ran: `study.jsonl` (one [`StudyRow`] per
+//! claim, arm, seed and iteration), `study-sampled.jsonl` ([`SampledRow`]), `verifier.jsonl`
+//! ([`VerifierRow`]), `study.md` (a table per claim: mean and standard error over seeds, and the
+//! paired difference of each arm to the claim's reference arm) and one `claim-NAME.png` per
+//! claim.
+
+use super::StudySettings;
+use super::claims::{Arm, Claim};
+use crate::layout::StudyDir;
+use crate::metrics::{IterationRecord, read_jsonl};
+use crate::plot::{Panel, Series};
+use crate::stats::mean_se;
+use crate::verify::VerifySummary;
+use anyhow::{Context, Result};
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// One line of `study.jsonl`: an arm's held-out result at one iteration for one seed.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StudyRow {
+    pub claim: Claim,
+    pub arm: String,
+    pub seed: u64,
+    pub iteration: usize,
+    /// Greedy pass@1 on the seed's held-out problems.
+    pub accuracy: f64,
+    pub invalid_rate: f64,
+    /// The share of positives in the data the iteration trained on (absent for iteration 0).
+    pub data_positive_fraction: Option<f64>,
+    /// Held-out problems.
+    pub eval_n: usize,
+}
+
+/// One line of `study-sampled.jsonl`: the sampled evaluation ([`Claim::sampled_k`]) of an arm's
+/// model at one iteration (0: the initial model) for one seed, from its per-question results.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SampledRow {
+    pub claim: Claim,
+    pub arm: String,
+    pub seed: u64,
+    pub iteration: usize,
+    /// Samples a question.
+    pub k: usize,
+    /// The mean share of correct samples.
+    pub pass1_sampled: f64,
+    /// The share of questions whose most common sampled answer is correct.
+    pub maj_at_k: f64,
+    /// The share of questions with at least one correct sample.
+    pub pass_at_k: f64,
+    /// The share of samples with no answer.
+    pub invalid_sampled: f64,
+    /// The share of questions none of whose samples is correct.
+    pub none_correct: f64,
+    /// The share of questions with at most one correct sample.
+    pub at_most_one_correct: f64,
+    /// Held-out questions.
+    pub questions: usize,
+}
+
+impl SampledRow {
+    /// The row of the per-question results in `questions` (`eval`'s lines, `k` samples each).
+    pub(super) fn read(
+        claim: Claim,
+        arm: &str,
+        seed: u64,
+        iteration: usize,
+        k: usize,
+        questions: &Path,
+    ) -> Result<Self> {
+        let results: Vec<crate::eval::QuestionResult> = read_jsonl(questions)?;
+        let n = results.len().max(1) as f64;
+        let share = |f: &dyn Fn(&crate::eval::QuestionResult) -> f64| results.iter().map(f).sum::<f64>() / n;
+        let correct = |r: &crate::eval::QuestionResult| r.sample_correct.iter().filter(|c| **c).count();
+        if let Some(r) = results.iter().find(|r| r.sample_correct.len() != k) {
+            anyhow::bail!("{}: question {} has {} samples, not {k}", questions.display(), r.id, r.sample_correct.len());
+        }
+        Ok(Self {
+            claim,
+            arm: arm.into(),
+            seed,
+            iteration,
+            k,
+            pass1_sampled: share(&|r| correct(r) as f64 / k as f64),
+            maj_at_k: share(&|r| {
+                f64::from(u8::from(crate::task::is_correct(crate::eval::majority(&r.sample_answers), r.reference)))
+            }),
+            pass_at_k: share(&|r| f64::from(u8::from(correct(r) > 0))),
+            invalid_sampled: share(&|r| r.sample_answers.iter().filter(|a| a.is_none()).count() as f64 / k as f64),
+            none_correct: share(&|r| f64::from(u8::from(correct(r) == 0))),
+            at_most_one_correct: share(&|r| f64::from(u8::from(correct(r) <= 1))),
+            questions: results.len(),
+        })
+    }
+}
+
+/// The sampled evaluations made so far, for the claims that have one.
+pub fn sampled_rows(s: &StudySettings) -> Result<Vec<SampledRow>> {
+    let mut out = vec![];
+    for c in &s.claims {
+        let Some(k) = c.sampled_k() else { continue };
+        let last = c.iterations(s.scale.iterations);
+        for arm in c.arms() {
+            for &seed in &s.seeds {
+                let work = StudyDir::new(&s.work).arm(seed, &arm.name);
+                for i in [0, last] {
+                    let file = work.sampled_eval(i, k);
+                    let questions = crate::layout::questions_file(&file);
+                    if file.exists() && questions.exists() {
+                        out.push(SampledRow::read(*c, &arm.name, seed, i, k, &questions)?);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One column of the sampled evaluation's table: a value of a row.
+type Metric = fn(&SampledRow) -> f64;
+
+/// The sampled evaluation's table of claim `c`: the initial model, each arm at the last
+/// iteration, and each other arm's paired difference to the first.
+fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySettings) -> Result<()> {
+    let (Some(k), arms) = (c.sampled_k(), c.arms()) else { return Ok(()) };
+    let last = c.iterations(s.scale.iterations);
+    let mine: Vec<&SampledRow> = rows.iter().filter(|r| r.claim == c).collect();
+    if mine.is_empty() {
+        return Ok(());
+    }
+    let metrics: [(&str, Metric); 6] = [
+        ("pass@1 (sampled)", |r| r.pass1_sampled),
+        ("maj@k", |r| r.maj_at_k),
+        ("pass@k", |r| r.pass_at_k),
+        ("invalid samples", |r| r.invalid_sampled),
+        ("no correct sample", |r| r.none_correct),
+        ("at most one correct", |r| r.at_most_one_correct),
+    ];
+    writeln!(
+        md,
+        "Sampled evaluation: {k} samples a question at the sampling temperature, on the same held-out \
+         questions (mean ± SE over seeds; k = {k}):\n"
+    )?;
+    let mut header = "| model | seeds |".to_string();
+    for (name, _) in &metrics {
+        write!(header, " {name} |")?;
+    }
+    writeln!(md, "{header}\n|{}", "---|".repeat(metrics.len() + 2))?;
+    let at = |arm: &str, i: usize| -> Vec<&SampledRow> {
+        mine.iter().copied().filter(|r| r.arm == arm && r.iteration == i).collect()
+    };
+    let mut line = |label: String, v: Vec<Vec<f64>>| -> Result<()> {
+        let mut l = format!("| {label} | {} |", v.first().map_or(0, Vec::len));
+        for m in &v {
+            write!(l, " {} |", fmt(mean_se(m)))?;
+        }
+        writeln!(md, "{l}")?;
+        Ok(())
+    };
+    let values = |rs: &[&SampledRow]| metrics.iter().map(|(_, f)| rs.iter().map(|r| f(r)).collect()).collect();
+    line("initial model".into(), values(&at(&arms[0].name, 0)))?;
+    for arm in &arms {
+        line(format!("{} at iteration {last}", arm.name), values(&at(&arm.name, last)))?;
+    }
+    let first = at(&arms[0].name, last);
+    for arm in arms.iter().skip(1) {
+        let paired: Vec<(&SampledRow, &SampledRow)> = at(&arm.name, last)
+            .into_iter()
+            .filter_map(|r| Some((r, *first.iter().find(|f| f.seed == r.seed)?)))
+            .collect();
+        let diffs = metrics.iter().map(|(_, f)| paired.iter().map(|(a, b)| f(a) - f(b)).collect()).collect();
+        line(format!("{} − {}, paired", arm.name, arms[0].name), diffs)?;
+    }
+    writeln!(md)?;
+    Ok(())
+}
+
+/// One seed's verifier result, a line of `verifier.jsonl`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VerifierRow {
+    pub seed: u64,
+    pub summary: VerifySummary,
+}
+
+/// The verifier results of the seeds that have one.
+pub fn verifier_rows(s: &StudySettings) -> Result<Vec<VerifierRow>> {
+    let mut out = vec![];
+    for &seed in &s.seeds {
+        let path = StudyDir::new(&s.work).verifier_dir(seed).summary();
+        if path.exists() {
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let summary = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+            out.push(VerifierRow { seed, summary });
+        }
+    }
+    Ok(out)
+}
+
+/// The verifier claim's section of `study.md` and its plot.
+fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
+    let rows = verifier_rows(s)?;
+    let mut jsonl = String::new();
+    for r in &rows {
+        writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
+    }
+    write_text(&StudyDir::new(&s.work).verifier_table(), &jsonl)?;
+    let c = Claim::Verifier;
+    writeln!(
+        md,
+        "## {}
+
+{}
+",
+        c.name(),
+        c.question()
+    )?;
+    writeln!(
+        md,
+        "{}",
+        concat!(
+            "Each cell: mean ± standard error over seeds of the held-out share (k = 4 solutions per question, ",
+            "the seeds' warm models, two TOPR rounds of the judge on both verdicts of its own training solutions). ",
+            "`SE questions`: the mean over seeds of each seed's standard error over its questions.\n"
+        )
+    )?;
+    writeln!(
+        md,
+        "| measure | seeds | mean ± SE over seeds | SE questions |
+|---|---|---|---|"
+    )?;
+    type Pick = fn(&VerifySummary) -> crate::verify::Estimate;
+    let measures: [(&str, Pick); 6] = [
+        ("pass@1 (a sampled solution)", |v| v.pass1),
+        ("maj@k (majority vote)", |v| v.maj_at_k),
+        ("verifier@k (its pick)", |v| v.verifier_at_k),
+        ("pass@k (oracle)", |v| v.pass_at_k),
+        ("verifier − majority (paired)", |v| v.verifier_minus_majority),
+        ("judgement accuracy", |v| v.judgement_accuracy),
+    ];
+    let mut series = vec![];
+    for (name, pick) in measures {
+        let v: Vec<f64> = rows.iter().map(|r| pick(&r.summary).mean).collect();
+        let se_q: Vec<f64> = rows.iter().map(|r| pick(&r.summary).se).collect();
+        writeln!(
+            md,
+            "| {name} | {} | {} | {} |",
+            v.len(),
+            fmt(mean_se(&v)),
+            fmt((mean_se(&se_q).0, f64::NAN)).replace(" (one seed)", "")
+        )?;
+        if !name.starts_with("verifier −") && !name.starts_with("judgement") {
+            series.push(Series {
+                label: name.split(' ').next().unwrap_or(name).to_string(),
+                points: rows.iter().map(|r| (r.seed as f64, pick(&r.summary).mean)).collect(),
+            });
+        }
+    }
+    let base: Vec<f64> = rows.iter().map(|r| r.summary.positive_fraction).collect();
+    writeln!(
+        md,
+        "| correct among judged (base rate) | {} | {} | |
+",
+        base.len(),
+        fmt(mean_se(&base))
+    )?;
+    let png = StudyDir::new(&s.work).claim_plot(c.name());
+    let panels = [Panel {
+        title: "verifier: held-out accuracy of each pick, per seed".into(),
+        x: "seed".into(),
+        y: "share of questions".into(),
+        series,
+    }];
+    crate::plot::report("study", || {
+        crate::plot::draw(&png, &panels, 1)?;
+        Ok(png.clone())
+    });
+    writeln!(
+        md,
+        "![verifier](claim-verifier.png)
+"
+    )?;
+    Ok(())
+}
+
+/// The rows of every finished iteration of the study's runs.
+pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
+    let mut out = vec![];
+    for c in &s.claims {
+        for arm in c.arms() {
+            for &seed in &s.seeds {
+                let path = StudyDir::new(&s.work).arm(seed, &arm.name).table();
+                if !path.exists() {
+                    continue;
+                }
+                let table: Vec<IterationRecord> = read_jsonl(&path)?;
+                // An arm shared with a claim of more iterations has rows this claim does not show.
+                let last = c.iterations(s.scale.iterations);
+                out.extend(table.into_iter().filter(|r| r.iteration <= last).map(|r| StudyRow {
+                    claim: *c,
+                    arm: arm.name.clone(),
+                    seed,
+                    iteration: r.iteration,
+                    accuracy: r.accuracy,
+                    invalid_rate: r.invalid_rate,
+                    data_positive_fraction: r.data_positive_fraction,
+                    eval_n: s.scale.eval_n,
+                }));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn fmt(ms: (f64, f64)) -> String {
+    match (ms.0.is_nan(), ms.1.is_nan()) {
+        (true, _) => "–".into(),
+        (false, true) => format!("{:.3} (one seed)", ms.0),
+        (false, false) => format!("{:.3} ± {:.3}", ms.0, ms.1),
+    }
+}
+
+/// `study.jsonl`, `study.md` and one plot per claim, from the finished iterations.
+pub fn report(s: &StudySettings) -> Result<()> {
+    let rows = rows(s)?;
+    let mut jsonl = String::new();
+    for r in &rows {
+        writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
+    }
+    let dir = StudyDir::new(&s.work);
+    write_text(&dir.table(), &jsonl)?;
+    let sampled = sampled_rows(s)?;
+    if !sampled.is_empty() {
+        let mut lines = String::new();
+        for r in &sampled {
+            writeln!(lines, "{}", serde_json::to_string(r)?)?;
+        }
+        write_text(&dir.sampled_table(), &lines)?;
+    }
+    let mut md = String::new();
+    writeln!(
+        md,
+        "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own\n",
+        s.seeds.len(),
+        s.scale.eval_n,
+        s.scale.iterations
+    )?;
+    writeln!(
+        md,
+        "Each cell: mean ± standard error over seeds of the greedy held-out accuracy (the seeds' \
+         own model initialisation, warm-up data, training questions and held-out questions). \
+         `gain`: last iteration minus iteration 0, per seed. `vs first`: the paired difference to \
+         the claim's first arm at the last iteration, per seed. `SE questions`: the binomial \
+         standard error of the pooled accuracy over all seeds' questions.\n"
+    )?;
+    for c in &s.claims {
+        if *c == Claim::Verifier {
+            verifier_section(s, &mut md)?;
+            continue;
+        }
+        writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
+        let iters = c.iterations(s.scale.iterations);
+        let mut header = "| arm | seeds |".to_string();
+        for i in 0..=iters {
+            write!(header, " iteration {i} |")?;
+        }
+        writeln!(md, "{header} gain | vs first | invalid at last | positives in data (it. 1) | SE questions (last) |")?;
+        writeln!(md, "|{}", "---|".repeat(iters + 8))?;
+        let arms = c.arms();
+        let at = |arm: &str, seed: u64, i: usize| -> Option<&StudyRow> {
+            rows.iter().find(|r| r.claim == *c && r.arm == arm && r.seed == seed && r.iteration == i)
+        };
+        let mut panels_acc = vec![];
+        let mut panels_inv = vec![];
+        // Raw share of positives -> (p̃, mean accuracy at the last iteration), for the
+        // composition claim's accuracy-against-p̃ panel.
+        let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
+        for arm in &arms {
+            let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
+            let mut line = format!("| {} | {} |", arm.name, seeds.len());
+            let mut acc_points = vec![];
+            let mut inv_points = vec![];
+            for i in 0..=iters {
+                let v: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
+                let w: Vec<f64> =
+                    s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
+                write!(line, " {} |", fmt(mean_se(&v)))?;
+                if !v.is_empty() {
+                    acc_points.push((i as f64, mean_se(&v).0));
+                    inv_points.push((i as f64, mean_se(&w).0));
+                }
+            }
+            let gain: Vec<f64> = seeds
+                .iter()
+                .filter_map(|&sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arm.name, sd, 0)?.accuracy))
+                .collect();
+            let vs: Vec<f64> = seeds
+                .iter()
+                .filter_map(|&sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arms[0].name, sd, iters)?.accuracy))
+                .collect();
+            let invalid: Vec<f64> =
+                seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.invalid_rate).collect();
+            let last: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.accuracy).collect();
+            let positives: Vec<f64> =
+                seeds.iter().filter_map(|&sd| at(&arm.name, sd, 1)?.data_positive_fraction).collect();
+            let pooled = mean_se(&last).0;
+            if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
+                composition.entry(format!("{raw}")).or_default().push((p, pooled));
+            }
+            let n_q = (last.len() * s.scale.eval_n) as f64;
+            let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
+            writeln!(
+                md,
+                "{line} {} | {} | {} | {} | {} |",
+                fmt(mean_se(&gain)),
+                if arm == &arms[0] { "—".into() } else { fmt(mean_se(&vs)) },
+                fmt(mean_se(&invalid)),
+                fmt(mean_se(&positives)),
+                if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
+            )?;
+            panels_acc.push(Series { label: arm.name.clone(), points: acc_points });
+            panels_inv.push(Series { label: arm.name.clone(), points: inv_points });
+        }
+        writeln!(md)?;
+        sampled_section(&mut md, *c, &sampled, s)?;
+        if iters >= 3 {
+            step_gains(&mut md, &arms, &s.seeds, iters, |arm, seed, i| at(arm, seed, i).map(|r| r.accuracy))?;
+        }
+        let png = dir.claim_plot(c.name());
+        let mut panels = vec![
+            Panel {
+                title: format!("{}: held-out accuracy (mean over seeds)", c.name()),
+                x: "iteration".into(),
+                y: "greedy pass@1".into(),
+                series: panels_acc,
+            },
+            Panel {
+                title: format!("{}: invalid answers (mean over seeds)", c.name()),
+                x: "iteration".into(),
+                y: "share of problems".into(),
+                series: panels_inv,
+            },
+        ];
+        if !composition.is_empty() {
+            panels.push(Panel {
+                title: format!("{}: accuracy at iteration {iters} against p~", c.name()),
+                x: "effective proportion of positives p~".into(),
+                y: "greedy pass@1".into(),
+                series: composition
+                    .into_iter()
+                    .map(|(raw, mut points)| {
+                        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                        Series { label: format!("raw share of positives {raw}"), points }
+                    })
+                    .collect(),
+            });
+        }
+        if arms.iter().any(|a| a.epochs > 1) {
+            panels.extend(training_panels(s, &arms)?);
+        }
+        crate::plot::report("study", || {
+            crate::plot::draw(&png, &panels, 2)?;
+            Ok(png.clone())
+        });
+        writeln!(
+            md,
+            "![{}]({})\n",
+            c.name(),
+            png.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
+        )?;
+    }
+    write_text(&dir.report(), &md)?;
+    Ok(())
+}
+
+/// For claims of several epochs on one data set: per optimiser step of iteration 1, the mean
+/// over seeds of the per-token log-ratio `log π − log μ` and of log10 of the gradient norm before
+/// clipping — how far each arm's policy moved from μ, and whether its updates blew up.
+pub(super) fn training_panels(s: &StudySettings, arms: &[Arm]) -> Result<Vec<Panel>> {
+    let mut ratio = vec![];
+    let mut norm = vec![];
+    for arm in arms {
+        // step -> (sum of log-ratios, sum of log10 norms, seeds)
+        let mut by_step: std::collections::BTreeMap<usize, (f64, f64, usize)> = Default::default();
+        for &seed in &s.seeds {
+            let it = StudyDir::new(&s.work).arm(seed, &arm.name).iteration(1);
+            if !it.trained() {
+                continue;
+            }
+            for r in read_jsonl::<crate::metrics::StepRecord>(&it.metrics())? {
+                let e = by_step.entry(r.step).or_default();
+                e.0 += r.stats.log_ratio_mean;
+                e.1 += r.grad_norm.max(1e-12).log10();
+                e.2 += 1;
+            }
+        }
+        let points = |f: fn(&(f64, f64, usize)) -> f64| by_step.iter().map(|(k, v)| (*k as f64, f(v))).collect();
+        ratio.push(Series { label: arm.name.clone(), points: points(|v| v.0 / v.2 as f64) });
+        norm.push(Series { label: arm.name.clone(), points: points(|v| v.1 / v.2 as f64) });
+    }
+    Ok(vec![
+        Panel {
+            title: "training (iteration 1): log pi/mu a token".into(),
+            x: "optimiser step".into(),
+            y: "mean log pi - log mu (mean over seeds)".into(),
+            series: ratio,
+        },
+        Panel {
+            title: "training (iteration 1): gradient norm".into(),
+            x: "optimiser step".into(),
+            y: "log10 norm before clipping (mean over seeds)".into(),
+            series: norm,
+        },
+    ])
+}
+
+/// The table of each iteration's own gain (its accuracy minus the previous one's, per seed; mean
+/// ± standard error over the seeds that have both), which says whether gains continue.
+pub(super) fn step_gains(
+    md: &mut String,
+    arms: &[Arm],
+    seeds: &[u64],
+    iters: usize,
+    accuracy: impl Fn(&str, u64, usize) -> Option<f64>,
+) -> Result<()> {
+    writeln!(md, "Gain of each iteration (its accuracy minus the previous one's, per seed):\n")?;
+    let mut header = "| arm |".to_string();
+    for i in 1..=iters {
+        write!(header, " {} → {i} |", i - 1)?;
+    }
+    writeln!(md, "{header}\n|{}", "---|".repeat(iters + 1))?;
+    for arm in arms {
+        let mut line = format!("| {} |", arm.name);
+        for i in 1..=iters {
+            let d: Vec<f64> = seeds
+                .iter()
+                .filter_map(|&sd| Some(accuracy(&arm.name, sd, i)? - accuracy(&arm.name, sd, i - 1)?))
+                .collect();
+            write!(line, " {} |", fmt(mean_se(&d)))?;
+        }
+        writeln!(md, "{line}")?;
+    }
+    writeln!(md)?;
+    Ok(())
+}
+
+/// `text` into `path`, atomically.
+fn write_text(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write as _;
+    crate::io::write_atomic(path, |w| Ok(w.write_all(text.as_bytes())?))
+}
