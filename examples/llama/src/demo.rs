@@ -18,7 +18,7 @@ use crate::layout::DemoDir;
 use crate::settings::{Baseline, Curation, IterateSettings, Objective, TrainSettings};
 use crate::task::TaskSpec;
 use crate::train;
-use crate::{Refusal, init, optim, sample, tokenizer};
+use crate::{Refusal, init, optim, tokenizer};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
 use tch::Device;
@@ -200,7 +200,7 @@ pub fn warm_up_with(dir: &Path, scale: Scale, seed: u64, at: Placement, recipe: 
         let cfg = crate::config::LlamaConfig::load(&init_dir)?;
         let tok = tokenizer::Tokenizer::load(&init_dir, &cfg)?;
         let (problems, style) = task(warm_up_seed(seed), recipe.sft_problems(scale)).load()?;
-        sample::write_solutions(&tok, &problems, &style, &sft, recipe.slip_rate(), 1)?;
+        crate::dataset::write_solutions(&tok, &problems, &style, &sft, recipe.slip_rate(), 1)?;
     }
     // 3. Supervised warm-up.
     let warm = stages.warm_up();

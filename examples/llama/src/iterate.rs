@@ -5,6 +5,7 @@
 
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
+use crate::dataset;
 use crate::eval::{self, EvalSettings};
 use crate::generate::Decoding;
 use crate::identity::{Digest, ModelId};
@@ -160,7 +161,7 @@ impl<'a> Loop<'a> {
         sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, sample_to, self.group)?;
         if let Some(first) = &first {
             if main {
-                stage::copy_finished(&sample::run_file(first), &sample::run_file(&data))?;
+                stage::copy_finished(&dataset::run_file(first), &dataset::run_file(&data))?;
                 stage::copy_finished(first, &data)?;
             }
             // Every rank trains on the copy rank 0 made.

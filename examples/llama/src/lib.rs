@@ -19,7 +19,8 @@
 //! | [`generate`] | batched generation (greedy or sampled), teacher-forced scoring |
 //! | [`task`] | GSM8K and the synthetic task: prompts, answer extraction, grading |
 //! | [`eval`] | greedy and sampled pass@1, maj@k, pass@k |
-//! | [`sample`] | sampling a graded off-policy data set, resumable, in shards that merge |
+//! | [`dataset`] | the data-set record, its checked reader, shard files and their merge, the teacher's solutions |
+//! | [`sample`] | sampling a graded off-policy data set, resumable, in shards |
 //! | [`shard`] | a share of the work of several processes |
 //! | [`parallel`] | data-parallel training over a c10d process group |
 //! | [`settings`] | typed, checked settings of training and of the loop, every rule over them in one place |
@@ -40,6 +41,7 @@
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
+pub mod dataset;
 pub mod demo;
 pub mod eval;
 pub mod generate;

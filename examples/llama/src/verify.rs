@@ -27,10 +27,11 @@
 //!    and the oracle (pass@k), each with its standard error over questions.
 
 use crate::checkpoint::{self, Placement};
+use crate::dataset::{self, Sample, SamplingRecord};
 use crate::eval::majority;
 use crate::generate::{self, Sampling};
 use crate::layout::VerifyDir;
-use crate::sample::{self, Sample, SampleSettings, SamplingRecord};
+use crate::sample::{self, SampleSettings};
 use crate::settings::TrainSettings;
 use crate::shard::Shard;
 use crate::task::{self, Problem, PromptStyle, TaskSpec, prompt_ids};
@@ -49,7 +50,7 @@ pub fn judge_question(question: &str, completion: &str) -> String {
 /// The judge problem of a graded completion: answer 1 when it is correct, else 0.
 ///
 /// ```
-/// # use topr_llama::{generate::Stop, sample::{Sample, SamplingRecord}, verify::judge_problem};
+/// # use topr_llama::{generate::Stop, dataset::{Sample, SamplingRecord}, verify::judge_problem};
 /// let s = Sample {
 ///     id: "q7".into(), sample: 2, question: "What is 2 + 3?".into(), prompt_ids: vec![1],
 ///     completion: "2 + 3 = 5. The answer is 5.".into(), completion_ids: vec![2], logp_mu: vec![0.0],
@@ -214,13 +215,13 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     }
     // 3. The judge problems (solutions too long for the judge's context shown by their end).
     let (judge_train, judge_held) = layout.judge_problems();
-    let held_samples = sample::read_dataset(&held_solutions, false)?.0;
+    let held_samples = dataset::read_dataset(&held_solutions, false)?.0;
     let cfg = crate::config::LlamaConfig::load(model)?;
     let tok = Tokenizer::load(model, &cfg)?;
     let verdicts = [tok.encode("The answer is 0.", false)?, tok.encode("The answer is 1.", false)?];
     let answer_tokens = verdicts.iter().map(Vec::len).max().unwrap_or(0) as i64;
     let fit = |samples: &[Sample]| judge_problems(&tok, samples, cfg.max_position_embeddings, answer_tokens);
-    let (train_problems, cut_train) = fit(&sample::read_dataset(&solutions, false)?.0)?;
+    let (train_problems, cut_train) = fit(&dataset::read_dataset(&solutions, false)?.0)?;
     let (held_problems, cut_held) = fit(&held_samples)?;
     if cut_train + cut_held > 0 {
         eprintln!("{} solution(s) shown by their end only, to fit the judge's context", cut_train + cut_held);

@@ -1,9 +1,9 @@
 //! The settings of the self-taught loop ([`IterateSettings`]) and of which samples each
 //! iteration trains on ([`Curation`]).
 
+use crate::dataset::Sample;
 use crate::generate::Sampling;
 use crate::identity::Fnv;
-use crate::sample::Sample;
 use crate::settings::TrainSettings;
 use crate::task::TaskSpec;
 use anyhow::{Result, bail};
@@ -117,7 +117,7 @@ mod tests {
     use super::*;
 
     fn graded(id: usize, sample: usize, correct: bool) -> Sample {
-        use crate::sample::SamplingRecord;
+        use crate::dataset::SamplingRecord;
         Sample {
             id: format!("q{id}"),
             sample,

@@ -198,21 +198,9 @@ pub fn verifier_rows(s: &StudySettings) -> Result<Vec<VerifierRow>> {
 /// The verifier claim's section of `study.md` and its plot.
 fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
     let rows = verifier_rows(s)?;
-    let mut jsonl = String::new();
-    for r in &rows {
-        writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
-    }
-    write_text(&StudyDir::new(&s.work).verifier_table(), &jsonl)?;
+    write_text(&StudyDir::new(&s.work).verifier_table(), &jsonl(&rows)?)?;
     let c = Claim::Verifier;
-    writeln!(
-        md,
-        "## {}
-
-{}
-",
-        c.name(),
-        c.question()
-    )?;
+    writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
     writeln!(
         md,
         "{}",
@@ -222,11 +210,25 @@ fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
             "`SE questions`: the mean over seeds of each seed's standard error over its questions.\n"
         )
     )?;
-    writeln!(
-        md,
-        "| measure | seeds | mean ± SE over seeds | SE questions |
-|---|---|---|---|"
-    )?;
+    let series = verifier_table(&rows, md)?;
+    let png = StudyDir::new(&s.work).claim_plot(c.name());
+    let panels = [Panel {
+        title: "verifier: held-out accuracy of each pick, per seed".into(),
+        x: "seed".into(),
+        y: "share of questions".into(),
+        series,
+    }];
+    crate::plot::report("study", || {
+        crate::plot::draw(&png, &panels, 1)?;
+        Ok(png.clone())
+    });
+    writeln!(md, "![verifier]({})\n", StudyDir::claim_plot_name(c.name()))?;
+    Ok(())
+}
+
+/// The verifier's table: each pick's share over seeds; returns the picks' curves over seeds.
+fn verifier_table(rows: &[VerifierRow], md: &mut String) -> Result<Vec<Series>> {
+    writeln!(md, "| measure | seeds | mean ± SE over seeds | SE questions |\n|---|---|---|---|")?;
     type Pick = fn(&VerifySummary) -> crate::verify::Estimate;
     let measures: [(&str, Pick); 6] = [
         ("pass@1 (a sampled solution)", |v| v.pass1),
@@ -255,30 +257,8 @@ fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
         }
     }
     let base: Vec<f64> = rows.iter().map(|r| r.summary.positive_fraction).collect();
-    writeln!(
-        md,
-        "| correct among judged (base rate) | {} | {} | |
-",
-        base.len(),
-        fmt(mean_se(&base))
-    )?;
-    let png = StudyDir::new(&s.work).claim_plot(c.name());
-    let panels = [Panel {
-        title: "verifier: held-out accuracy of each pick, per seed".into(),
-        x: "seed".into(),
-        y: "share of questions".into(),
-        series,
-    }];
-    crate::plot::report("study", || {
-        crate::plot::draw(&png, &panels, 1)?;
-        Ok(png.clone())
-    });
-    writeln!(
-        md,
-        "![verifier](claim-verifier.png)
-"
-    )?;
-    Ok(())
+    writeln!(md, "| correct among judged (base rate) | {} | {} | |\n", base.len(), fmt(mean_se(&base)))?;
+    Ok(series)
 }
 
 /// The rows of every finished iteration of the study's runs.
@@ -321,19 +301,11 @@ fn fmt(ms: (f64, f64)) -> String {
 /// `study.jsonl`, `study.md` and one plot per claim, from the finished iterations.
 pub fn report(s: &StudySettings) -> Result<()> {
     let rows = rows(s)?;
-    let mut jsonl = String::new();
-    for r in &rows {
-        writeln!(jsonl, "{}", serde_json::to_string(r)?)?;
-    }
     let dir = StudyDir::new(&s.work);
-    write_text(&dir.table(), &jsonl)?;
+    write_text(&dir.table(), &jsonl(&rows)?)?;
     let sampled = sampled_rows(s)?;
     if !sampled.is_empty() {
-        let mut lines = String::new();
-        for r in &sampled {
-            writeln!(lines, "{}", serde_json::to_string(r)?)?;
-        }
-        write_text(&dir.sampled_table(), &lines)?;
+        write_text(&dir.sampled_table(), &jsonl(&sampled)?)?;
     }
     let mut md = String::new();
     writeln!(
@@ -352,123 +324,170 @@ pub fn report(s: &StudySettings) -> Result<()> {
          standard error of the pooled accuracy over all seeds' questions.\n"
     )?;
     for c in &s.claims {
-        if *c == Claim::Verifier {
-            verifier_section(s, &mut md)?;
-            continue;
+        match c {
+            Claim::Verifier => verifier_section(s, &mut md)?,
+            _ => claim_section(s, *c, &rows, &sampled, &mut md)?,
         }
-        writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
-        let iters = c.iterations(s.scale.iterations);
-        let mut header = "| arm | seeds |".to_string();
-        for i in 0..=iters {
-            write!(header, " iteration {i} |")?;
-        }
-        writeln!(md, "{header} gain | vs first | invalid at last | positives in data (it. 1) | SE questions (last) |")?;
-        writeln!(md, "|{}", "---|".repeat(iters + 8))?;
-        let arms = c.arms();
-        let at = |arm: &str, seed: u64, i: usize| -> Option<&StudyRow> {
-            rows.iter().find(|r| r.claim == *c && r.arm == arm && r.seed == seed && r.iteration == i)
-        };
-        let mut panels_acc = vec![];
-        let mut panels_inv = vec![];
-        // Raw share of positives -> (p̃, mean accuracy at the last iteration), for the
-        // composition claim's accuracy-against-p̃ panel.
-        let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
-        for arm in &arms {
-            let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
-            let mut line = format!("| {} | {} |", arm.name, seeds.len());
-            let mut acc_points = vec![];
-            let mut inv_points = vec![];
-            for i in 0..=iters {
-                let v: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
-                let w: Vec<f64> =
-                    s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
-                write!(line, " {} |", fmt(mean_se(&v)))?;
-                if !v.is_empty() {
-                    acc_points.push((i as f64, mean_se(&v).0));
-                    inv_points.push((i as f64, mean_se(&w).0));
-                }
-            }
-            let gain: Vec<f64> = seeds
-                .iter()
-                .filter_map(|&sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arm.name, sd, 0)?.accuracy))
-                .collect();
-            let vs: Vec<f64> = seeds
-                .iter()
-                .filter_map(|&sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arms[0].name, sd, iters)?.accuracy))
-                .collect();
-            let invalid: Vec<f64> =
-                seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.invalid_rate).collect();
-            let last: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, iters)).map(|r| r.accuracy).collect();
-            let positives: Vec<f64> =
-                seeds.iter().filter_map(|&sd| at(&arm.name, sd, 1)?.data_positive_fraction).collect();
-            let pooled = mean_se(&last).0;
-            if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
-                composition.entry(format!("{raw}")).or_default().push((p, pooled));
-            }
-            let n_q = (last.len() * s.scale.eval_n) as f64;
-            let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
-            writeln!(
-                md,
-                "{line} {} | {} | {} | {} | {} |",
-                fmt(mean_se(&gain)),
-                if arm == &arms[0] { "—".into() } else { fmt(mean_se(&vs)) },
-                fmt(mean_se(&invalid)),
-                fmt(mean_se(&positives)),
-                if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
-            )?;
-            panels_acc.push(Series { label: arm.name.clone(), points: acc_points });
-            panels_inv.push(Series { label: arm.name.clone(), points: inv_points });
-        }
-        writeln!(md)?;
-        sampled_section(&mut md, *c, &sampled, s)?;
-        if iters >= 3 {
-            step_gains(&mut md, &arms, &s.seeds, iters, |arm, seed, i| at(arm, seed, i).map(|r| r.accuracy))?;
-        }
-        let png = dir.claim_plot(c.name());
-        let mut panels = vec![
-            Panel {
-                title: format!("{}: held-out accuracy (mean over seeds)", c.name()),
-                x: "iteration".into(),
-                y: "greedy pass@1".into(),
-                series: panels_acc,
-            },
-            Panel {
-                title: format!("{}: invalid answers (mean over seeds)", c.name()),
-                x: "iteration".into(),
-                y: "share of problems".into(),
-                series: panels_inv,
-            },
-        ];
-        if !composition.is_empty() {
-            panels.push(Panel {
-                title: format!("{}: accuracy at iteration {iters} against p~", c.name()),
-                x: "effective proportion of positives p~".into(),
-                y: "greedy pass@1".into(),
-                series: composition
-                    .into_iter()
-                    .map(|(raw, mut points)| {
-                        points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                        Series { label: format!("raw share of positives {raw}"), points }
-                    })
-                    .collect(),
-            });
-        }
-        if arms.iter().any(|a| a.epochs > 1) {
-            panels.extend(training_panels(s, &arms)?);
-        }
-        crate::plot::report("study", || {
-            crate::plot::draw(&png, &panels, 2)?;
-            Ok(png.clone())
-        });
-        writeln!(
-            md,
-            "![{}]({})\n",
-            c.name(),
-            png.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
-        )?;
     }
     write_text(&dir.report(), &md)?;
     Ok(())
+}
+
+/// One JSON line per row.
+fn jsonl<T: serde::Serialize>(rows: &[T]) -> Result<String> {
+    let mut out = String::new();
+    for r in rows {
+        writeln!(out, "{}", serde_json::to_string(r)?)?;
+    }
+    Ok(out)
+}
+
+/// The rows of one claim, looked up by arm, seed and iteration.
+struct ClaimRows<'a> {
+    claim: Claim,
+    rows: &'a [StudyRow],
+}
+
+impl ClaimRows<'_> {
+    fn at(&self, arm: &str, seed: u64, i: usize) -> Option<&StudyRow> {
+        self.rows.iter().find(|r| r.claim == self.claim && r.arm == arm && r.seed == seed && r.iteration == i)
+    }
+}
+
+/// An arm's curves over the iterations: mean accuracy and mean invalid rate over seeds.
+struct Curves {
+    accuracy: Vec<(f64, f64)>,
+    invalid: Vec<(f64, f64)>,
+}
+
+/// Claim `c`'s section of `study.md` (its table, the sampled evaluation, the gains of each
+/// iteration) and its plot.
+fn claim_section(
+    s: &StudySettings,
+    c: Claim,
+    rows: &[StudyRow],
+    sampled: &[SampledRow],
+    md: &mut String,
+) -> Result<()> {
+    writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
+    let iters = c.iterations(s.scale.iterations);
+    let mut header = "| arm | seeds |".to_string();
+    for i in 0..=iters {
+        write!(header, " iteration {i} |")?;
+    }
+    writeln!(md, "{header} gain | vs first | invalid at last | positives in data (it. 1) | SE questions (last) |")?;
+    writeln!(md, "|{}", "---|".repeat(iters + 8))?;
+    let arms = c.arms();
+    let table = ClaimRows { claim: c, rows };
+    let (mut panels_acc, mut panels_inv) = (vec![], vec![]);
+    // Raw share of positives -> (p̃, mean accuracy at the last iteration), for the
+    // composition claim's accuracy-against-p̃ panel.
+    let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
+    for arm in &arms {
+        let (curves, pooled) = arm_line(s, &table, arm, &arms[0], iters, md)?;
+        if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
+            composition.entry(format!("{raw}")).or_default().push((p, pooled));
+        }
+        panels_acc.push(Series { label: arm.name.clone(), points: curves.accuracy });
+        panels_inv.push(Series { label: arm.name.clone(), points: curves.invalid });
+    }
+    writeln!(md)?;
+    sampled_section(md, c, sampled, s)?;
+    if iters >= 3 {
+        step_gains(md, &arms, &s.seeds, iters, |arm, seed, i| table.at(arm, seed, i).map(|r| r.accuracy))?;
+    }
+    let mut panels = vec![
+        Panel {
+            title: format!("{}: held-out accuracy (mean over seeds)", c.name()),
+            x: "iteration".into(),
+            y: "greedy pass@1".into(),
+            series: panels_acc,
+        },
+        Panel {
+            title: format!("{}: invalid answers (mean over seeds)", c.name()),
+            x: "iteration".into(),
+            y: "share of problems".into(),
+            series: panels_inv,
+        },
+    ];
+    if !composition.is_empty() {
+        panels.push(composition_panel(c, iters, composition));
+    }
+    if arms.iter().any(|a| a.epochs > 1) {
+        panels.extend(training_panels(s, &arms)?);
+    }
+    let png = StudyDir::new(&s.work).claim_plot(c.name());
+    crate::plot::report("study", || {
+        crate::plot::draw(&png, &panels, 2)?;
+        Ok(png.clone())
+    });
+    writeln!(md, "![{}]({})\n", c.name(), StudyDir::claim_plot_name(c.name()))?;
+    Ok(())
+}
+
+/// `arm`'s line of its claim's table (`first` the claim's reference arm); returns its curves
+/// and its mean accuracy at the last iteration over the seeds that reached it.
+fn arm_line(
+    s: &StudySettings,
+    table: &ClaimRows,
+    arm: &Arm,
+    first: &Arm,
+    iters: usize,
+    md: &mut String,
+) -> Result<(Curves, f64)> {
+    let at = |name: &str, sd: u64, i: usize| table.at(name, sd, i);
+    let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
+    let mut line = format!("| {} | {} |", arm.name, seeds.len());
+    let mut curves = Curves { accuracy: vec![], invalid: vec![] };
+    for i in 0..=iters {
+        let v: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
+        let w: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
+        write!(line, " {} |", fmt(mean_se(&v)))?;
+        if !v.is_empty() {
+            curves.accuracy.push((i as f64, mean_se(&v).0));
+            curves.invalid.push((i as f64, mean_se(&w).0));
+        }
+    }
+    let per_seed = |f: &dyn Fn(u64) -> Option<f64>| seeds.iter().filter_map(|&sd| f(sd)).collect::<Vec<f64>>();
+    let gain = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&arm.name, sd, 0)?.accuracy));
+    let vs = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.accuracy - at(&first.name, sd, iters)?.accuracy));
+    let invalid = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.invalid_rate));
+    let last = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.accuracy));
+    let positives = per_seed(&|sd| at(&arm.name, sd, 1)?.data_positive_fraction);
+    let pooled = mean_se(&last).0;
+    let n_q = (last.len() * s.scale.eval_n) as f64;
+    let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
+    writeln!(
+        md,
+        "{line} {} | {} | {} | {} | {} |",
+        fmt(mean_se(&gain)),
+        if arm == first { "—".into() } else { fmt(mean_se(&vs)) },
+        fmt(mean_se(&invalid)),
+        fmt(mean_se(&positives)),
+        if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
+    )?;
+    Ok((curves, pooled))
+}
+
+/// The composition claim's panel: accuracy at the last iteration against p̃, a curve per raw
+/// share of positives.
+fn composition_panel(
+    c: Claim,
+    iters: usize,
+    composition: std::collections::BTreeMap<String, Vec<(f64, f64)>>,
+) -> Panel {
+    Panel {
+        title: format!("{}: accuracy at iteration {iters} against p~", c.name()),
+        x: "effective proportion of positives p~".into(),
+        y: "greedy pass@1".into(),
+        series: composition
+            .into_iter()
+            .map(|(raw, mut points)| {
+                points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                Series { label: format!("raw share of positives {raw}"), points }
+            })
+            .collect(),
+    }
 }
 
 /// For claims of several epochs on one data set: per optimiser step of iteration 1, the mean

@@ -27,12 +27,12 @@ pub use units::{MicroBatch, Unit, micro_batch, units, units_with};
 
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
+use crate::dataset::Sample;
 use crate::identity::{Digest, FileId, ModelId};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::Optimizer;
 use crate::parallel::{self, ProcessGroup};
-use crate::sample::Sample;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use state::{MetricsLog, Progress, StateDir};
@@ -104,7 +104,7 @@ pub struct Summary {
 /// and completions longer than the context are errors naming the record, or are skipped and
 /// counted with `skip_bad`.
 pub fn load_data(path: &Path, context: usize, vocab: i64, skip_bad: bool) -> Result<Vec<Sample>> {
-    let (mut samples, mut skipped) = crate::sample::read_dataset_for(path, Some(vocab), skip_bad)?;
+    let (mut samples, mut skipped) = crate::dataset::read_dataset_for(path, Some(vocab), skip_bad)?;
     let too_long = |s: &Sample| s.prompt_ids.len() + s.completion_ids.len() > context;
     if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| too_long(s)) {
         if !skip_bad {

@@ -3,7 +3,7 @@
 //! (TOPR family, PPO-clip, DPO) with the diagnostics a step logs.
 
 use super::units::MicroBatch;
-use crate::sample::Sample;
+use crate::dataset::Sample;
 use crate::settings::{Baseline, DpoLoss, Objective};
 use anyhow::Result;
 use tch::{Kind, Tensor};

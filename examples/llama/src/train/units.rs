@@ -2,7 +2,7 @@
 //! value its loss weighs it by, or a DPO pair; group advantages computed here) and the
 //! right-padded tensors of a micro-batch of them.
 
-use crate::sample::Sample;
+use crate::dataset::Sample;
 use crate::settings::{Advantage, Objective};
 use anyhow::{Result, bail};
 use std::collections::BTreeMap;
