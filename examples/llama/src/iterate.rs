@@ -87,10 +87,10 @@ impl<'a> Loop<'a> {
         {
             let first = shared.join(name);
             let summary = self.evaluate_here(dir, &first, samples)?;
-            if parallel::is_main(self.group) {
+            parallel::on_main(self.group, || {
                 stage::copy_finished(&questions_file(&first), &questions_file(out))?;
-                stage::copy_finished(&first, out)?;
-            }
+                stage::copy_finished(&first, out)
+            })?;
             return Ok(summary);
         }
         self.evaluate_here(dir, out, samples)
@@ -110,8 +110,7 @@ impl<'a> Loop<'a> {
                 .and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok())
                 .filter(|c| c.samples_per_question == samples)
         };
-        let main = parallel::is_main(self.group);
-        if parallel::main_says(self.group, main && cached().is_some())? {
+        if parallel::main_sees(self.group, || cached().is_some())? {
             return cached().with_context(|| format!("reading {} (written by rank 0)", out.display()));
         }
         let (m, tok) = checkpoint::open(dir, self.at)?;
@@ -129,9 +128,7 @@ impl<'a> Loop<'a> {
         let questions = questions_file(out);
         let s =
             eval::evaluate_parallel(&m, &tok, &self.held_out, &self.style, &settings, Some(&questions), self.group)?;
-        if main {
-            crate::io::write_file(out, serde_json::to_string(&s)?)?;
-        }
+        parallel::on_main(self.group, || crate::io::write_file(out, serde_json::to_string(&s)?))?;
         Ok(s)
     }
 
@@ -140,8 +137,7 @@ impl<'a> Loop<'a> {
     /// loaded once, sampled from, then trained in place (it becomes π) and saved to `dir`'s model.
     fn sample_and_train(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<train::Summary> {
         let data = dir.data();
-        let main = parallel::is_main(self.group);
-        if parallel::main_says(self.group, main && dir.trained() && data.exists())? {
+        if parallel::main_sees(self.group, || dir.trained() && data.exists())? {
             return stage::read_done(&dir.done());
         }
         let s = self.s;
@@ -160,10 +156,10 @@ impl<'a> Loop<'a> {
         let sample_to = first.as_deref().unwrap_or(&data);
         sample::sample_parallel(&m, &tok, mu_dir, &self.problems, &self.style, &sampling, sample_to, self.group)?;
         if let Some(first) = &first {
-            if main {
+            parallel::on_main(self.group, || {
                 stage::copy_finished(&dataset::run_file(first), &dataset::run_file(&data))?;
-                stage::copy_finished(first, &data)?;
-            }
+                stage::copy_finished(first, &data)
+            })?;
             // Every rank trains on the copy rank 0 made.
             parallel::barrier(self.group)?;
         }
@@ -183,8 +179,7 @@ impl<'a> Loop<'a> {
         model_dir: &Path,
     ) -> Result<train::Summary> {
         let done = layout::done_file(dir);
-        let main = parallel::is_main(self.group);
-        if parallel::main_says(self.group, main && done.exists())? {
+        if parallel::main_sees(self.group, || done.exists())? {
             return stage::read_done(&done);
         }
         let m = match mu {
@@ -196,11 +191,11 @@ impl<'a> Loop<'a> {
         let samples = self.s.curate.apply(samples);
         let record = train::RunRecord::new(mu_dir, data, &samples, train)?;
         let summary = train::run(&m, &samples, train, &record, dir, self.group)?;
-        if main {
+        parallel::on_main(self.group, || {
             checkpoint::save(&m, mu_dir, model_dir)?;
             train::finish(dir);
-            stage::write_done(&done, &summary)?;
-        }
+            stage::write_done(&done, &summary)
+        })?;
         // The next stage loads the saved model on every rank.
         parallel::barrier(self.group)?;
         Ok(summary)
@@ -286,8 +281,7 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
     // The inputs first: a bad data file or model is reported before anything is written.
     let lp = Loop::new(at, group, s, model)?;
     let run = IterateRun { model: ModelId::of(model)?, settings: s.clone() };
-    let main = parallel::is_main(group);
-    let _lock = if main {
+    let _lock = parallel::on_main(group, || {
         std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
         let lock = Lock::dir(&s.work)?;
         let started = LoopDir::new(&s.work).started();
@@ -295,13 +289,11 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
             bail!(Refusal::EarlierIterations(s.work.clone()));
         }
         check_run(&s.work, started, &run)?;
-        Some(lock)
-    } else {
-        None
-    };
+        Ok(lock)
+    })?;
     // The others start once rank 0 has accepted the work directory.
     parallel::barrier(group)?;
-    if !main {
+    if !parallel::is_main(group) {
         return run_stages(&lp, model, None);
     }
     let mut table = Table::open(&LoopDir::new(&s.work).table())?;

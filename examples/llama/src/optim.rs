@@ -46,6 +46,18 @@ pub enum OptimizerConfig {
     },
 }
 
+/// Adafactor's hyper-parameters, as [`OptimizerConfig::Adafactor`] holds them.
+#[derive(Clone, Copy)]
+struct Adafactor {
+    beta1: Option<f64>,
+    eps1: f64,
+    eps2: f64,
+    clip_threshold: f64,
+    decay_rate: f64,
+    weight_decay: f64,
+    scale_parameter: bool,
+}
+
 impl OptimizerConfig {
     /// AdamW with torch's defaults (β1 0.9, β2 0.999, ε 1e-8) and `weight_decay`.
     pub fn adamw(weight_decay: f64) -> Result<Self> {
@@ -136,13 +148,7 @@ impl Optimizer {
                 };
                 let new = match self.cfg {
                     OptimizerConfig::AdamW { beta1, beta2, eps, weight_decay } => {
-                        let mut m = self.slot(format!("{name}.exp_avg"), || g.zeros_like());
-                        let mut v = self.slot(format!("{name}.exp_avg_sq"), || g.zeros_like());
-                        let _ = m.g_mul_scalar_(beta1).g_add_(&(&g * (1.0 - beta1)));
-                        let _ = v.g_mul_scalar_(beta2).g_add_(&(g.square() * (1.0 - beta2)));
-                        let (bc1, bc2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
-                        let denom = (&v / bc2).sqrt() + eps;
-                        theta * (1.0 - lr * weight_decay) - (&m / &denom) * (lr / bc1)
+                        self.adamw(name, &g, theta, lr, t, (beta1, beta2, eps, weight_decay))
                     }
                     OptimizerConfig::Adafactor {
                         beta1,
@@ -152,34 +158,14 @@ impl Optimizer {
                         decay_rate,
                         weight_decay,
                         scale_parameter,
-                    } => {
-                        let rho = 1.0 - t.powf(decay_rate);
-                        let sq = g.square() + eps1;
-                        let shape = g.size();
-                        let mut u = if shape.len() >= 2 {
-                            let (row, col) = (sq.mean_dim(-1, false, Kind::Float), sq.mean_dim(-2, false, Kind::Float));
-                            let mut r = self.slot(format!("{name}.exp_avg_sq_row"), || row.zeros_like());
-                            let mut c = self.slot(format!("{name}.exp_avg_sq_col"), || col.zeros_like());
-                            let _ = r.g_mul_scalar_(rho).g_add_(&(row * (1.0 - rho)));
-                            let _ = c.g_mul_scalar_(rho).g_add_(&(col * (1.0 - rho)));
-                            let r_factor = (&r / r.mean_dim(-1, true, Kind::Float)).rsqrt().unsqueeze(-1);
-                            let c_factor = c.unsqueeze(-2).rsqrt();
-                            r_factor * c_factor * &g
-                        } else {
-                            let mut v = self.slot(format!("{name}.exp_avg_sq"), || g.zeros_like());
-                            let _ = v.g_mul_scalar_(rho).g_add_(&(&sq * (1.0 - rho)));
-                            v.rsqrt() * &g
-                        };
-                        u = &u / (rms(&u) / clip_threshold).clamp_min(1.0);
-                        let alpha = if scale_parameter { lr * rms(&theta).double_value(&[]).max(eps2) } else { lr };
-                        u *= alpha;
-                        if let Some(b1) = beta1 {
-                            let mut m = self.slot(format!("{name}.exp_avg"), || g.zeros_like());
-                            let _ = m.g_mul_scalar_(b1).g_add_(&(&u * (1.0 - b1)));
-                            u = m.shallow_clone();
-                        }
-                        &theta - &theta * (alpha * weight_decay) - u
-                    }
+                    } => self.adafactor(
+                        name,
+                        &g,
+                        &theta,
+                        lr,
+                        t,
+                        Adafactor { beta1, eps1, eps2, clip_threshold, decay_rate, weight_decay, scale_parameter },
+                    ),
                 };
                 if let Some(mut m) = master {
                     m.copy_(&new);
@@ -189,6 +175,50 @@ impl Optimizer {
             }
             Ok(())
         })
+    }
+
+    /// AdamW's new value of `theta` (f32) at step `t` from its gradient `g`, with
+    /// `(β1, β2, ε, weight decay)`; its moments in `name`'s slots.
+    fn adamw(&mut self, name: &str, g: &Tensor, theta: Tensor, lr: f64, t: f64, c: (f64, f64, f64, f64)) -> Tensor {
+        let (beta1, beta2, eps, weight_decay) = c;
+        let mut m = self.slot(format!("{name}.exp_avg"), || g.zeros_like());
+        let mut v = self.slot(format!("{name}.exp_avg_sq"), || g.zeros_like());
+        let _ = m.g_mul_scalar_(beta1).g_add_(&(g * (1.0 - beta1)));
+        let _ = v.g_mul_scalar_(beta2).g_add_(&(g.square() * (1.0 - beta2)));
+        let (bc1, bc2) = (1.0 - beta1.powf(t), 1.0 - beta2.powf(t));
+        let denom = (&v / bc2).sqrt() + eps;
+        theta * (1.0 - lr * weight_decay) - (&m / &denom) * (lr / bc1)
+    }
+
+    /// Adafactor's new value of `theta` (f32) at step `t` from its gradient `g`: factored second
+    /// moments for matrices (row and column means), full ones otherwise, the update clipped by
+    /// its RMS, scaled by the parameter's RMS, optionally with a first moment.
+    fn adafactor(&mut self, name: &str, g: &Tensor, theta: &Tensor, lr: f64, t: f64, c: Adafactor) -> Tensor {
+        let rho = 1.0 - t.powf(c.decay_rate);
+        let sq = g.square() + c.eps1;
+        let mut u = if g.size().len() >= 2 {
+            let (row, col) = (sq.mean_dim(-1, false, Kind::Float), sq.mean_dim(-2, false, Kind::Float));
+            let mut r = self.slot(format!("{name}.exp_avg_sq_row"), || row.zeros_like());
+            let mut cm = self.slot(format!("{name}.exp_avg_sq_col"), || col.zeros_like());
+            let _ = r.g_mul_scalar_(rho).g_add_(&(row * (1.0 - rho)));
+            let _ = cm.g_mul_scalar_(rho).g_add_(&(col * (1.0 - rho)));
+            let r_factor = (&r / r.mean_dim(-1, true, Kind::Float)).rsqrt().unsqueeze(-1);
+            let c_factor = cm.unsqueeze(-2).rsqrt();
+            r_factor * c_factor * g
+        } else {
+            let mut v = self.slot(format!("{name}.exp_avg_sq"), || g.zeros_like());
+            let _ = v.g_mul_scalar_(rho).g_add_(&(&sq * (1.0 - rho)));
+            v.rsqrt() * g
+        };
+        u = &u / (rms(&u) / c.clip_threshold).clamp_min(1.0);
+        let alpha = if c.scale_parameter { lr * rms(theta).double_value(&[]).max(c.eps2) } else { lr };
+        u *= alpha;
+        if let Some(b1) = c.beta1 {
+            let mut m = self.slot(format!("{name}.exp_avg"), || g.zeros_like());
+            let _ = m.g_mul_scalar_(b1).g_add_(&(&u * (1.0 - b1)));
+            u = m.shallow_clone();
+        }
+        theta - theta * (alpha * c.weight_decay) - u
     }
 
     /// The state to save: every moment tensor, and the step count under `"step"`.

@@ -93,3 +93,27 @@ pub fn main_says(group: Option<&ProcessGroup>, value: bool) -> Result<bool> {
     g.all_reduce_f64(&mut flag)?;
     Ok(flag[0] > 0.0)
 }
+
+/// Whether `cond` holds on rank 0, on every rank (evaluated on rank 0 only): for a decision
+/// about files only rank 0 writes, e.g. whether a stage is finished.
+pub fn main_sees(group: Option<&ProcessGroup>, cond: impl FnOnce() -> bool) -> Result<bool> {
+    let value = is_main(group) && cond();
+    main_says(group, value)
+}
+
+/// Runs `f` on rank 0, then (after a barrier) on the other ranks: for a step whose files rank 0
+/// settles and the others then read (a resumed training state). Every rank reaches the barrier,
+/// whatever `f` returned on rank 0, so an error there does not leave the others waiting.
+pub fn main_first<T>(group: Option<&ProcessGroup>, mut f: impl FnMut() -> T) -> Result<T> {
+    let first = is_main(group).then(&mut f);
+    barrier(group)?;
+    Ok(match first {
+        Some(v) => v,
+        None => f(),
+    })
+}
+
+/// Runs `f` on rank 0 only (the writes of the run's shared outputs); `None` on the others.
+pub fn on_main<T>(group: Option<&ProcessGroup>, f: impl FnOnce() -> Result<T>) -> Result<Option<T>> {
+    if is_main(group) { f().map(Some) } else { Ok(None) }
+}

@@ -85,34 +85,8 @@ pub fn sample_dataset(
     // This shard's problems (all of them for the whole): whole batches, seeded as in one process.
     let mine = run.shard_problems();
     let problems = &problems[mine.clone()];
-    // Prompts are sampled in order, in batches of `batch_prompts`. What is there already is kept
-    // up to the last whole batch whose prompts all have their `n` samples; the rest is redone, so
-    // batches (and their seeds) are the same as in an uninterrupted run.
     let batch_prompts = batch_prompts.max(1);
-    let mut start = 0;
-    if out.exists() {
-        // Kept lines are copied verbatim, never re-serialised.
-        let existing = read_records(out, None, false, CutLine::Resume)?.0;
-        let mut count: HashMap<&str, usize> = HashMap::new();
-        for (_, smp) in &existing {
-            if smp.sampling != record {
-                bail!("{} was sampled with other settings ({:?}); use a new output file", out.display(), smp.sampling);
-            }
-            *count.entry(smp.id.as_str()).or_default() += 1;
-        }
-        let complete = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
-        // Shards start on a batch boundary, so rounding within the shard keeps the batches.
-        start = if complete == problems.len() { complete } else { complete - complete % batch_prompts };
-        let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
-        crate::io::write_atomic(out, |w| {
-            for (line, smp) in &existing {
-                if keep.contains(smp.id.as_str()) {
-                    writeln!(w, "{line}")?;
-                }
-            }
-            Ok(())
-        })?;
-    }
+    let start = if out.exists() { keep_whole_batches(out, problems, n, batch_prompts, &record)? } else { 0 };
     if start == problems.len() {
         if !out.exists() {
             // A shard with no batch (fewer batches than shards): its file is empty, and whole.
@@ -142,29 +116,7 @@ pub fn sample_dataset(
         let completions = generate::generate(model, &ids, &s, &tok.eos_ids, tok.pad_id)?;
         let mut buf = String::new();
         for ((i, k), c) in rows.iter().zip(completions) {
-            let p = chunk[*i].1;
-            let text = tok.decode(&c.tokens)?;
-            let answer = task::extract_answer(&text);
-            let correct = task::is_correct(answer, p.answer);
-            let smp = Sample {
-                id: p.id.clone(),
-                sample: *k,
-                question: p.question.clone(),
-                prompt_ids: prompts[*i].clone(),
-                completion: text,
-                seq_logp_mu: c.logp_model.iter().map(|&x| x as f64).sum(),
-                seq_logp_sampling: c.logp_sampling.iter().map(|&x| x as f64).sum(),
-                completion_ids: c.tokens,
-                logp_mu: c.logp_model,
-                logp_sampling: c.logp_sampling,
-                answer,
-                reference: p.answer,
-                correct,
-                invalid: answer.is_none(),
-                reward: if correct { 1.0 } else { -1.0 },
-                stop: c.stop,
-                sampling: record.clone(),
-            };
+            let smp = graded(tok, chunk[*i].1, *k, prompts[*i], c, &record)?;
             buf.push_str(&serde_json::to_string(&smp)?);
             buf.push('\n');
             written += 1;
@@ -174,6 +126,74 @@ pub fn sample_dataset(
     }
     pb.finish_and_clear();
     Ok(written)
+}
+
+/// Keeps the lines of `out` up to the last whole batch of `batch_prompts` prompts whose prompts
+/// all have their `n` samples (rewritten atomically, each kept line verbatim, never
+/// re-serialised); returns the number of `problems` kept. The rest is redone, so batches (and
+/// their seeds) are the same as in an uninterrupted run. A line sampled with other settings than
+/// `record` is refused.
+fn keep_whole_batches(
+    out: &Path,
+    problems: &[Problem],
+    n: usize,
+    batch_prompts: usize,
+    record: &SamplingRecord,
+) -> Result<usize> {
+    let existing = read_records(out, None, false, CutLine::Resume)?.0;
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for (_, smp) in &existing {
+        if smp.sampling != *record {
+            bail!("{} was sampled with other settings ({:?}); use a new output file", out.display(), smp.sampling);
+        }
+        *count.entry(smp.id.as_str()).or_default() += 1;
+    }
+    let complete = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
+    // Shards start on a batch boundary, so rounding within the shard keeps the batches.
+    let start = if complete == problems.len() { complete } else { complete - complete % batch_prompts };
+    let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
+    crate::io::write_atomic(out, |w| {
+        for (line, smp) in &existing {
+            if keep.contains(smp.id.as_str()) {
+                writeln!(w, "{line}")?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(start)
+}
+
+/// Sample `k` of problem `p` (prompt `prompt`): the completion `c` decoded and graded, ±1.
+fn graded(
+    tok: &Tokenizer,
+    p: &Problem,
+    k: usize,
+    prompt: &[i64],
+    c: generate::Completion,
+    record: &SamplingRecord,
+) -> Result<Sample> {
+    let text = tok.decode(&c.tokens)?;
+    let answer = task::extract_answer(&text);
+    let correct = task::is_correct(answer, p.answer);
+    Ok(Sample {
+        id: p.id.clone(),
+        sample: k,
+        question: p.question.clone(),
+        prompt_ids: prompt.to_vec(),
+        completion: text,
+        seq_logp_mu: c.logp_model.iter().map(|&x| x as f64).sum(),
+        seq_logp_sampling: c.logp_sampling.iter().map(|&x| x as f64).sum(),
+        completion_ids: c.tokens,
+        logp_mu: c.logp_model,
+        logp_sampling: c.logp_sampling,
+        answer,
+        reference: p.answer,
+        correct,
+        invalid: answer.is_none(),
+        reward: if correct { 1.0 } else { -1.0 },
+        stop: c.stop,
+        sampling: record.clone(),
+    })
 }
 
 /// The record of sampling `problems` (with their prompts `prompts`) from the model of

@@ -200,21 +200,8 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     // 1–2. The solver's graded solutions.
     let layout = VerifyDir::new(&s.work);
     let (solutions, held_solutions) = layout.solutions();
-    {
-        let (m, tok) = checkpoint::open(model, at)?;
-        for (path, probs, seed) in [(&solutions, &problems, s.seed), (&held_solutions, &held, s.seed.wrapping_add(1))] {
-            let settings = SampleSettings {
-                samples_per_prompt: s.k,
-                sampling: s.sampling,
-                seed,
-                batch_prompts: s.batch_prompts,
-                shard: Shard::WHOLE,
-            };
-            sample::sample_dataset(&m, &tok, model, probs, &style, &settings, path)?;
-        }
-    }
+    solve(model, at, s, &style, [(&solutions, &problems, s.seed), (&held_solutions, &held, s.seed.wrapping_add(1))])?;
     // 3. The judge problems (solutions too long for the judge's context shown by their end).
-    let (judge_train, judge_held) = layout.judge_problems();
     let held_samples = dataset::read_dataset(&held_solutions, false)?.0;
     let cfg = crate::config::LlamaConfig::load(model)?;
     let tok = Tokenizer::load(model, &cfg)?;
@@ -226,6 +213,7 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     if cut_train + cut_held > 0 {
         eprintln!("{} solution(s) shown by their end only, to fit the judge's context", cut_train + cut_held);
     }
+    let (judge_train, judge_held) = layout.judge_problems();
     write_problems(&train_problems, &judge_train)?;
     write_problems(&held_problems, &judge_held)?;
     // 4. The verifier: rounds of TOPR on both verdicts of every training judge problem.
@@ -235,10 +223,55 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     }
     // 5. Selection on the held-out questions.
     let (v, _) = checkpoint::open(&verifier, at)?;
-    let [zero, one] = &verdicts;
+    let rows = select(&v, &tok, &held, &held_samples, &held_problems, &verdicts)?;
+    crate::io::write_atomic(&layout.questions(), |w| {
+        for r in &rows {
+            writeln!(w, "{}", serde_json::to_string(r)?)?;
+        }
+        Ok(())
+    })?;
+    let summary = summarize(&rows, s.k);
+    crate::io::write_file(&layout.summary(), serde_json::to_string_pretty(&summary)?)?;
+    Ok(summary)
+}
+
+/// The solver's `s.k` graded solutions of each problem set into its file (`(file, problems,
+/// seed)`), resumable like any data set.
+fn solve(
+    model: &Path,
+    at: Placement,
+    s: &VerifySettings,
+    style: &PromptStyle,
+    sets: [(&PathBuf, &Vec<Problem>, i64); 2],
+) -> Result<()> {
+    let (m, tok) = checkpoint::open(model, at)?;
+    for (path, probs, seed) in sets {
+        let settings = SampleSettings {
+            samples_per_prompt: s.k,
+            sampling: s.sampling,
+            seed,
+            batch_prompts: s.batch_prompts,
+            shard: Shard::WHOLE,
+        };
+        sample::sample_dataset(&m, &tok, model, probs, style, &settings, path)?;
+    }
+    Ok(())
+}
+
+/// The verifier `v`'s pick among each held-out question's solutions (`held_samples`, their judge
+/// problems `held_problems`): its `P(correct)` of each, `σ(log p(1) − log p(0))` of the verdicts.
+fn select(
+    v: &crate::model::Llama,
+    tok: &Tokenizer,
+    held: &[Problem],
+    held_samples: &[Sample],
+    held_problems: &[Problem],
+    verdicts: &[Vec<i64>; 2],
+) -> Result<Vec<VerifiedQuestion>> {
+    let [zero, one] = verdicts;
     let mut by_question: BTreeMap<usize, Vec<(&Sample, &Problem)>> = BTreeMap::new();
     let index: BTreeMap<&str, usize> = held.iter().enumerate().map(|(i, p)| (p.id.as_str(), i)).collect();
-    for (smp, judge) in held_samples.iter().zip(&held_problems) {
+    for (smp, judge) in held_samples.iter().zip(held_problems) {
         let i = *index.get(smp.id.as_str()).with_context(|| format!("{}: not a held-out question", smp.id))?;
         by_question.entry(i).or_default().push((smp, judge));
     }
@@ -247,9 +280,9 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
     for (i, sols) in by_question {
         let mut p_correct = vec![];
         for (_, judge) in &sols {
-            let prompt = prompt_ids(&tok, &PromptStyle::Chat, judge)?;
-            let l1: f64 = generate::score(&v, &prompt, one)?.iter().map(|&x| f64::from(x)).sum();
-            let l0: f64 = generate::score(&v, &prompt, zero)?.iter().map(|&x| f64::from(x)).sum();
+            let prompt = prompt_ids(tok, &PromptStyle::Chat, judge)?;
+            let l1: f64 = generate::score(v, &prompt, one)?.iter().map(|&x| f64::from(x)).sum();
+            let l0: f64 = generate::score(v, &prompt, zero)?.iter().map(|&x| f64::from(x)).sum();
             // σ(l1 − l0), in a form that cannot overflow.
             let d = l1 - l0;
             p_correct.push(if d >= 0.0 { 1.0 / (1.0 + (-d).exp()) } else { d.exp() / (1.0 + d.exp()) });
@@ -268,15 +301,7 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         });
     }
     pb.finish_and_clear();
-    crate::io::write_atomic(&layout.questions(), |w| {
-        for r in &rows {
-            writeln!(w, "{}", serde_json::to_string(r)?)?;
-        }
-        Ok(())
-    })?;
-    let summary = summarize(&rows, s.k);
-    crate::io::write_file(&layout.summary(), serde_json::to_string_pretty(&summary)?)?;
-    Ok(summary)
+    Ok(rows)
 }
 
 /// One round of the verifier's training from the model in `mu` (μ), in
@@ -313,42 +338,8 @@ fn train_round(
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let (m, _) = checkpoint::open(mu, at)?;
-    let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
     if !data.exists() {
-        let pb = indicatif::ProgressBar::new(problems.len() as u64);
-        crate::io::write_atomic(&data, |w| {
-            for p in problems {
-                let prompt = prompt_ids(tok, &PromptStyle::Chat, p)?;
-                for (d, ids) in verdicts.iter().enumerate() {
-                    let logp = generate::score(&m, &prompt, ids)?;
-                    let seq: f64 = logp.iter().map(|&x| f64::from(x)).sum();
-                    let correct = (d as f64 - p.answer).abs() < 0.5;
-                    let smp = Sample {
-                        id: p.id.clone(),
-                        sample: d,
-                        question: p.question.clone(),
-                        prompt_ids: prompt.clone(),
-                        completion: format!("The answer is {d}."),
-                        completion_ids: ids.clone(),
-                        logp_sampling: logp.clone(),
-                        logp_mu: logp,
-                        seq_logp_mu: seq,
-                        seq_logp_sampling: seq,
-                        answer: Some(d as f64),
-                        reference: p.answer,
-                        correct,
-                        invalid: false,
-                        reward: if correct { 1.0 } else { -1.0 },
-                        stop: generate::Stop::Length,
-                        sampling: record.clone(),
-                    };
-                    writeln!(w, "{}", serde_json::to_string(&smp)?)?;
-                }
-                pb.inc(1);
-            }
-            Ok(())
-        })?;
-        pb.finish_and_clear();
+        write_verdicts(&m, tok, problems, verdicts, &data)?;
     }
     let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, false)?;
     let record = train::RunRecord::new(mu, &data, &samples, &settings)?;
@@ -357,6 +348,53 @@ fn train_round(
     train::finish(&dir);
     crate::stage::write_done(&done, &RoundDone { record, summary })?;
     Ok(model_dir)
+}
+
+/// The data set of a round: both verdicts of every judge problem, each with μ's (`m`'s)
+/// log-probs and reward ±1 by whether it is the right verdict.
+fn write_verdicts(
+    m: &crate::model::Llama,
+    tok: &Tokenizer,
+    problems: &[Problem],
+    verdicts: &[Vec<i64>; 2],
+    data: &Path,
+) -> Result<()> {
+    let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
+    let pb = indicatif::ProgressBar::new(problems.len() as u64);
+    crate::io::write_atomic(data, |w| {
+        for p in problems {
+            let prompt = prompt_ids(tok, &PromptStyle::Chat, p)?;
+            for (d, ids) in verdicts.iter().enumerate() {
+                let logp = generate::score(m, &prompt, ids)?;
+                let seq: f64 = logp.iter().map(|&x| f64::from(x)).sum();
+                let correct = (d as f64 - p.answer).abs() < 0.5;
+                let smp = Sample {
+                    id: p.id.clone(),
+                    sample: d,
+                    question: p.question.clone(),
+                    prompt_ids: prompt.clone(),
+                    completion: format!("The answer is {d}."),
+                    completion_ids: ids.clone(),
+                    logp_sampling: logp.clone(),
+                    logp_mu: logp,
+                    seq_logp_mu: seq,
+                    seq_logp_sampling: seq,
+                    answer: Some(d as f64),
+                    reference: p.answer,
+                    correct,
+                    invalid: false,
+                    reward: if correct { 1.0 } else { -1.0 },
+                    stop: generate::Stop::Length,
+                    sampling: record.clone(),
+                };
+                writeln!(w, "{}", serde_json::to_string(&smp)?)?;
+            }
+            pb.inc(1);
+        }
+        Ok(())
+    })?;
+    pb.finish_and_clear();
+    Ok(())
 }
 
 /// `train.done.json` of a finished round: what it trained on and with, and what it did.

@@ -141,41 +141,7 @@ pub enum Command {
     /// pick one of K solutions per held-out question; prints verifier@K against pass@1, maj@K and
     /// pass@K with standard errors, and writes verify.json and verify.jsonl to --work. Rerun to
     /// resume.
-    Verify {
-        #[command(flatten)]
-        model: ModelArgs,
-        #[command(flatten)]
-        task: TaskArgs,
-        /// How the solutions are sampled (--max-new-tokens: their budget).
-        #[command(flatten)]
-        sampling: SamplingArgs,
-        /// The verifier's training (TOPR by default).
-        #[command(flatten)]
-        train: TrainArgs,
-        /// Working directory: the solutions, the judge problems, the verifier's `iterate` run and
-        /// the results.
-        #[arg(long)]
-        work: PathBuf,
-        /// Solutions sampled per question (training and held-out; >= 1).
-        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
-        samples: usize,
-        /// Rounds of the verifier's training, each on both verdicts of every judged solution
-        /// scored under the previous round's model (0: the model judges untrained).
-        #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
-        judge_iterations: usize,
-        /// Prompts per generation batch.
-        #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
-        batch_prompts: usize,
-        /// Held-out questions: a GSM8K file (needed with --task gsm8k).
-        #[arg(long)]
-        eval_data: Option<PathBuf>,
-        /// Held-out questions used (the first N of --eval-data, or N synthetic ones).
-        #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(1usize, 1_000_000))]
-        eval_n: usize,
-        /// Seeds the solutions.
-        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
-        seed: i64,
-    },
+    Verify(VerifyArgs),
     /// Create a small Llama from scratch (random weights, byte-level tokenizer, chat template) in
     /// the Hugging Face layout: a model that needs nothing downloaded.
     Init {
@@ -209,67 +175,12 @@ pub enum Command {
     /// The README's demo: a small Llama from scratch, a supervised warm-up on a sloppy teacher's
     /// worked solutions, then TOPR iterations on its own graded samples; prints the table and
     /// writes the plots. About 7 minutes on 2 CPU cores.
-    Demo {
-        /// Working directory (one folder per stage).
-        #[arg(long, default_value = "runs/demo")]
-        work: PathBuf,
-        /// A CI-sized run (tiny model, a few steps): checks the pipeline, learns nothing
-        /// (the same as --scale quick).
-        #[arg(long, conflicts_with = "scale")]
-        quick: bool,
-        /// The demo's size: full (the README's, about 7 minutes on 2 CPU cores), gpu (the GPU
-        /// check's larger model and data) or quick.
-        #[arg(long, value_enum, default_value_t = DemoScale::Full)]
-        scale: DemoScale,
-        /// cpu, cuda or cuda:N.
-        #[arg(long, default_value = "cpu", value_parser = parse_device)]
-        device: Device,
-        /// Continue an interrupted demo (finished stages are kept).
-        #[arg(long)]
-        resume: bool,
-        /// Epochs of the SFT warm-up (default: the scale's, 4 at full scale).
-        #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
-        sft_epochs: Option<usize>,
-        /// TOPR iterations after the warm-up (default: the scale's, 3 at full scale).
-        #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
-        iterations: Option<usize>,
-    },
+    Demo(DemoArgs),
     /// The paper's claims over seeds on the demo's task: per seed a new model, the warm-up and one
     /// `iterate` run per arm (objective and baseline) of the chosen claims; writes study.jsonl,
     /// study.md (mean ± standard error over seeds per claim) and claim-NAME.png. Resumes where it
     /// stopped; finished stages are reused.
-    Study {
-        /// Working directory (one folder per seed, one per arm inside it).
-        #[arg(long, default_value = "runs/study")]
-        work: PathBuf,
-        /// The claims to test, comma-separated: negatives, degeneration, peers, natural,
-        /// composition, off-policy and off-policy-baseline (one iteration each), iterated (5 iterations),
-        /// learning-rate and warm-up-data (the demo's 3 iterations), verifier, or all.
-        #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
-        claims: Claims,
-        /// Number of seeds (the seeds 0..n).
-        #[arg(long, default_value_t = 5, value_parser = args::whole(1usize, 1000))]
-        seeds: usize,
-        /// The demo scale the runs use (full: the README's model and data).
-        #[arg(long, value_enum, default_value_t = DemoScale::Full)]
-        scale: DemoScale,
-        /// Iterations per arm (default: the scale's), where a claim does not fix its own.
-        #[arg(long, value_parser = args::whole(1usize, 1000))]
-        iterations: Option<usize>,
-        /// Training questions sampled per iteration (default: the scale's).
-        #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
-        prompts: Option<usize>,
-        /// Held-out questions per seed (default: the scale's).
-        #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
-        eval_n: Option<usize>,
-        /// cpu, cuda or cuda:N.
-        #[arg(long, default_value = "cpu", value_parser = parse_device)]
-        device: Device,
-        /// Only redraw study.jsonl, study.md and the plots from what is finished; run nothing
-        /// (safe beside a running study of the same work directory).
-        #[arg(long)]
-        report_only: bool,
-    },
+    Study(StudyArgs),
     /// Other objectives on the same data as one iteration of an `iterate` run: each arm trains a
     /// copy of that iteration's μ on its data set with the run's settings (only the objective and
     /// baseline differ) and is evaluated on the run's held-out questions; writes
@@ -352,6 +263,162 @@ pub enum Command {
     },
 }
 
+/// `verify`'s options.
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub task: TaskArgs,
+    /// How the solutions are sampled (--max-new-tokens: their budget).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// The verifier's training (TOPR by default).
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Working directory: the solutions, the judge problems, the verifier's `iterate` run and
+    /// the results.
+    #[arg(long)]
+    pub work: PathBuf,
+    /// Solutions sampled per question (training and held-out; >= 1).
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+    pub samples: usize,
+    /// Rounds of the verifier's training, each on both verdicts of every judged solution
+    /// scored under the previous round's model (0: the model judges untrained).
+    #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
+    pub judge_iterations: usize,
+    /// Prompts per generation batch.
+    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+    pub batch_prompts: usize,
+    /// Held-out questions: a GSM8K file (needed with --task gsm8k).
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+    /// Held-out questions used (the first N of --eval-data, or N synthetic ones).
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(1usize, 1_000_000))]
+    pub eval_n: usize,
+    /// Seeds the solutions.
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    pub seed: i64,
+}
+
+impl VerifyArgs {
+    fn run(self) -> anyhow::Result<()> {
+        if self.task.task == args::TaskArg::Gsm8k && self.eval_data.is_none() {
+            anyhow::bail!("--task gsm8k needs --eval-data PATH (e.g. the test file) for the held-out questions");
+        }
+        let settings = topr_llama::verify::VerifySettings {
+            task: self.task.spec()?,
+            eval_data: self.eval_data,
+            eval_n: self.eval_n,
+            k: self.samples,
+            sampling: self.sampling.sampling(),
+            train: self.train.settings()?,
+            judge_iterations: self.judge_iterations,
+            batch_prompts: self.batch_prompts,
+            seed: self.seed,
+            work: self.work,
+        };
+        let summary = topr_llama::verify::run(&self.model.model, self.model.placement(), &settings)?;
+        topr_llama::verify::print_summary(&summary);
+        Ok(())
+    }
+}
+
+/// `demo`'s options.
+#[derive(clap::Args)]
+pub struct DemoArgs {
+    /// Working directory (one folder per stage).
+    #[arg(long, default_value = "runs/demo")]
+    pub work: PathBuf,
+    /// A CI-sized run (tiny model, a few steps): checks the pipeline, learns nothing
+    /// (the same as --scale quick).
+    #[arg(long, conflicts_with = "scale")]
+    pub quick: bool,
+    /// The demo's size: full (the README's, about 7 minutes on 2 CPU cores), gpu (the GPU
+    /// check's larger model and data) or quick.
+    #[arg(long, value_enum, default_value_t = DemoScale::Full)]
+    pub scale: DemoScale,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Continue an interrupted demo (finished stages are kept).
+    #[arg(long)]
+    pub resume: bool,
+    /// Epochs of the SFT warm-up (default: the scale's, 4 at full scale).
+    #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
+    pub sft_epochs: Option<usize>,
+    /// TOPR iterations after the warm-up (default: the scale's, 3 at full scale).
+    #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
+    pub iterations: Option<usize>,
+}
+
+impl DemoArgs {
+    fn run(self) -> anyhow::Result<()> {
+        let mut scale = if self.quick { topr_llama::demo::Scale::quick() } else { demo_scale(self.scale) };
+        scale.sft_epochs = self.sft_epochs.unwrap_or(scale.sft_epochs);
+        scale.iterations = self.iterations.unwrap_or(scale.iterations);
+        topr_llama::demo::run(&self.work, scale, self.device, self.resume)
+    }
+}
+
+/// `study`'s options.
+#[derive(clap::Args)]
+pub struct StudyArgs {
+    /// Working directory (one folder per seed, one per arm inside it).
+    #[arg(long, default_value = "runs/study")]
+    pub work: PathBuf,
+    /// The claims to test, comma-separated: negatives, degeneration, peers, natural,
+    /// composition, off-policy and off-policy-baseline (one iteration each), iterated (5 iterations),
+    /// learning-rate and warm-up-data (the demo's 3 iterations), verifier, or all.
+    #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
+    pub claims: Claims,
+    /// Number of seeds (the seeds 0..n).
+    #[arg(long, default_value_t = 5, value_parser = args::whole(1usize, 1000))]
+    pub seeds: usize,
+    /// The demo scale the runs use (full: the README's model and data).
+    #[arg(long, value_enum, default_value_t = DemoScale::Full)]
+    pub scale: DemoScale,
+    /// Iterations per arm (default: the scale's), where a claim does not fix its own.
+    #[arg(long, value_parser = args::whole(1usize, 1000))]
+    pub iterations: Option<usize>,
+    /// Training questions sampled per iteration (default: the scale's).
+    #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
+    pub prompts: Option<usize>,
+    /// Held-out questions per seed (default: the scale's).
+    #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
+    pub eval_n: Option<usize>,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Only redraw study.jsonl, study.md and the plots from what is finished; run nothing
+    /// (safe beside a running study of the same work directory).
+    #[arg(long)]
+    pub report_only: bool,
+}
+
+impl StudyArgs {
+    fn run(self) -> anyhow::Result<()> {
+        let mut scale = demo_scale(self.scale);
+        scale.iterations = self.iterations.unwrap_or(scale.iterations);
+        scale.prompts = self.prompts.unwrap_or(scale.prompts);
+        scale.eval_n = self.eval_n.unwrap_or(scale.eval_n);
+        let settings = topr_llama::study::StudySettings {
+            work: self.work,
+            claims: self.claims.0,
+            seeds: topr_llama::study::seeds(self.seeds),
+            scale,
+            at: topr_llama::checkpoint::Placement::f32(self.device),
+        };
+        if !self.report_only {
+            return topr_llama::study::run(&settings);
+        }
+        if !settings.work.is_dir() {
+            anyhow::bail!("--report-only: {} holds no study (no such directory)", settings.work.display());
+        }
+        topr_llama::study::report(&settings)
+    }
+}
+
 impl Command {
     /// Whether the command runs as one rank of a group when launched as one (the others would
     /// all write the same files).
@@ -397,66 +464,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             let settings = iterate.settings(&task, &train, &sampling)?;
             topr_llama::iterate::run(&model.model, model.placement(), &settings, group)
         }
-        Command::Verify {
-            model,
-            task,
-            sampling,
-            train,
-            work,
-            samples,
-            judge_iterations,
-            batch_prompts,
-            eval_data,
-            eval_n,
-            seed,
-        } => {
-            if task.task == args::TaskArg::Gsm8k && eval_data.is_none() {
-                anyhow::bail!("--task gsm8k needs --eval-data PATH (e.g. the test file) for the held-out questions");
-            }
-            let settings = topr_llama::verify::VerifySettings {
-                task: task.spec()?,
-                eval_data,
-                eval_n,
-                k: samples,
-                sampling: sampling.sampling(),
-                train: train.settings()?,
-                judge_iterations,
-                batch_prompts,
-                seed,
-                work,
-            };
-            let summary = topr_llama::verify::run(&model.model, model.placement(), &settings)?;
-            topr_llama::verify::print_summary(&summary);
-            Ok(())
-        }
+        Command::Verify(a) => a.run(),
         Command::Init { out, size, vocab_size, seed } => c::init(&out, &size, vocab_size, seed),
         Command::SftData { model, task, out, slip_rate } => c::sft_data(&model, &task, &out, slip_rate),
-        Command::Demo { work, quick, scale, device, resume, sft_epochs, iterations } => {
-            let mut scale = if quick { topr_llama::demo::Scale::quick() } else { demo_scale(scale) };
-            scale.sft_epochs = sft_epochs.unwrap_or(scale.sft_epochs);
-            scale.iterations = iterations.unwrap_or(scale.iterations);
-            topr_llama::demo::run(&work, scale, device, resume)
-        }
-        Command::Study { work, claims, seeds, scale, iterations, prompts, eval_n, device, report_only } => {
-            let mut scale = demo_scale(scale);
-            scale.iterations = iterations.unwrap_or(scale.iterations);
-            scale.prompts = prompts.unwrap_or(scale.prompts);
-            scale.eval_n = eval_n.unwrap_or(scale.eval_n);
-            let settings = topr_llama::study::StudySettings {
-                work,
-                claims: claims.0,
-                seeds: topr_llama::study::seeds(seeds),
-                scale,
-                at: topr_llama::checkpoint::Placement::f32(device),
-            };
-            if !report_only {
-                return topr_llama::study::run(&settings);
-            }
-            if !settings.work.is_dir() {
-                anyhow::bail!("--report-only: {} holds no study (no such directory)", settings.work.display());
-            }
-            topr_llama::study::report(&settings)
-        }
+        Command::Demo(a) => a.run(),
+        Command::Study(a) => a.run(),
         Command::Compare { run, iteration, arms, device, dtype, kernels } => {
             let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels: kernels.into() };
             let s = topr_llama::compare::CompareSettings { run, iteration, arms: arms.0, at };

@@ -142,6 +142,23 @@ struct Plan<'a> {
     total: usize,
 }
 
+impl Plan<'_> {
+    /// What the run did, once it stands at `progress`.
+    fn summary(&self, o: &TrainSettings, completions: usize, progress: &Progress) -> Summary {
+        Summary {
+            objective: o.objective.name(),
+            completions,
+            positive_fraction: self.p,
+            baseline: self.c,
+            p_tilde: self.p_tilde,
+            steps: progress.step,
+            final_loss: progress.last_loss,
+            truncated_fraction_neg: matches!(self.loss, Loss::Topr(_))
+                .then(|| progress.truncated_sum / progress.step.max(1) as f64),
+        }
+    }
+}
+
 impl<'a> Plan<'a> {
     /// `report`: say on stderr what the data set holds (one rank of a group does).
     fn new(samples: &'a [Sample], o: &TrainSettings, report: bool) -> Result<Self> {
@@ -236,27 +253,7 @@ pub fn run(
     }
     let plan = Plan::new(samples, o, main)?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let named: Vec<(String, Tensor)> = model.vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
-    let mut opt = Optimizer::new(o.optimizer, named);
-    let mut progress = match main {
-        true => state.resume(model, &mut opt, record, o),
-        false => Ok(Progress::default()),
-    };
-    // The other ranks read the state rank 0 has settled (or start afresh with it).
-    parallel::barrier(group)?;
-    if !main {
-        progress = state.resume(model, &mut opt, record, o);
-    }
-    let mut progress: Progress = progress?;
-    // Every rank must stand where rank 0 does: a rank that cannot see the saved state (no shared
-    // file system) would start afresh and its gradients would belong to another step.
-    let steps: Vec<f64> = parallel::gather(group, &[progress.step as f64])?.iter().map(|r| r[0]).collect();
-    if steps.iter().any(|&s| s != steps[0]) {
-        bail!(
-            "the ranks resume from different steps ({steps:?}): {} must be on a file system every rank sees",
-            dir.display()
-        );
-    }
+    let (mut opt, mut progress) = resume(model, o, record, &state, group)?;
     let mut metrics =
         if main { Some(MetricsLog::open(&crate::layout::metrics_file(dir), progress.step)?) } else { None };
     let pb = if main { progress_bar(plan.total, progress.step) } else { indicatif::ProgressBar::hidden() };
@@ -281,17 +278,32 @@ pub fn run(
     }
     pb.finish_and_clear();
     opt.zero_grad();
-    Ok(Summary {
-        objective: o.objective.name(),
-        completions: samples.len(),
-        positive_fraction: plan.p,
-        baseline: plan.c,
-        p_tilde: plan.p_tilde,
-        steps: progress.step,
-        final_loss: progress.last_loss,
-        truncated_fraction_neg: matches!(plan.loss, Loss::Topr(_))
-            .then(|| progress.truncated_sum / progress.step.max(1) as f64),
-    })
+    Ok(plan.summary(o, samples.len(), &progress))
+}
+
+/// The optimiser and where the run starts: rank 0 settles the saved state of an interrupted run
+/// (or starts afresh), then the other ranks read it; every rank must then stand at the same
+/// step.
+fn resume(
+    model: &Llama,
+    o: &TrainSettings,
+    record: &RunRecord,
+    state: &StateDir,
+    group: Option<&ProcessGroup>,
+) -> Result<(Optimizer, Progress)> {
+    let named: Vec<(String, Tensor)> = model.vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    let mut opt = Optimizer::new(o.optimizer, named);
+    let progress = parallel::main_first(group, || state.resume(model, &mut opt, record, o))??;
+    // Every rank must stand where rank 0 does: a rank that cannot see the saved state (no shared
+    // file system) would start afresh and its gradients would belong to another step.
+    let steps: Vec<f64> = parallel::gather(group, &[progress.step as f64])?.iter().map(|r| r[0]).collect();
+    if steps.iter().any(|&s| s != steps[0]) {
+        bail!(
+            "the ranks resume from different steps ({steps:?}): {} must be on a file system every rank sees",
+            state.dir.display()
+        );
+    }
+    Ok((opt, progress))
 }
 
 /// Removes the training state of a finished run in `dir` (call once its model is saved).
