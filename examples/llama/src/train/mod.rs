@@ -136,6 +136,8 @@ struct Plan<'a> {
     p: f64,
     p_tilde: Option<f64>,
     loss: Loss,
+    /// What every token-level loss of a step gets besides its own terms, built once.
+    extras: Extras,
     units: Vec<Unit<'a>>,
     units_per_step: usize,
     steps_per_epoch: usize,
@@ -176,7 +178,8 @@ impl<'a> Plan<'a> {
         let units = units_with(samples, o.objective, c, o.advantage)?;
         let units_per_step = (o.batch_size / units[0].completions()).max(1);
         let steps_per_epoch = units.len().div_ceil(units_per_step);
-        Ok(Self { c, p, p_tilde, loss, units, units_per_step, steps_per_epoch, total: steps_per_epoch * o.epochs })
+        let (extras, total) = (o.extras(), steps_per_epoch * o.epochs);
+        Ok(Self { c, p, p_tilde, loss, extras, units, units_per_step, steps_per_epoch, total })
     }
 
     /// The steps of `epoch`: (0-based step number, its units), in a deterministic shuffle
@@ -208,7 +211,7 @@ fn optimizer_step(
 ) -> Result<StepRecord> {
     opt.zero_grad();
     let seed = o.seed.wrapping_mul(1_000_003).wrapping_add(step as u64);
-    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &o.extras(), seed, group)?;
+    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &plan.extras, seed, group)?;
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }
