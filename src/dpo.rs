@@ -26,7 +26,7 @@
 //! `exp(log σ(h/τ) − h)`, whose exponent is bounded above for `τ ≤ 1`.
 //!
 //! Label smoothing `ε` is conservative DPO (cDPO, Mitchell 2023) in the sigmoid loss. TRL's
-//! `loss_type="robust"` is a different loss ([`DpoVariant::Robust`], Chowdhury et al., arXiv
+//! `loss_type="robust"` is a different loss ([`DpoVariant::Robust`](crate::DpoVariant::Robust), Chowdhury et al., arXiv
 //! 2403.00409: the cDPO terms with the sign of the flipped term reversed, divided by `1 − 2ε`, an
 //! unbiased estimate of the clean DPO loss under label noise).
 //!
@@ -54,7 +54,7 @@ fn check_pairs(
     check_inputs(logp_chosen, logp_rejected, logp_ref_chosen, logp_ref_rejected, !cfg.reference_free, cfg.checks)
 }
 
-/// The DPO loss (every [`DpoVariant`]; with or without a reference), averaged over pairs.
+/// The DPO loss (every [`DpoVariant`](crate::DpoVariant); with or without a reference), averaged over pairs.
 ///
 /// ```text
 /// ρ_w = π_w − ref_w    ρ_l = π_l − ref_l    Δ_i = ρ_w − ρ_l    h_i = β Δ_i   (log-probs; ref ≡ 0 if reference-free)

@@ -69,7 +69,7 @@ pub enum DpoVariant {
     SigmoidNorm,
 }
 
-/// Configuration of [`dpo_loss`] and [`dpo_rewards`].
+/// Configuration of [`dpo_loss`](crate::dpo_loss) and [`dpo_rewards`](crate::dpo_rewards).
 ///
 /// `Default` ([`DpoConfig::dpo`]): `β = 0.1`, no label smoothing, the sigmoid loss, with a
 /// reference model. Presets name each published loss; `with_…` methods change one knob.

@@ -65,6 +65,13 @@ impl Scale {
         }
     }
 
+    /// A real model's loop (SmolLM2-135M-Instruct's single run, 2026-11): 256 training
+    /// questions a seed with 4 samples each, a 128-token budget, 256 held-out questions a seed.
+    /// The model's size is the checkpoint's (`size` is unused).
+    pub fn real() -> Self {
+        Self { prompts: 256, eval_n: 256, max_new_tokens: 128, iterations: 1, ..Self::full() }
+    }
+
     pub fn quick() -> Self {
         Self {
             size: init::Size { layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64, max_positions: 256 },
@@ -145,6 +152,9 @@ pub enum Recipe {
     /// twice the scale's problems for half its epochs (8,000 × 2 at full scale instead of
     /// 4,000 × 4), so the warm-up takes the same time and sees each solution half as often.
     SloppyFresh,
+    /// No warm-up: a real model as it is (the study's `model`, SmolLM2-135M-Instruct), with the
+    /// real model's sizes ([`Scale::real`]) and training batches.
+    Real,
 }
 
 impl Recipe {
@@ -152,7 +162,7 @@ impl Recipe {
     pub fn slip_rate(self) -> f64 {
         match self {
             Self::Sloppy | Self::SloppyFresh => 0.6,
-            Self::Natural => 0.0,
+            Self::Natural | Self::Real => 0.0,
         }
     }
 
@@ -162,6 +172,7 @@ impl Recipe {
             Self::Sloppy => scale.sft_epochs,
             Self::Natural => 1,
             Self::SloppyFresh => scale.sft_epochs.div_ceil(2),
+            Self::Real => 0,
         }
     }
 
@@ -169,6 +180,7 @@ impl Recipe {
     pub fn sft_problems(self, scale: Scale) -> usize {
         match self {
             Self::Sloppy | Self::Natural => scale.sft_problems,
+            Self::Real => 0,
             // The same solutions seen in all: problems × epochs as the sloppy recipe's.
             Self::SloppyFresh => scale.sft_problems * scale.sft_epochs / self.sft_epochs(scale),
         }

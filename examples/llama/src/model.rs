@@ -54,9 +54,10 @@ type PackedCopy = (Vec<(usize, i64)>, Arc<Packed>);
 
 /// The matrix products of the model: generation's (the cached forward of [`Llama::step`]) and
 /// training's ([`Llama::hidden`], [`Llama::logits`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kernels {
     /// libtorch's `matmul` (MKL's `sgemm` on the CPU) everywhere.
+    #[value(help = "libtorch's matmul everywhere")]
     Plain,
     /// On the CPU in f32 or bf16, oneDNN ([`crate::onednn`]): generation on weights packed once
     /// per generation, about twice as fast at decoding shapes, at the cost of a packed copy of
@@ -65,6 +66,7 @@ pub enum Kernels {
     /// inputs' gradients by oneDNN, the weights' gradients by `mm`). The same products summed in
     /// another order (equal up to rounding). Elsewhere, or where libtorch lacks oneDNN,
     /// [`Kernels::Plain`].
+    #[value(help = "oneDNN's products on the CPU (generation; training at hidden size 512 or more)")]
     Onednn,
 }
 

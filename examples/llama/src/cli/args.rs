@@ -236,28 +236,13 @@ pub struct ModelArgs {
     /// The matrix products on the CPU: onednn (generation on weights packed once per generation,
     /// about twice as fast at decoding shapes; training through oneDNN for models of hidden
     /// size 512 or more) or plain (libtorch's matmul everywhere).
-    #[arg(long, value_enum, default_value_t = KernelsArg::Onednn)]
-    pub kernels: KernelsArg,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum KernelsArg {
-    Onednn,
-    Plain,
-}
-
-impl From<KernelsArg> for Kernels {
-    fn from(k: KernelsArg) -> Self {
-        match k {
-            KernelsArg::Onednn => Kernels::Onednn,
-            KernelsArg::Plain => Kernels::Plain,
-        }
-    }
+    #[arg(long, value_enum, default_value_t = Kernels::Onednn)]
+    pub kernels: Kernels,
 }
 
 impl ModelArgs {
     pub fn placement(&self) -> Placement {
-        Placement { device: self.device, kind: self.dtype.into(), kernels: self.kernels.into() }
+        Placement { device: self.device, kind: self.dtype.into(), kernels: self.kernels }
     }
 }
 

@@ -205,8 +205,8 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t = args::Dtype::F32)]
         dtype: args::Dtype,
         /// The matrix products on the CPU (as for every command that loads a model).
-        #[arg(long, value_enum, default_value_t = args::KernelsArg::Onednn)]
-        kernels: args::KernelsArg,
+        #[arg(long, value_enum, default_value_t = topr_llama::model::Kernels::Onednn)]
+        kernels: topr_llama::model::Kernels,
     },
     /// Draw the PNG plots of a run again: `iterations.png` of an `iterate` work directory, or
     /// `training.png` of a `train` output directory.
@@ -369,7 +369,9 @@ pub struct StudyArgs {
     pub work: PathBuf,
     /// The claims to test, comma-separated: negatives, degeneration, peers, natural,
     /// composition, off-policy and off-policy-baseline (one iteration each), iterated (5 iterations),
-    /// learning-rate and warm-up-data (the demo's 3 iterations), verifier, or all.
+    /// learning-rate and warm-up-data (the demo's 3 iterations), verifier, or all (the demo
+    /// model's claims); on a real model (--model): real-negatives, real-composition (one
+    /// iteration each), real-iterated (2 iterations).
     #[arg(long, default_value = "negatives,degeneration", value_parser = parse_claims)]
     pub claims: Claims,
     /// Number of seeds (the seeds 0..n).
@@ -394,6 +396,13 @@ pub struct StudyArgs {
     /// (safe beside a running study of the same work directory).
     #[arg(long)]
     pub report_only: bool,
+    /// The real model the real-model claims (real-negatives, real-composition, real-iterated)
+    /// start from: SmolLM2-135M-Instruct, which scripts/smollm2.sh builds in
+    /// models/smollm2-135m-instruct. Their sizes are fixed (256 training and 256 held-out
+    /// questions a seed, a 128-token budget); --scale, --iterations, --prompts and --eval-n apply
+    /// to the demo model's claims.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
 }
 
 impl StudyArgs {
@@ -408,6 +417,7 @@ impl StudyArgs {
             seeds: topr_llama::study::seeds(self.seeds),
             scale,
             at: topr_llama::checkpoint::Placement::f32(self.device),
+            model: self.model,
         };
         if !self.report_only {
             return topr_llama::study::run(&settings);
@@ -470,7 +480,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(a) => a.run(),
         Command::Study(a) => a.run(),
         Command::Compare { run, iteration, arms, device, dtype, kernels } => {
-            let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels: kernels.into() };
+            let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels };
             let s = topr_llama::compare::CompareSettings { run, iteration, arms: arms.0, at };
             topr_llama::compare::run(&s).map(|_| ())
         }
@@ -552,7 +562,7 @@ fn parse_claims(s: &str) -> Result<Claims, String> {
             Claim::ALL.to_vec()
         } else {
             vec![Claim::parse(name).ok_or_else(|| {
-                let known: Vec<&str> = Claim::ALL.iter().map(|c| c.name()).collect();
+                let known: Vec<&str> = Claim::ALL.iter().chain(&Claim::REAL).map(|c| c.name()).collect();
                 format!("unknown claim {name:?}: expected one of {}, or all", known.join(", "))
             })?]
         };

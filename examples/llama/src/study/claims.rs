@@ -1,7 +1,7 @@
 //! The study's catalogue: the paper's claims ([`Claim`]) and the arms that test each one
 //! ([`Arm`]: an objective, its baseline, and what else differs from the demo's TOPR iterations).
 
-use crate::demo::{self, Recipe};
+use crate::demo::{self, Recipe, Scale};
 use crate::settings::{Baseline, Curation, Objective};
 
 /// One claim of the paper, and the arms that test it.
@@ -45,6 +45,15 @@ pub enum Claim {
     /// A better result in the same time (issue #13): the same warm-up steps on twice the
     /// problems for half the epochs ([`Recipe::SloppyFresh`]), then the demo's TOPR iterations.
     WarmUpData,
+    /// On a real model (the study's `model`, SmolLM2-135M-Instruct: [`Recipe::Real`]), where the
+    /// data are almost all negative: TOPR (p̃ = 0.5) against SFT on the positives, naive REINFORCE
+    /// and TIS with TOPR's baseline, on the same data set.
+    RealNegatives,
+    /// The composition claim on the real model: TOPR with p̃ ∈ [`REAL_P_TILDES`] on the same data
+    /// sets (a raw share of positives near 2 %): does the paper's optimum near 10–20 % appear?
+    RealComposition,
+    /// The real model's TOPR arm continued for [`REAL_ITERATIONS`] iterations, μ refreshed.
+    RealIterated,
 }
 
 impl Claim {
@@ -63,6 +72,15 @@ impl Claim {
         Claim::WarmUpData,
     ];
 
+    /// The claims on a real model (the study's `model`), apart from [`Claim::ALL`], the demo
+    /// model's: `--claims all` is the demo model's.
+    pub const REAL: [Claim; 3] = [Claim::RealNegatives, Claim::RealComposition, Claim::RealIterated];
+
+    /// Whether its arms start from the study's real model.
+    pub fn is_real(self) -> bool {
+        Self::REAL.contains(&self)
+    }
+
     /// The claim's name on the command line and in file names.
     pub fn name(self) -> &'static str {
         match self {
@@ -73,6 +91,9 @@ impl Claim {
             Self::OffPolicy => "off-policy",
             Self::Natural => "natural",
             Self::Iterated => "iterated",
+            Self::RealNegatives => "real-negatives",
+            Self::RealComposition => "real-composition",
+            Self::RealIterated => "real-iterated",
             Self::Verifier => "verifier",
             Self::OffPolicyBaseline => "off-policy-baseline",
             Self::LearningRate => "learning-rate",
@@ -112,6 +133,13 @@ impl Claim {
             Self::WarmUpData => {
                 "A better result in the same time? The warm-up's steps on twice the problems for half the epochs, then the demo's iterations."
             }
+            Self::RealNegatives => {
+                "On a real model (SmolLM2-135M-Instruct) with almost all samples negative: do negatives help? TOPR (p̃ = 0.5) against SFT on the positives, naive REINFORCE and TIS with TOPR's baseline, on the same data."
+            }
+            Self::RealComposition => {
+                "On the real model: how does accuracy depend on p̃ when the raw share of positives is about 2 %?"
+            }
+            Self::RealIterated => "On the real model: do TOPR's gains continue over a second iteration (μ refreshed)?",
         }
     }
 
@@ -122,8 +150,24 @@ impl Claim {
         let p_half = topr.baseline;
         // The demo's arm at the demo's length: the reference of the same-time claims.
         let demo_length = Arm { iterations: Some(SAME_TIME_ITERATIONS), ..topr.clone() };
+        // One iteration unless the claim fixes more: the study's `--iterations` is the demo model's.
+        let real = |a: Arm| Arm {
+            name: format!("real-{}", a.name),
+            recipe: Recipe::Real,
+            lr: REAL_LR,
+            iterations: Some(a.iterations.unwrap_or(1)),
+            ..a
+        };
         match self {
             Self::Verifier => vec![],
+            Self::RealNegatives => vec![
+                real(topr.clone()),
+                real(Arm::new("sft", Objective::Sft, Baseline::Zero)),
+                real(Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)),
+                real(Arm::new("tis-p0.5", Objective::Tis, p_half)),
+            ],
+            Self::RealComposition => REAL_P_TILDES.into_iter().map(|p| real(Arm::topr(p))).collect(),
+            Self::RealIterated => vec![real(Arm { iterations: Some(REAL_ITERATIONS), ..topr.clone() })],
             Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
             Self::Degeneration => vec![topr, Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)],
             Self::Composition => COMPOSITION_RAW_SHARES
@@ -193,11 +237,23 @@ impl Claim {
         self.arms().iter().map(|a| a.iterations(study)).max().unwrap_or(study)
     }
 
+    /// Held-out questions a seed: the real model's ([`Scale::real`]) or the study's `scale`'s.
+    pub fn eval_n(self, scale: Scale) -> usize {
+        if self.is_real() { Scale::real().eval_n } else { scale.eval_n }
+    }
+
     /// Parses a claim's name.
     pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|c| c.name() == s)
+        Self::ALL.into_iter().chain(Self::REAL).find(|c| c.name() == s)
     }
 }
+
+/// The real-model composition claim's effective proportions of positives p̃.
+pub const REAL_P_TILDES: [f64; 4] = [0.05, 0.1, 0.2, 0.5];
+/// The real-model iterated claim's iterations.
+pub const REAL_ITERATIONS: usize = 2;
+/// The learning rate of the real model's arms (SmolLM2's single run: AdamW 2e-5).
+pub const REAL_LR: f64 = 2e-5;
 
 /// The composition claim's raw shares of positives (each data set subsampled to it, as in the
 /// paper's 10 % and 50 % data sets).

@@ -42,10 +42,14 @@ pub struct StudySettings {
     pub seeds: Vec<u64>,
     pub scale: Scale,
     pub at: Placement,
+    /// The real model the real-model claims ([`Claim::REAL`]) start from (SmolLM2-135M-Instruct:
+    /// `scripts/smollm2.sh` builds it); `None` when the study has none of them.
+    pub model: Option<PathBuf>,
 }
 
 /// Runs (or continues) the study; rewrites its tables and plots after every arm.
 pub fn run(s: &StudySettings) -> Result<()> {
+    check(s)?;
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     let _lock = crate::io::Lock::dir(&s.work)?;
     let t0 = std::time::Instant::now();
@@ -64,7 +68,10 @@ pub fn run(s: &StudySettings) -> Result<()> {
     for &seed in &s.seeds {
         let dir = seed_dir(&s.work, seed);
         // Each recipe's warm-up is made once per seed, when an arm (or the verifier) first needs it.
-        let warm = |recipe: Recipe| demo::warm_up_with(&warm_up_dir(&dir, recipe), s.scale, seed, s.at, recipe);
+        let warm = |recipe: Recipe| match (recipe, &s.model) {
+            (Recipe::Real, Some(model)) => Ok(model.clone()),
+            _ => demo::warm_up_with(&warm_up_dir(&dir, recipe), s.scale, seed, s.at, recipe),
+        };
         for arm in &arms {
             eprintln!(
                 "[study {:.0} s] seed {seed}, arm {} ({}/{total})",
@@ -94,9 +101,27 @@ pub fn run(s: &StudySettings) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a study whose real-model claims have no model, or whose model is given without any.
+fn check(s: &StudySettings) -> Result<()> {
+    let real = s.claims.iter().any(|c| c.is_real());
+    match (&s.model, real) {
+        (None, true) => anyhow::bail!(
+            "the real-model claims need the model they start from (SmolLM2-135M-Instruct: scripts/smollm2.sh builds models/smollm2-135m-instruct)"
+        ),
+        (Some(m), false) => anyhow::bail!("a model ({}) is given, but no real-model claim uses it", m.display()),
+        (Some(m), true) if !m.join("config.json").exists() => {
+            anyhow::bail!("{} holds no model (no config.json)", m.display())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The `iterate` settings of `arm` for `seed`: the demo's TOPR iterations with the arm's
-/// objective and baseline.
+/// objective and baseline (for a real-model arm, with the real model's sizes and batches).
 fn arm_settings(dir: &SeedDir, scale: Scale, seed: u64, arm: &Arm) -> Result<IterateSettings> {
+    if arm.recipe == Recipe::Real {
+        return real_arm_settings(dir, seed, arm);
+    }
     let base = demo::topr_settings()?;
     let train = TrainSettings {
         objective: arm.objective,
@@ -113,6 +138,32 @@ fn arm_settings(dir: &SeedDir, scale: Scale, seed: u64, arm: &Arm) -> Result<Ite
         curate: arm.curate,
         iterations: arm.iterations(scale.iterations),
         shared: Some(dir.shared()),
+        ..demo::iterate_settings(dir.arm(&arm.name).path().to_path_buf(), scale, seed, train)
+    })
+}
+
+/// A real-model arm's `iterate` settings: the sizes of [`Scale::real`], batches of 16 completions
+/// in micro-batches of 8, the arm's learning rate ([`claims::REAL_LR`]), 8 prompts a generation
+/// batch and 32 held-out questions an evaluation batch.
+fn real_arm_settings(dir: &SeedDir, seed: u64, arm: &Arm) -> Result<IterateSettings> {
+    let scale = Scale::real();
+    let train = TrainSettings {
+        objective: arm.objective,
+        baseline: arm.baseline,
+        epochs: arm.epochs,
+        max_grad_norm: arm.max_grad_norm,
+        lr: arm.lr,
+        batch_size: 16,
+        micro_batch_size: 8,
+        seed,
+        ..demo::topr_settings()?
+    };
+    Ok(IterateSettings {
+        curate: arm.curate,
+        iterations: arm.iterations(scale.iterations),
+        shared: Some(dir.shared()),
+        batch_prompts: 8,
+        eval_batch_size: 32,
         ..demo::iterate_settings(dir.arm(&arm.name).path().to_path_buf(), scale, seed, train)
     })
 }
@@ -148,6 +199,8 @@ pub fn warm_up_dir(seed_dir: &SeedDir, recipe: Recipe) -> PathBuf {
         Recipe::Sloppy => seed_dir.path().to_path_buf(),
         Recipe::Natural => seed_dir.natural(),
         Recipe::SloppyFresh => seed_dir.fresh(),
+        // Not made by the study: the study's model (see `run`).
+        Recipe::Real => seed_dir.path().to_path_buf(),
     }
 }
 
@@ -161,6 +214,7 @@ mod tests {
     use super::report::{step_gains, training_panels};
     use super::*;
     use crate::settings::Objective;
+    use claims::REAL_P_TILDES;
 
     #[test]
     fn claims_parse_and_share_the_topr_arm() {
@@ -361,6 +415,7 @@ mod tests {
             seeds: seeds(3),
             scale: Scale::quick(),
             at: Placement::f32(tch::Device::Cpu),
+            model: None,
         };
         let panels = training_panels(&s, std::slice::from_ref(arm)).unwrap();
         assert_eq!(panels[0].series[0].points, vec![(1.0, 0.0), (2.0, -2.0)]);
@@ -384,5 +439,65 @@ mod tests {
         // 0 → 1: mean of 0.1 and 0.2 with SE 0.05; 1 → 2: seed 0 only.
         assert!(md.contains("| topr-p0.5 | 0.150 ± 0.050 | 0.200 (one seed) |"), "{md}");
         assert!(md.contains("| arm | 0 → 1 | 1 → 2 |"), "{md}");
+    }
+
+    #[test]
+    fn the_real_model_claims_train_from_the_model_on_one_shared_data_set() {
+        let neg = Claim::RealNegatives.arms();
+        assert_eq!(
+            neg.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["real-topr-p0.5", "real-sft", "real-reinforce", "real-tis-p0.5"]
+        );
+        assert_eq!((neg[3].objective, neg[3].p_tilde()), (Objective::Tis, Some(0.5)));
+        let comp = Claim::RealComposition.arms();
+        assert_eq!(comp.iter().map(|a| a.p_tilde().unwrap()).collect::<Vec<_>>(), REAL_P_TILDES);
+        // Its p̃ = 0.5 arm is the negatives claim's TOPR arm; the iterated claim continues it.
+        assert_eq!(comp[3], neg[0]);
+        let it = &Claim::RealIterated.arms()[0];
+        assert_eq!((it.name.as_str(), it.iterations), ("real-topr-p0.5", Some(claims::REAL_ITERATIONS)));
+        assert_eq!(Claim::RealNegatives.iterations(3), 1);
+        assert_eq!(Claim::RealIterated.iterations(3), claims::REAL_ITERATIONS);
+        let dir = &SeedDir::new("/nonexistent/seed-2");
+        for a in neg.iter().chain(&comp) {
+            assert_eq!((a.recipe, a.lr), (Recipe::Real, claims::REAL_LR), "{}", a.name);
+            let s = arm_settings(dir, Scale::full(), 2, a).unwrap();
+            // SmolLM2's single run: 256 questions × 4 samples, 128 tokens, batches of 16, lr 2e-5.
+            assert_eq!(s.task.source, crate::task::Source::Synthetic { n: 256, difficulty: 1 });
+            assert_eq!((s.samples_per_prompt, s.sampling.max_new_tokens, s.eval_n), (4, 128, 256));
+            assert_eq!((s.train.batch_size, s.train.micro_batch_size, s.train.lr, s.train.seed), (16, 8, 2e-5, 2));
+            // The arms of a seed share its first data set (one folder, the same loop but for
+            // the objective, baseline and folder).
+            assert_eq!(s.shared, Some(dir.shared()));
+            let same = |x: &IterateSettings| IterateSettings {
+                work: PathBuf::new(),
+                train: TrainSettings { objective: Objective::Topr, baseline: Default::default(), ..x.train.clone() },
+                ..x.clone()
+            };
+            assert_eq!(same(&s), same(&arm_settings(dir, Scale::full(), 2, &neg[0]).unwrap()));
+        }
+        for c in Claim::REAL {
+            assert_eq!(Claim::parse(c.name()), Some(c));
+            assert!(c.is_real() && !Claim::ALL.contains(&c));
+            assert_eq!(c.eval_n(Scale::quick()), Scale::real().eval_n);
+        }
+    }
+
+    #[test]
+    fn a_real_model_claim_needs_its_model_and_a_model_needs_such_a_claim() {
+        let s = |claims: Vec<Claim>, model: Option<PathBuf>| StudySettings {
+            work: PathBuf::from("/nonexistent/study"),
+            claims,
+            seeds: seeds(1),
+            scale: Scale::quick(),
+            at: Placement::f32(tch::Device::Cpu),
+            model,
+        };
+        let err = check(&s(vec![Claim::RealNegatives], None)).unwrap_err().to_string();
+        assert!(err.contains("scripts/smollm2.sh"), "{err}");
+        let err = check(&s(vec![Claim::Negatives], Some("/m".into()))).unwrap_err().to_string();
+        assert!(err.contains("no real-model claim"), "{err}");
+        let err = check(&s(vec![Claim::RealIterated], Some("/nonexistent/m".into()))).unwrap_err().to_string();
+        assert!(err.contains("no config.json"), "{err}");
+        check(&s(vec![Claim::Negatives], None)).unwrap();
     }
 }

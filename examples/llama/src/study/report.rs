@@ -6,6 +6,7 @@
 
 use super::StudySettings;
 use super::claims::{Arm, Claim};
+use crate::demo::Scale;
 use crate::layout::StudyDir;
 use crate::metrics::{IterationRecord, read_jsonl};
 use crate::plot::{Panel, Series};
@@ -282,7 +283,7 @@ pub fn rows(s: &StudySettings) -> Result<Vec<StudyRow>> {
                     accuracy: r.accuracy,
                     invalid_rate: r.invalid_rate,
                     data_positive_fraction: r.data_positive_fraction,
-                    eval_n: s.scale.eval_n,
+                    eval_n: c.eval_n(s.scale),
                 }));
             }
         }
@@ -308,13 +309,22 @@ pub fn report(s: &StudySettings) -> Result<()> {
         write_text(&dir.sampled_table(), &jsonl(&sampled)?)?;
     }
     let mut md = String::new();
-    writeln!(
-        md,
-        "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own\n",
-        s.seeds.len(),
-        s.scale.eval_n,
-        s.scale.iterations
-    )?;
+    if s.claims.iter().all(|c| c.is_real()) {
+        writeln!(
+            md,
+            "# Study on a real model: {} seed(s), {} held-out problems a seed\n",
+            s.seeds.len(),
+            Scale::real().eval_n
+        )?;
+    } else {
+        writeln!(
+            md,
+            "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own\n",
+            s.seeds.len(),
+            s.scale.eval_n,
+            s.scale.iterations
+        )?;
+    }
     writeln!(
         md,
         "Each cell: mean ± standard error over seeds of the greedy held-out accuracy (the seeds' \
@@ -392,6 +402,9 @@ fn claim_section(
         panels_inv.push(Series { label: arm.name.clone(), points: curves.invalid });
     }
     writeln!(md)?;
+    if c.is_real() {
+        real_section(s, &table, &arms, iters, md)?;
+    }
     sampled_section(md, c, sampled, s)?;
     if iters >= 3 {
         step_gains(md, &arms, &s.seeds, iters, |arm, seed, i| table.at(arm, seed, i).map(|r| r.accuracy))?;
@@ -455,7 +468,7 @@ fn arm_line(
     let last = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.accuracy));
     let positives = per_seed(&|sd| at(&arm.name, sd, 1)?.data_positive_fraction);
     let pooled = mean_se(&last).0;
-    let n_q = (last.len() * s.scale.eval_n) as f64;
+    let n_q = (last.len() * table.claim.eval_n(s.scale)) as f64;
     let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
     writeln!(
         md,
@@ -467,6 +480,64 @@ fn arm_line(
         if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
     )?;
     Ok((curves, pooled))
+}
+
+/// A real-model claim's second table, at the last iteration: the share of right answers among
+/// the answers given (accuracy over one minus the invalid rate: arithmetic apart from format),
+/// and each arm's difference to the first arm with two standard errors, over seeds (the mean of
+/// the seeds' paired differences) and over questions (all seeds' questions pooled, paired), and
+/// which is larger.
+fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize, md: &mut String) -> Result<()> {
+    writeln!(
+        md,
+        "At iteration {iters}: right among the answers given (mean ± SE over seeds), and each arm minus {} \
+         with its standard error over seeds and over questions (all seeds' questions, paired):\n",
+        arms[0].name
+    )?;
+    writeln!(md, "| arm | right among given | − first (SE over seeds) | − first (SE over questions) | larger SE |")?;
+    writeln!(md, "|---|---|---|---|---|")?;
+    let dir = StudyDir::new(&s.work);
+    let correct = |arm: &str, seed: u64| -> Result<Option<Vec<f64>>> {
+        let file = crate::layout::questions_file(&dir.arm(seed, arm).iteration(iters).eval());
+        if !file.exists() {
+            return Ok(None);
+        }
+        let rows: Vec<crate::eval::QuestionResult> = read_jsonl(&file)?;
+        Ok(Some(rows.iter().map(|q| f64::from(u8::from(q.greedy_correct))).collect()))
+    };
+    for arm in arms {
+        let given: Vec<f64> = s
+            .seeds
+            .iter()
+            .filter_map(|&sd| table.at(&arm.name, sd, iters))
+            .filter(|r| r.invalid_rate < 1.0)
+            .map(|r| r.accuracy / (1.0 - r.invalid_rate))
+            .collect();
+        let (mut per_seed, mut per_question) = (vec![], vec![]);
+        for &seed in &s.seeds {
+            if let (Some(a), Some(b)) = (correct(&arm.name, seed)?, correct(&arms[0].name, seed)?) {
+                per_seed.push(crate::stats::paired(&a, &b)?.0);
+                per_question.extend(a.iter().zip(&b).map(|(x, y)| x - y));
+            }
+        }
+        let (over_seeds, over_questions) = (mean_se(&per_seed), mean_se(&per_question));
+        let larger = match (over_seeds.1, over_questions.1) {
+            (a, b) if a.is_nan() || b.is_nan() || arm == &arms[0] => "–",
+            (a, b) if a > b => "seeds",
+            _ => "questions",
+        };
+        let vs = |m: (f64, f64)| if arm == &arms[0] { "—".to_string() } else { fmt(m) };
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {larger} |",
+            arm.name,
+            fmt(mean_se(&given)),
+            vs(over_seeds),
+            vs(over_questions).replace(" (one seed)", "")
+        )?;
+    }
+    writeln!(md)?;
+    Ok(())
 }
 
 /// The composition claim's panel: accuracy at the last iteration against p̃, a curve per raw

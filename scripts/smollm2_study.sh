@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The real-model study: SmolLM2-135M-Instruct over seeds (TOPR against SFT on the positives,
+# naive REINFORCE and TIS with TOPR's baseline; the composition sweep p~ in {0.05, 0.1, 0.2, 0.5};
+# TOPR over 2 iterations), on the CPU. docs/study.md has the results and their reading.
+#
+#   scripts/smollm2_study.sh [SEEDS] [WORK]
+#
+# SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
+# (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
+# same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
+# interrupted training resumes from its last saved step. A seed takes several hours on 2 cores.
+# After the study (or when interrupted), the small records of what finished — settings,
+# per-question results, evaluation summaries, training metrics, the tables and plots; never model
+# weights or data sets — are copied to docs/study/real/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seeds="${1:-5}"
+work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
+scripts/smollm2.sh
+source scripts/env.sh
+cargo build --release -p topr-llama
+copy_records() {
+    local out=docs/study/real
+    mkdir -p "$out"
+    (cd "$work" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' \) \
+        ! -name 'data.jsonl' ! -name 'iter-1-data.jsonl' ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
+        -print0) | while IFS= read -r -d '' f; do
+        mkdir -p "$out/$(dirname "$f")"
+        cp "$work/$f" "$out/$f"
+    done
+}
+trap copy_records EXIT
+mkdir -p "$work"
+/usr/bin/time -f "study: %e s" -a -o "$work/times.txt" target/release/llama study --work "$work" \
+    --model models/smollm2-135m-instruct --claims real-negatives,real-composition,real-iterated --seeds "$seeds"
