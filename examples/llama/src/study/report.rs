@@ -325,10 +325,15 @@ pub fn report(s: &StudySettings) -> Result<()> {
             s.scale.iterations
         )?;
     }
+    let own = if s.claims.iter().all(|c| c.is_real()) {
+        "training questions, held-out questions, sampling and training seeds"
+    } else {
+        "own model initialisation, warm-up data, training questions and held-out questions"
+    };
     writeln!(
         md,
         "Each cell: mean ± standard error over seeds of the greedy held-out accuracy (the seeds' \
-         own model initialisation, warm-up data, training questions and held-out questions). \
+         {own}). \
          `gain`: last iteration minus iteration 0, per seed. `vs first`: the paired difference to \
          the claim's first arm at the last iteration, per seed. `SE questions`: the binomial \
          standard error of the pooled accuracy over all seeds' questions.\n"
