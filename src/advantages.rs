@@ -137,7 +137,8 @@ impl GroupAdvantage {
 /// # Errors
 /// [`LossError::WrongRank`] unless `rewards` is `[G, K]`; [`LossError::EmptyBatch`];
 /// [`LossError::NonFinite`]; [`LossError::InvalidArgument`] for `Rloo` with `K < 2`, or a
-/// non-finite or negative `eps`, or a non-finite `shift`.
+/// non-finite or negative `eps`, or a non-finite `shift`, or finite rewards so large that the
+/// advantages overflow the compute dtype (`argument: "rewards"`, the largest |reward| as the value).
 ///
 /// # Example
 /// ```
@@ -194,7 +195,9 @@ pub fn group_advantages_with(
     let zero_mean = shape[1] == 1 && singleton == SingletonGroup::ZeroMeanUnitStd;
     let mean = if zero_mean { r.f_zeros_like()? } else { r.f_mean_dim(1, true, None::<Kind>)? }; // [G, 1]
     let centred = r.f_sub(&mean)?;
-    Ok(match method {
+    // The spread a method divides by (none for the others), checked with the result below.
+    let mut spread: Option<Tensor> = None;
+    let out = match method {
         GroupAdvantage::Grpo { eps } => {
             check_eps(eps)?;
             if zero_mean {
@@ -202,7 +205,9 @@ pub fn group_advantages_with(
             }
             // Unbiased std; a group of one has no spread, so its advantages are 0.
             let var = centred.f_square()?.f_sum_dim_intlist(1, true, None::<Kind>)?.f_div_scalar((k - 1.0).max(1.0))?;
-            centred.f_div(&var.f_sqrt()?.f_add_scalar(eps)?.f_clamp_min(f64::MIN_POSITIVE)?)?
+            let out = centred.f_div(&var.f_sqrt()?.f_add_scalar(eps)?.f_clamp_min(f64::MIN_POSITIVE)?)?;
+            spread = Some(var);
+            out
         }
         GroupAdvantage::DrGrpo => centred,
         GroupAdvantage::Rloo => {
@@ -226,9 +231,35 @@ pub fn group_advantages_with(
             let n = r.numel() as f64;
             let var =
                 r.f_sub(&r.f_mean(None::<Kind>)?)?.f_square()?.f_sum(None::<Kind>)?.f_div_scalar((n - 1.0).max(1.0))?;
-            centred.f_div(&var.f_sqrt()?.f_add_scalar(eps)?.f_clamp_min(f64::MIN_POSITIVE)?)?
+            let out = centred.f_div(&var.f_sqrt()?.f_add_scalar(eps)?.f_clamp_min(f64::MIN_POSITIVE)?)?;
+            spread = Some(var);
+            out
         }
-    })
+    };
+    refuse_overflow(&r, &out, spread.as_ref())?;
+    Ok(out)
+}
+
+/// Refuses advantages that overflowed the compute dtype although every reward is finite: a
+/// group's mean, or the variance a method divides by, beyond its range (the division by an
+/// infinite standard deviation would otherwise return all zeros). One host read.
+fn refuse_overflow(rewards: &Tensor, out: &Tensor, spread: Option<&Tensor>) -> Result<(), LossError> {
+    let mut ok = out.f_isfinite()?.f_all()?;
+    if let Some(s) = spread {
+        ok = ok.f_logical_and(&s.f_isfinite()?.f_all()?)?;
+    }
+    if crate::checks::read_f64(&ok.f_to_kind(Kind::Double)?)? == 1.0 {
+        return Ok(());
+    }
+    let largest = crate::checks::read_f64(&rewards.f_abs()?.f_max()?.f_to_kind(Kind::Double)?)?;
+    Err(bad(
+        "rewards",
+        largest,
+        &format!(
+            "the advantages overflow {} (a group's mean or spread is beyond its range): rescale the rewards",
+            crate::error::kind_name(rewards.kind())
+        ),
+    ))
 }
 
 fn bad(argument: &'static str, value: f64, reason: &str) -> LossError {

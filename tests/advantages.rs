@@ -214,9 +214,13 @@ fn advantages_are_detached_and_computed_in_f32_or_f64() {
         let a = opo_advantages(&rk, &len, SingletonGroup::OwnMean).unwrap();
         assert_eq!((a.kind(), a.requires_grad()), (want, false), "{kind:?}");
     }
-    // Huge rewards stay finite.
-    let big = Tensor::from_slice2(&[[1e30f64, -1e30, 0.0]]).to_kind(tch::Kind::Float);
-    assert!(vec1(&group_advantages(&big, GroupAdvantage::batch_std()).unwrap()).iter().all(|a| a.is_finite()));
+    // Huge rewards: finite advantages while their spread fits the compute dtype (f32 here),
+    // refused beyond it rather than turned into zeros (an infinite standard deviation).
+    let big = Tensor::from_slice2(&[[1e15f64, -1e15, 0.0]]).to_kind(tch::Kind::Float);
+    let a = vec1(&group_advantages(&big, GroupAdvantage::batch_std()).unwrap());
+    assert!(a.iter().all(|a| a.is_finite()) && a[0] > 0.9, "{a:?}");
+    let huge = Tensor::from_slice2(&[[1e30f64, -1e30, 0.0]]).to_kind(tch::Kind::Float);
+    assert!(matches!(group_advantages(&huge, GroupAdvantage::batch_std()), Err(LossError::InvalidArgument { .. })));
 }
 
 #[test]
@@ -330,5 +334,30 @@ fn group_advantages_match_verl_and_trl() {
         // TRL gives a group of one its own mean: the crate's default.
         let ours = vec1(&group_advantages(&r, GroupAdvantage::batch_std()).unwrap());
         assert_close(&ours, &p(4, "advantages"), 1e-10, &format!("batch std {g}x{k}"));
+    }
+}
+
+/// Finite rewards so large that a group's variance overflows the compute dtype are refused, not
+/// turned into all-zero advantages (as dividing by an infinite standard deviation would), in f32
+/// and in f64; the same rewards scaled down are fine.
+#[test]
+fn advantages_that_overflow_are_refused_naming_the_rewards() {
+    let cases = [
+        (Tensor::from_slice2(&[[1e20f32, -1e20, 1e20, -1e20]]), f64::from(1e20f32)),
+        (Tensor::from_slice2(&[[1e200f64, -1e200, 1e200, -1e200]]), 1e200),
+    ];
+    for (r, largest) in cases {
+        for method in [GroupAdvantage::grpo(), GroupAdvantage::batch_std()] {
+            match group_advantages(&r, method) {
+                Err(LossError::InvalidArgument { argument: "rewards", value, reason }) => {
+                    assert_eq!(value, largest, "{method:?}");
+                    assert!(reason.contains("overflow") && reason.contains("rescale"), "{reason}");
+                }
+                other => panic!("{method:?} on {largest:e}: {other:?}"),
+            }
+        }
+        let scaled = &r / largest;
+        let a = vec1(&group_advantages(&scaled, GroupAdvantage::grpo()).unwrap());
+        assert!(a.iter().all(|x| (x.abs() - 0.866).abs() < 1e-3), "{a:?}");
     }
 }

@@ -960,3 +960,37 @@ fn compare_trains_other_arms_on_an_iterations_data(dir: &Path, work: &Path) {
     refused(&["compare", "--run", s(work), "--arms", "nope"], &["unknown objective"]);
     refused(&["compare", "--run", s(dir)], &["settings.json"]);
 }
+
+/// Settings that would train nothing, or ascend the loss, are refused naming the option, before
+/// anything is written: a top-entropy share of 0, DPO-mixture weights of 0, below 0 or beyond
+/// f32, and SFT on a data set without a positive.
+#[test]
+fn no_op_or_reversed_training_is_refused() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_no_op", "1");
+    let out = dir.join("out");
+    let train = |extra: &[&str]| -> Vec<String> {
+        with(&["train", "--model", s(&m0), "--data", "/nonexistent.jsonl", "--out", s(&out)], extra)
+    };
+    for (extra, flag) in [
+        (&["--top-entropy", "0"][..], "--top-entropy"),
+        (&["--objective", "dpo", "--dpo-mix", "sigmoid:0"][..], "--dpo-mix"),
+        (&["--objective", "dpo", "--dpo-mix", "sigmoid:-1"][..], "--dpo-mix"),
+        (&["--objective", "dpo", "--dpo-mix", "sigmoid:1e39"][..], "--dpo-mix"),
+        (&["--objective", "dpo", "--dpo-mix", "sigmoid:0.5,bco-pair:0"][..], "--dpo-mix"),
+    ] {
+        refused(&strs(&train(extra)), &[flag]);
+        assert!(!out.exists(), "{extra:?} left {} behind", out.display());
+    }
+    // A data set without a positive: an untrained model answers none of its questions.
+    let data = dir.join("d.jsonl");
+    let task = ["--task", "synthetic", "--synthetic-n", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4"];
+    run(&strs(&with(&["sample", "--model", s(&m0), "--out", s(&data)], &task)));
+    let samples = topr_llama::sample::read_dataset(&data, false).unwrap().0;
+    assert!(samples.iter().all(|x| x.reward < 0.0), "a positive among {} samples", samples.len());
+    let sft = with(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &["--objective", "sft"]);
+    refused(&strs(&sft), &["positives", s(&data)]);
+    assert!(!topr_llama::io::holds_model(&out), "SFT on no positive left a model in {}", out.display());
+    // TOPR learns from the same negatives.
+    run(&strs(&with(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &["--objective", "topr"])));
+    assert!(topr_llama::io::holds_model(&out));
+}

@@ -292,12 +292,13 @@ impl TrainSettings {
     /// - sizes and epochs of 0; a learning rate, clipping norm or DPO β that is not finite and
     ///   `> 0`; a baseline that is not finite, or a target positive proportion outside `[0, 1]`;
     ///   KL and entropy coefficients that are not finite and `>= 0`; a top-entropy share outside
-    ///   `[0, 1]`; an off-policy mask threshold that is not finite; a rollout correction or
+    ///   `(0, 1]`; an off-policy mask threshold that is not finite; a rollout correction or
     ///   rejection rule that its own `validate` refuses;
     /// - DPO with anything that acts on token-level terms (a rollout correction, rejection rule,
     ///   off-policy mask, KL penalty, entropy bonus or top-entropy selection): DPO's loss is over
     ///   pairs of sequences;
-    /// - a DPO mixture with another objective, with terms that reduce sequences differently
+    /// - a DPO mixture with another objective, with a weight that is not in `(0, f32::MAX]` (0 trains
+    ///   nothing, a negative weight ascends the loss), with terms that reduce sequences differently
     ///   (IPO and sigmoid-norm take per-token means, the others sums), or that the library's
     ///   [`topr_loss::DpoMix::validate`] refuses; a DPO loss whose β and label smoothing its
     ///   [`topr_loss::DpoConfig::validate`] refuses;
@@ -344,10 +345,10 @@ impl TrainSettings {
                 return Err(SettingError::new(&[field], format!("the {what} must be finite and >= 0, got {v}")));
             }
         }
-        if let Some(t) = self.top_entropy.filter(|t| !(0.0..=1.0).contains(t)) {
+        if let Some(t) = self.top_entropy.filter(|t| !(*t > 0.0 && *t <= 1.0)) {
             return Err(SettingError::new(
                 &["top_entropy"],
-                format!("the top-entropy share must lie in [0, 1], got {t}"),
+                format!("the top-entropy share must lie in (0, 1] (a share of 0 would train no token), got {t}"),
             ));
         }
         if let Some(m) = self.off_policy_mask.filter(|m| !m.is_finite()) {
@@ -398,6 +399,15 @@ impl TrainSettings {
         if let Some((first, _)) = self.dpo_mix.first() {
             if self.objective != Objective::Dpo {
                 return Err(SettingError::new(&["dpo_mix"], "a DPO mixture applies to the DPO objective"));
+            }
+            if let Some((_, w)) = self.dpo_mix.iter().find(|(_, w)| !(*w > 0.0 && *w <= f64::from(f32::MAX))) {
+                return Err(SettingError::new(
+                    &["dpo_mix"],
+                    format!(
+                        "a DPO mixture's weights must be > 0 and at most {:e} (f32's largest; a weight of 0 trains nothing, a negative one ascends the loss), got {w}",
+                        f32::MAX
+                    ),
+                ));
             }
             if self.dpo_mix.iter().any(|(l, _)| l.reduce() != first.reduce()) {
                 return Err(SettingError::new(

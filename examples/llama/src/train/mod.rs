@@ -314,6 +314,23 @@ pub fn finish(dir: &Path) {
     StateDir { dir: dir.to_path_buf() }.remove();
 }
 
+/// Refuses to train SFT on a data set none of whose samples it would weigh (no `R − c > 0`):
+/// the model would come out unchanged. (DPO refuses a data set without pairs the same way, in
+/// [`units`].)
+fn refuse_no_op(samples: &[Sample], o: &TrainSettings, data: &Path) -> Result<()> {
+    if o.objective != Objective::Sft {
+        return Ok(());
+    }
+    let (c, _) = resolve_baseline(samples, o.baseline)?;
+    if !samples.iter().any(|s| s.reward - c > 0.0) {
+        bail!(
+            "{}: SFT trains on the positives (reward minus baseline > 0), and this data set has none: the model would not change",
+            data.display()
+        );
+    }
+    Ok(())
+}
+
 /// `train` from directory to directory: loads the model of `model_dir` and the data set, trains,
 /// saves the model (Hugging Face layout) with `metrics.jsonl` and `training.png` in `out`, and
 /// removes the training state.
@@ -339,6 +356,7 @@ pub fn train_dir(
     let cfg =
         crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
     let samples = load_data(data, cfg.max_position_embeddings as usize, cfg.vocab_size, o.skip_bad_records)?;
+    refuse_no_op(&samples, o, data)?;
     let record = RunRecord::new(model_dir, data, &samples, o)?;
     let main = parallel::is_main(group);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
