@@ -122,16 +122,7 @@ fn arm_settings(dir: &SeedDir, scale: Scale, seed: u64, arm: &Arm) -> Result<Ite
     if arm.recipe == Recipe::Real {
         return real_arm_settings(dir, seed, arm);
     }
-    let base = demo::topr_settings()?;
-    let train = TrainSettings {
-        objective: arm.objective,
-        baseline: arm.baseline,
-        epochs: arm.epochs,
-        max_grad_norm: arm.max_grad_norm,
-        lr: arm.lr,
-        seed,
-        ..base
-    };
+    let train = arm_train(arm, seed)?;
     // Every arm of a seed starts from its warm-up with the same questions and sampling: the
     // initial evaluation and the first data set are made once, in `shared`.
     Ok(IterateSettings {
@@ -142,22 +133,26 @@ fn arm_settings(dir: &SeedDir, scale: Scale, seed: u64, arm: &Arm) -> Result<Ite
     })
 }
 
-/// A real-model arm's `iterate` settings: the sizes of [`Scale::real`], batches of 16 completions
-/// in micro-batches of 8, the arm's learning rate ([`claims::REAL_LR`]), 8 prompts a generation
-/// batch and 32 held-out questions an evaluation batch.
-fn real_arm_settings(dir: &SeedDir, seed: u64, arm: &Arm) -> Result<IterateSettings> {
-    let scale = Scale::real();
-    let train = TrainSettings {
+/// The demo's TOPR training with the arm's objective, baseline, epochs, clipping and learning
+/// rate, seeded `seed`.
+fn arm_train(arm: &Arm, seed: u64) -> Result<TrainSettings> {
+    Ok(TrainSettings {
         objective: arm.objective,
         baseline: arm.baseline,
         epochs: arm.epochs,
         max_grad_norm: arm.max_grad_norm,
         lr: arm.lr,
-        batch_size: 16,
-        micro_batch_size: 8,
         seed,
         ..demo::topr_settings()?
-    };
+    })
+}
+
+/// A real-model arm's `iterate` settings: the sizes of [`Scale::real`], batches of 16 completions
+/// in micro-batches of 8, the arm's learning rate ([`claims::REAL_LR`]), 8 prompts a generation
+/// batch and 32 held-out questions an evaluation batch.
+fn real_arm_settings(dir: &SeedDir, seed: u64, arm: &Arm) -> Result<IterateSettings> {
+    let scale = Scale::real();
+    let train = TrainSettings { batch_size: 16, micro_batch_size: 8, ..arm_train(arm, seed)? };
     Ok(IterateSettings {
         curate: arm.curate,
         iterations: arm.iterations(scale.iterations),
