@@ -22,7 +22,7 @@ cargo build --release -p topr-llama
 copy_records() {
     local out=docs/study/real
     mkdir -p "$out"
-    (cd "$work" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' \) \
+    (cd "$work" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
         ! -name 'data.jsonl' ! -name 'iter-1-data.jsonl' ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
         -print0) | while IFS= read -r -d '' f; do
         mkdir -p "$out/$(dirname "$f")"
