@@ -150,24 +150,9 @@ impl Claim {
         let p_half = topr.baseline;
         // The demo's arm at the demo's length: the reference of the same-time claims.
         let demo_length = Arm { iterations: Some(SAME_TIME_ITERATIONS), ..topr.clone() };
-        // One iteration unless the claim fixes more: the study's `--iterations` is the demo model's.
-        let real = |a: Arm| Arm {
-            name: format!("real-{}", a.name),
-            recipe: Recipe::Real,
-            lr: REAL_LR,
-            iterations: Some(a.iterations.unwrap_or(1)),
-            ..a
-        };
         match self {
             Self::Verifier => vec![],
-            Self::RealNegatives => vec![
-                real(topr.clone()),
-                real(Arm::new("sft", Objective::Sft, Baseline::Zero)),
-                real(Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)),
-                real(Arm::new("tis-p0.5", Objective::Tis, p_half)),
-            ],
-            Self::RealComposition => REAL_P_TILDES.into_iter().map(|p| real(Arm::topr(p))).collect(),
-            Self::RealIterated => vec![real(Arm { iterations: Some(REAL_ITERATIONS), ..topr.clone() })],
+            Self::RealNegatives | Self::RealComposition | Self::RealIterated => self.real_arms(),
             Self::Negatives => vec![topr, Arm::new("sft", Objective::Sft, Baseline::Zero)],
             Self::Degeneration => vec![topr, Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)],
             Self::Composition => COMPOSITION_RAW_SHARES
@@ -221,6 +206,31 @@ impl Claim {
                 demo_length.clone(),
                 Arm { name: format!("fresh-{}", topr.name), recipe: Recipe::SloppyFresh, ..demo_length },
             ],
+        }
+    }
+
+    /// The real-model claims' arms: the demo's arms from the real model ([`Recipe::Real`]) at
+    /// [`REAL_LR`], one iteration unless the claim fixes more (the study's `--iterations` is the
+    /// demo model's), named `real-…`.
+    fn real_arms(self) -> Vec<Arm> {
+        let real = |a: Arm| Arm {
+            name: format!("real-{}", a.name),
+            recipe: Recipe::Real,
+            lr: REAL_LR,
+            iterations: Some(a.iterations.unwrap_or(1)),
+            ..a
+        };
+        let topr = Arm::topr(demo::DEMO_P_TILDE);
+        match self {
+            Self::RealNegatives => vec![
+                real(topr.clone()),
+                real(Arm::new("sft", Objective::Sft, Baseline::Zero)),
+                real(Arm::new("reinforce", Objective::Reinforce, Baseline::Zero)),
+                real(Arm::new("tis-p0.5", Objective::Tis, topr.baseline)),
+            ],
+            Self::RealComposition => REAL_P_TILDES.into_iter().map(|p| real(Arm::topr(p))).collect(),
+            Self::RealIterated => vec![real(Arm { iterations: Some(REAL_ITERATIONS), ..topr })],
+            _ => vec![],
         }
     }
 
