@@ -423,7 +423,8 @@ impl StudyArgs {
             return topr_llama::study::run(&settings);
         }
         if !settings.work.is_dir() {
-            anyhow::bail!("--report-only: {} holds no study (no such directory)", settings.work.display());
+            let why = if settings.work.exists() { "not a directory" } else { "no such directory" };
+            anyhow::bail!("--report-only: {} holds no study ({why})", settings.work.display());
         }
         topr_llama::study::report(&settings)
     }
