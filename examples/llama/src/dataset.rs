@@ -101,7 +101,7 @@ pub(crate) enum CutLine {
     Resume,
 }
 
-/// Reads a data set written by [`sample_dataset`] or [`write_solutions`], checking every record
+/// Reads a data set written by [`crate::sample::sample_dataset`] or [`write_solutions`], checking every record
 /// ([`Sample::check`], token ids only for being non-negative). A malformed or inconsistent record
 /// is an error naming the file and line (1-based), and so is a last line cut short (an
 /// interrupted write); with `skip_bad` they are skipped, reported and counted (the second value).
@@ -205,7 +205,7 @@ pub fn run_file(out: &Path) -> PathBuf {
     crate::io::with_suffix(out, ".run.json")
 }
 
-/// The file shard `shard` of a data set `out` is sampled into when [`sample_parallel`] runs it
+/// The file shard `shard` of a data set `out` is sampled into when [`crate::sample::sample_parallel`] runs it
 /// as one rank of a group: `OUT.shard-I-of-N`.
 pub fn shard_file(out: &Path, shard: Shard) -> PathBuf {
     crate::io::with_suffix(out, &format!(".shard-{}-of-{}", shard.index, shard.count))

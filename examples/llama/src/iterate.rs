@@ -202,7 +202,7 @@ impl<'a> Loop<'a> {
     }
 }
 
-/// The record of the loop in `work` (`settings.json`), as [`check_run`] compares it.
+/// The record of the loop in `work` (`settings.json`), as a resumed loop compares it.
 pub fn read_run(work: &Path) -> Result<IterateRun> {
     let file = LoopDir::new(work).settings();
     let text = std::fs::read_to_string(&file)

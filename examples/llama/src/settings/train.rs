@@ -12,10 +12,10 @@ use crate::optim::OptimizerConfig;
 use serde::{Deserialize, Serialize};
 use topr_loss::{DpoConfig, SequenceReduce, ToprConfig};
 
-/// Everything [`run`] needs besides the model and the data.
+/// Everything [`crate::train::run`] needs besides the model and the data.
 ///
 /// Serialised, it is the record of a run's settings that a resumed run must match (see
-/// [`crate::identity`]): every field but `save_every` and `resume`, which do not change the
+/// [`crate::stage`]): every field but `save_every` and `resume`, which do not change the
 /// result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainSettings {

@@ -13,7 +13,7 @@
 //! paired difference of each arm to the claim's reference arm) and `claim-NAME.png`.
 //!
 //! The study is three rooms: [`claims`] (what is tested: the claims and their arms), this
-//! module (running them: the seeds' stages and the arms' loops) and [`report`] (the tables and
+//! module (running them: the seeds' stages and the arms' loops) and [`mod@report`] (the tables and
 //! plots, from the records of what ran).
 
 pub mod claims;
