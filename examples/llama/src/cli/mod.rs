@@ -411,6 +411,11 @@ impl StudyArgs {
         scale.iterations = self.iterations.unwrap_or(scale.iterations);
         scale.prompts = self.prompts.unwrap_or(scale.prompts);
         scale.eval_n = self.eval_n.unwrap_or(scale.eval_n);
+        if self.model.is_none() && self.claims.0.iter().any(|c| c.is_real()) {
+            anyhow::bail!(
+                "--claims: the real-model claims need --model DIR (SmolLM2-135M-Instruct: scripts/smollm2.sh builds models/smollm2-135m-instruct)"
+            );
+        }
         let settings = topr_llama::study::StudySettings {
             work: self.work,
             claims: self.claims.0,
