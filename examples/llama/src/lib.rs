@@ -78,6 +78,8 @@ pub enum Resumable {
     Sampling,
     /// `iterate`'s work directory.
     Iterations,
+    /// The verifier's work directory (its solutions and its judge's rounds).
+    Verifier,
 }
 
 /// A refusal that a caller lifts by changing a setting (continuing an earlier run, or skipping

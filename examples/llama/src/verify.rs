@@ -253,9 +253,21 @@ fn solve(
             batch_prompts: s.batch_prompts,
             shard: Shard::WHOLE,
         };
-        sample::sample_dataset(&m, &tok, model, probs, style, &settings, path)?;
+        sample::sample_dataset(&m, &tok, model, probs, style, &settings, path).map_err(|e| verifier_refusal(e, s))?;
     }
     Ok(())
+}
+
+/// A sampled file's refusal to be extended with other settings, as the verifier's (its work
+/// directory is what a rerun changes, not an output file).
+fn verifier_refusal(e: anyhow::Error, s: &VerifySettings) -> anyhow::Error {
+    match e.downcast::<crate::Refusal>() {
+        Ok(crate::Refusal::ChangedSettings { differences, run: crate::Resumable::Sampling, .. }) => {
+            crate::Refusal::ChangedSettings { dir: s.work.clone(), differences, run: crate::Resumable::Verifier }.into()
+        }
+        Ok(other) => other.into(),
+        Err(e) => e,
+    }
 }
 
 /// The verifier `v`'s pick among each held-out question's solutions (`held_samples`, their judge
@@ -331,7 +343,7 @@ fn train_round(
                 &record,
                 &[],
                 &s.work,
-                crate::Resumable::Iterations,
+                crate::Resumable::Verifier,
             )?;
         }
         return Ok(model_dir);

@@ -131,6 +131,14 @@ fn verify_trains_a_judge_and_picks_among_k() {
     let e = String::from_utf8_lossy(&o.stderr);
     let last = e.trim().lines().last().unwrap_or_default();
     assert!(last.starts_with("error:") && last.contains("lr 1e-3") && last.contains("--work"), "{e}");
+    assert!(!last.contains("--resume") && !last.contains("--out"), "verify has neither option: {e}");
+    // Solutions sampled otherwise are refused the same way, naming the verifier's --work.
+    let other: Vec<&str> = args.iter().map(|a| if *a == "8" { "9" } else { *a }).collect();
+    let o = llama(&other);
+    let e = String::from_utf8_lossy(&o.stderr);
+    let last = e.trim().lines().last().unwrap_or_default();
+    assert!(!o.status.success() && last.contains("max_new_tokens 8 → 9"), "{e}");
+    assert!(last.contains("--work") && !last.contains("--resume") && !last.contains("--out"), "{e}");
     // Bad settings: a GSM8K task without held-out questions is refused in one line.
     let o = llama(&["verify", "--model", s(&m0), "--work", s(&dir.join("w2")), "--task", "gsm8k", "--data", "x"]);
     assert!(!o.status.success());
