@@ -198,8 +198,9 @@ pub fn warm_up(dir: &Path, scale: Scale, seed: u64, at: Placement) -> Result<std
 pub fn warm_up_with(dir: &Path, scale: Scale, seed: u64, at: Placement, recipe: Recipe) -> Result<std::path::PathBuf> {
     let t0 = std::time::Instant::now();
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    // 1. A new model.
     let stages = DemoDir::new(dir);
+    check_warm_up(&stages, &WarmUpRecord::new(scale, seed, recipe))?;
+    // 1. A new model.
     let init_dir = stages.init();
     // A model is whole once its config.json is written (the last file).
     if !init_dir.join("config.json").exists() {
@@ -233,6 +234,48 @@ pub fn warm_up_with(dir: &Path, scale: Scale, seed: u64, at: Placement, recipe: 
         train::train_dir(&init_dir, at, &sft, &o, &warm, None)?;
     }
     Ok(warm)
+}
+
+/// What the warm-up stages of a run are made from: a stage made with other sizes, seed or recipe
+/// is not reused (`demo --resume --sft-epochs 3` on a demo warmed up for 4 epochs is refused).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct WarmUpRecord {
+    recipe: Recipe,
+    seed: u64,
+    size: init::Size,
+    sft_problems: usize,
+    sft_epochs: usize,
+    slip_rate: f64,
+}
+
+impl WarmUpRecord {
+    fn new(scale: Scale, seed: u64, recipe: Recipe) -> Self {
+        Self {
+            recipe,
+            seed,
+            size: scale.size,
+            sft_problems: recipe.sft_problems(scale),
+            sft_epochs: recipe.sft_epochs(scale),
+            slip_rate: recipe.slip_rate(),
+        }
+    }
+}
+
+/// Records `record` for new warm-up stages in `stages`, or refuses to reuse stages made otherwise
+/// (listing what differs), or made by a version that did not record them.
+fn check_warm_up(stages: &DemoDir, record: &WarmUpRecord) -> Result<()> {
+    let file = stages.warm_up_record();
+    if file.exists() {
+        let saved = crate::stage::read_record(&file)?;
+        return crate::stage::check(&saved, record, &[], stages.path(), crate::Resumable::WarmUp);
+    }
+    if [stages.init(), stages.sft_data(), stages.warm_up()].iter().any(|p| p.exists()) {
+        bail!(
+            "{} holds warm-up stages without the record of what made them (an older version made them), so reusing them cannot be checked: choose another work directory",
+            stages.path().display()
+        );
+    }
+    crate::stage::write_record(&file, record)
 }
 
 /// The demo's iterations (step 4) for a run seeded `seed`, training with `train`, in `work`.

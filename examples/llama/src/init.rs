@@ -14,7 +14,7 @@ pub const SPECIALS: [&str; 4] = ["<s>", "</s>", "<|user|>", "<|assistant|>"];
 const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
 
 /// The sizes of the model to create.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Size {
     pub layers: i64,
     pub hidden: i64,

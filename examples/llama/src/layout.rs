@@ -14,7 +14,8 @@
 //!   compare-iter-I/ARM/      `compare`'s arms, each a training directory with eval.json
 //! TRAIN/                     a training directory: metrics.jsonl, training.png, state/,
 //!                            train.done.json when it is a stage of another command
-//! DEMO/                      the demo (DemoDir): init/, sft.jsonl, warm-up/, topr/ (a LOOP)
+//! DEMO/                      the demo (DemoDir): warm-up.json (the warm-up's record), init/,
+//!                            sft.jsonl, warm-up/, topr/ (a LOOP)
 //! VERIFY/                    the verifier (VerifyDir): solutions.jsonl, heldout-solutions.jsonl,
 //!                            judge-train.jsonl, judge-heldout.jsonl, verifier/round-R/ (a
 //!                            training stage with data.jsonl and model/), verify.jsonl, verify.json
@@ -180,6 +181,11 @@ impl DemoDir {
     /// The supervised warm-up (a training directory holding the warm model).
     pub fn warm_up(&self) -> PathBuf {
         self.0.join("warm-up")
+    }
+
+    /// The record of what the three warm-up stages are made from.
+    pub fn warm_up_record(&self) -> PathBuf {
+        self.0.join("warm-up.json")
     }
 
     /// The TOPR iterations.

@@ -80,6 +80,8 @@ pub enum Resumable {
     Iterations,
     /// The verifier's work directory (its solutions and its judge's rounds).
     Verifier,
+    /// The demo's (or a study seed's) warm-up stages.
+    WarmUp,
 }
 
 /// A refusal that a caller lifts by changing a setting (continuing an earlier run, or skipping

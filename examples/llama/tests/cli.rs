@@ -994,3 +994,20 @@ fn no_op_or_reversed_training_is_refused() {
     run(&strs(&with(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &["--objective", "topr"])));
     assert!(topr_llama::io::holds_model(&out));
 }
+
+/// A resumed demo does not reuse warm-up stages made with other settings: `--sft-epochs` (or
+/// any size, seed or recipe) different from the record of the warm-up is refused naming it, and
+/// the finished demo is left as it was; the same settings resume.
+#[test]
+fn a_demo_resumed_with_another_warm_up_is_refused() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llama_cli_demo_resume");
+    let _ = std::fs::remove_dir_all(&dir);
+    let work = dir.join("demo");
+    let demo = |extra: &[&str]| with(&["demo", "--quick", "--work", s(&work)], extra);
+    run(&strs(&demo(&[])));
+    let table = std::fs::read(work.join("topr/iterations.jsonl")).unwrap();
+    refused(&strs(&demo(&["--resume", "--sft-epochs", "3"])), &["sft_epochs 1 → 3", "--work"]);
+    assert_eq!(std::fs::read(work.join("topr/iterations.jsonl")).unwrap(), table);
+    run(&strs(&demo(&["--resume"])));
+    assert_eq!(std::fs::read(work.join("topr/iterations.jsonl")).unwrap(), table);
+}

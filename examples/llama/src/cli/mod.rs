@@ -668,6 +668,7 @@ fn refusal(r: &Refusal) -> String {
                 topr_llama::Resumable::Sampling => ("settings differ from those that sampled", "--out"),
                 topr_llama::Resumable::Iterations => ("--resume: settings differ from the saved run in", "--work"),
                 topr_llama::Resumable::Verifier => ("settings differ from the verifier's earlier run in", "--work"),
+                topr_llama::Resumable::WarmUp => ("settings differ from those that made the warm-up in", "--work"),
             };
             format!("{what} {}: {} (use another {remedy} to start a new run)", dir.display(), differences.join(", "))
         }
