@@ -11,7 +11,8 @@
 # interrupted training resumes from its last saved step. A seed takes several hours on 2 cores.
 # After the study (or when interrupted), the small records of what finished — settings,
 # per-question results, evaluation summaries, training metrics, the tables and plots; never model
-# weights or data sets — are copied to docs/study/real/.
+# weights or data sets, nor the seeds' shared/ folders, whose files every arm holds a copy of —
+# are copied to docs/study/real/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${1:-5}"
@@ -23,7 +24,7 @@ copy_records() {
     local out=docs/study/real
     mkdir -p "$out"
     (cd "$work" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
-        ! -name 'data.jsonl' ! -name 'iter-1-data.jsonl' ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
+        ! -name 'data.jsonl' ! -path '*/shared/*' ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
         -print0) | while IFS= read -r -d '' f; do
         mkdir -p "$out/$(dirname "$f")"
         cp "$work/$f" "$out/$f"

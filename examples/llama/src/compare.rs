@@ -140,8 +140,12 @@ fn paired(a: &[(String, bool, bool)], b: &[(String, bool, bool)]) -> Result<(f64
     if a.len() != b.len() || a.iter().zip(b).any(|(x, y)| x.0 != y.0) {
         bail!("two evaluations of the comparison are not on the same questions");
     }
-    let correct = |q: &[(String, bool, bool)]| q.iter().map(|x| f64::from(u8::from(x.1))).collect::<Vec<_>>();
     stats::paired(&correct(a), &correct(b))
+}
+
+/// 1 for each question answered correctly, else 0.
+fn correct(q: &[(String, bool, bool)]) -> Vec<f64> {
+    q.iter().map(|x| f64::from(u8::from(x.1))).collect()
 }
 
 fn row(
@@ -151,8 +155,7 @@ fn row(
     mu: &[(String, bool, bool)],
     own: &[(String, bool, bool)],
 ) -> Result<CompareRow> {
-    let correct: Vec<f64> = q.iter().map(|x| f64::from(u8::from(x.1))).collect();
-    let (accuracy, accuracy_se) = mean_se(&correct);
+    let (accuracy, accuracy_se) = mean_se(&correct(q));
     let invalid_rate = q.iter().filter(|x| x.2).count() as f64 / q.len().max(1) as f64;
     let (gain, gain_se) = paired(q, mu)?;
     let (vs_run, vs_run_se) = paired(q, own)?;

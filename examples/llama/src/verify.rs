@@ -242,7 +242,7 @@ fn solve(
     at: Placement,
     s: &VerifySettings,
     style: &PromptStyle,
-    sets: [(&PathBuf, &Vec<Problem>, i64); 2],
+    sets: [(&Path, &[Problem], i64); 2],
 ) -> Result<()> {
     let (m, tok) = checkpoint::open(model, at)?;
     for (path, probs, seed) in sets {

@@ -411,11 +411,6 @@ impl StudyArgs {
         scale.iterations = self.iterations.unwrap_or(scale.iterations);
         scale.prompts = self.prompts.unwrap_or(scale.prompts);
         scale.eval_n = self.eval_n.unwrap_or(scale.eval_n);
-        if self.model.is_none() && self.claims.0.iter().any(|c| c.is_real()) {
-            anyhow::bail!(
-                "--claims: the real-model claims need --model DIR (SmolLM2-135M-Instruct: scripts/smollm2.sh builds models/smollm2-135m-instruct)"
-            );
-        }
         let settings = topr_llama::study::StudySettings {
             work: self.work,
             claims: self.claims.0,
@@ -424,6 +419,8 @@ impl StudyArgs {
             at: topr_llama::checkpoint::Placement::f32(self.device),
             model: self.model,
         };
+        // Every refusal of the check concerns the real model: what --model gives, or lacks.
+        topr_llama::study::check(&settings).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
         if !self.report_only {
             return topr_llama::study::run(&settings);
         }

@@ -415,7 +415,9 @@ impl TrainSettings {
                     "ipo and sigmoid-norm take per-token means, the others sums: they cannot share one mixture",
                 ));
             }
-            self.dpo_mix_config().validate().map_err(|e| SettingError::new(&["dpo_mix"], e.to_string()))?;
+            if let Some(mix) = self.dpo_mix_config(topr_loss::Checks::Full) {
+                mix.validate().map_err(|e| SettingError::new(&["dpo_mix"], e.to_string()))?;
+            }
         }
         self.dpo_loss
             .config(self.dpo_beta, self.dpo_label_smoothing)
@@ -423,12 +425,12 @@ impl TrainSettings {
             .map_err(|e| SettingError::new(&["dpo_loss", "dpo_label_smoothing"], e.to_string()))
     }
 
-    /// The library's mixture of `dpo_mix`'s terms, each with the run's β and label smoothing (the
-    /// first term alone when the list is empty: callers check `dpo_mix` first).
-    pub fn dpo_mix_config(&self) -> topr_loss::DpoMix {
-        let term = |l: DpoLoss| l.config(self.dpo_beta, self.dpo_label_smoothing);
-        let (first, rest) = self.dpo_mix.split_first().map_or(((self.dpo_loss, 1.0), &[][..]), |(f, r)| (*f, r));
-        rest.iter().fold(topr_loss::DpoMix::of(term(first.0), first.1), |m, &(l, w)| m.with_term(term(l), w))
+    /// The library's mixture of `dpo_mix`'s terms, each with the run's β and label smoothing and
+    /// `checks`; `None` when `dpo_mix` is empty (DPO then trains `dpo_loss` alone).
+    pub fn dpo_mix_config(&self, checks: topr_loss::Checks) -> Option<topr_loss::DpoMix> {
+        let term = |l: DpoLoss| l.config(self.dpo_beta, self.dpo_label_smoothing).with_checks(checks);
+        let ((first, w), rest) = self.dpo_mix.split_first()?;
+        Some(rest.iter().fold(topr_loss::DpoMix::of(term(*first), *w), |m, &(l, w)| m.with_term(term(l), w)))
     }
 }
 

@@ -101,8 +101,9 @@ pub fn run(s: &StudySettings) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a study whose real-model claims have no model, or whose model is given without any.
-fn check(s: &StudySettings) -> Result<()> {
+/// Refuses a study whose real-model claims have no model, or whose model is given without any
+/// of them or holds no model ([`run`] checks it first).
+pub fn check(s: &StudySettings) -> Result<()> {
     let real = s.claims.iter().any(|c| c.is_real());
     match (&s.model, real) {
         (None, true) => anyhow::bail!(

@@ -199,7 +199,7 @@ pub fn verifier_rows(s: &StudySettings) -> Result<Vec<VerifierRow>> {
 /// The verifier claim's section of `study.md` and its plot.
 fn verifier_section(s: &StudySettings, md: &mut String) -> Result<()> {
     let rows = verifier_rows(s)?;
-    write_text(&StudyDir::new(&s.work).verifier_table(), &jsonl(&rows)?)?;
+    crate::io::write_file(&StudyDir::new(&s.work).verifier_table(), &jsonl(&rows)?)?;
     let c = Claim::Verifier;
     writeln!(md, "## {}\n\n{}\n", c.name(), c.question())?;
     writeln!(
@@ -303,10 +303,10 @@ fn fmt(ms: (f64, f64)) -> String {
 pub fn report(s: &StudySettings) -> Result<()> {
     let rows = rows(s)?;
     let dir = StudyDir::new(&s.work);
-    write_text(&dir.table(), &jsonl(&rows)?)?;
+    crate::io::write_file(&dir.table(), &jsonl(&rows)?)?;
     let sampled = sampled_rows(s)?;
     if !sampled.is_empty() {
-        write_text(&dir.sampled_table(), &jsonl(&sampled)?)?;
+        crate::io::write_file(&dir.sampled_table(), &jsonl(&sampled)?)?;
     }
     let mut md = String::new();
     if s.claims.iter().all(|c| c.is_real()) {
@@ -344,7 +344,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
             _ => claim_section(s, *c, &rows, &sampled, &mut md)?,
         }
     }
-    write_text(&dir.report(), &md)?;
+    crate::io::write_file(&dir.report(), &md)?;
     Ok(())
 }
 
@@ -510,6 +510,8 @@ fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize
         let rows: Vec<crate::eval::QuestionResult> = read_jsonl(&file)?;
         Ok(Some(rows.iter().map(|q| f64::from(u8::from(q.greedy_correct))).collect()))
     };
+    // The first arm's results, read once a seed.
+    let firsts: Vec<Option<Vec<f64>>> = s.seeds.iter().map(|&sd| correct(&arms[0].name, sd)).collect::<Result<_>>()?;
     for arm in arms {
         let given: Vec<f64> = s
             .seeds
@@ -519,10 +521,10 @@ fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize
             .map(|r| r.accuracy / (1.0 - r.invalid_rate))
             .collect();
         let (mut per_seed, mut per_question) = (vec![], vec![]);
-        for &seed in &s.seeds {
-            if let (Some(a), Some(b)) = (correct(&arm.name, seed)?, correct(&arms[0].name, seed)?) {
-                per_seed.push(crate::stats::paired(&a, &b)?.0);
-                per_question.extend(a.iter().zip(&b).map(|(x, y)| x - y));
+        for (&seed, first) in s.seeds.iter().zip(&firsts) {
+            if let (Some(a), Some(b)) = (correct(&arm.name, seed)?, first) {
+                per_seed.push(crate::stats::paired(&a, b)?.0);
+                per_question.extend(a.iter().zip(b).map(|(x, y)| x - y));
             }
         }
         let (over_seeds, over_questions) = (mean_se(&per_seed), mean_se(&per_question));
@@ -635,10 +637,4 @@ pub(super) fn step_gains(
     }
     writeln!(md)?;
     Ok(())
-}
-
-/// `text` into `path`, atomically.
-fn write_text(path: &Path, text: &str) -> Result<()> {
-    use std::io::Write as _;
-    crate::io::write_atomic(path, |w| Ok(w.write_all(text.as_bytes())?))
 }

@@ -4,7 +4,7 @@
 
 use super::units::MicroBatch;
 use crate::dataset::Sample;
-use crate::settings::{Baseline, DpoLoss, Objective};
+use crate::settings::{Baseline, Objective};
 use anyhow::Result;
 use tch::{Kind, Tensor};
 use topr_loss::{
@@ -89,15 +89,13 @@ impl Loss {
             Objective::Grpo => {
                 Loss::Ppo(PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean).with_checks(fast))
             }
-            Objective::Dpo if !o.dpo_mix.is_empty() => {
-                let term = |l: DpoLoss| l.config(o.dpo_beta, o.dpo_label_smoothing).with_checks(fast);
-                let (first, rest) = (o.dpo_mix[0], &o.dpo_mix[1..]);
-                let mix = rest.iter().fold(DpoMix::of(term(first.0), first.1), |m, &(l, w)| m.with_term(term(l), w));
-                Loss::DpoMix(mix, first.0.reduce())
-            }
-            Objective::Dpo => {
-                Loss::Dpo(o.dpo_loss.config(o.dpo_beta, o.dpo_label_smoothing).with_checks(fast), o.dpo_loss.reduce())
-            }
+            Objective::Dpo => match (o.dpo_mix_config(fast), o.dpo_mix.first()) {
+                (Some(mix), Some((first, _))) => Loss::DpoMix(mix, first.reduce()),
+                _ => Loss::Dpo(
+                    o.dpo_loss.config(o.dpo_beta, o.dpo_label_smoothing).with_checks(fast),
+                    o.dpo_loss.reduce(),
+                ),
+            },
             Objective::Gspo => Loss::Gspo(PpoConfig::gspo().with_checks(fast)),
             Objective::Cispo => Loss::Cispo(PpoConfig::cispo().with_checks(fast)),
             Objective::Sapo => Loss::Sapo(SapoConfig::sapo().with_checks(fast)),
