@@ -13,6 +13,11 @@
 # per-question results, evaluation summaries, training metrics, the tables and plots; never model
 # weights or data sets, nor the seeds' shared/ folders, whose files every arm holds a copy of —
 # are copied to docs/study/real/.
+#
+# One binary for every seed: the first run copies target/release/llama to WORK/bin/llama (with
+# the commit it was built from in WORK/bin/commit.txt) and every resume runs that copy, so that
+# a later version of the sampler (other random streams) never mixes into a grid started before
+# it. To rebuild the binary of a grid: `git checkout $(cat WORK/bin/commit.txt)` and build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${1:-5}"
@@ -32,5 +37,11 @@ copy_records() {
 }
 trap copy_records EXIT
 mkdir -p "$work"
-/usr/bin/time -f "study: %e s" -a -o "$work/times.txt" target/release/llama study --work "$work" \
+if [ ! -x "$work/bin/llama" ]; then
+    mkdir -p "$work/bin"
+    cp target/release/llama "$work/bin/llama.part" && mv "$work/bin/llama.part" "$work/bin/llama"
+    git rev-parse HEAD > "$work/bin/commit.txt"
+fi
+echo "study binary: $work/bin/llama, built from commit $(cat "$work/bin/commit.txt")"
+/usr/bin/time -f "study: %e s" -a -o "$work/times.txt" "$work/bin/llama" study --work "$work" \
     --model models/smollm2-135m-instruct --claims real-negatives,real-composition,real-iterated --seeds "$seeds"
