@@ -184,9 +184,26 @@ pub struct SampleRun {
     pub samples_per_prompt: usize,
     pub batch_prompts: usize,
     pub sampling: SamplingRecord,
+    /// How the random draws were made (absent in a record of an earlier version: [`Streams::Batch`]).
+    #[serde(default)]
+    pub streams: Streams,
     /// The shard this file holds (absent: the whole data set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<Shard>,
+}
+
+/// How a data set's completions drew their random numbers: a file is only ever extended by the
+/// same scheme, since another draws other completions from the same seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Streams {
+    /// Versions before continuous batching: libtorch's generator, reseeded with the seed plus the
+    /// index of the first prompt of each batch.
+    #[default]
+    Batch,
+    /// One stream per completion, keyed by the seed, the prompt's index in the task and the
+    /// sample's number ([`crate::generate::Stream`]): independent of batches, slots and shards.
+    PerCompletion,
 }
 
 impl SampleRun {

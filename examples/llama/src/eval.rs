@@ -1,7 +1,7 @@
 //! Evaluation on a task: greedy pass@1, and with `k` samples per question sampled pass@1, maj@k
 //! and pass@k; invalid-answer rate and mean completion length; one JSON line per question.
 
-use crate::generate::{self, Sampling, SamplingParams};
+use crate::generate::{self, Batching, Job, Sampling, SamplingParams, Stream};
 use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
 use crate::shard::Shard;
@@ -72,10 +72,10 @@ pub struct EvalSettings {
     pub samples: usize,
     /// The distribution those are sampled from.
     pub sampling: SamplingParams,
-    /// Rows per generation batch.
+    /// Completions in flight (continuous batching).
     pub batch_size: usize,
-    /// Each batch of `batch_size` questions reseeds the sampler with this plus the index of its
-    /// first question, so that a shard samples what one process samples.
+    /// Sample `k` of the task's question `i` draws from `Stream::new(seed, i, k)`, so that a
+    /// shard samples what one process samples, whatever the batch size.
     pub seed: i64,
     /// The share of the batches of questions this process evaluates ([`Shard::WHOLE`]: all).
     pub shard: Shard,
@@ -101,45 +101,41 @@ pub fn evaluate(
     let sampled = Sampling::sample(settings.sampling, max_new_tokens);
     let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
     let pb = bar((problems.len() * (1 + samples)) as u64, "eval");
+    let batching = Batching::slots(batch_size);
+    // Greedy: one completion per question; sampled: `samples` per question, sample k of the
+    // task's question i drawing from the stream (seed, i, k). `batch_size` in flight, each.
+    let jobs: Vec<Job> = (0..problems.len()).map(|i| Job { prompt: i, stream: Stream(0) }).collect();
+    let g = generate::collect(model, &prompts, &jobs, &greedy, &tok.eos_ids, batching, || pb.inc(1))?;
+    let jobs: Vec<Job> = (0..problems.len())
+        .flat_map(|i| {
+            (0..samples).map(move |k| Job { prompt: i, stream: Stream::new(seed as u64, (first + i) as u64, k as u64) })
+        })
+        .collect();
+    let sampled = generate::collect(model, &prompts, &jobs, &sampled, &tok.eos_ids, batching, || pb.inc(1))?;
     let mut results = vec![];
-    for (k, (chunk_p, chunk_ids)) in problems.chunks(batch_size).zip(prompts.chunks(batch_size)).enumerate() {
-        tch::manual_seed(seed.wrapping_add((first + k * batch_size) as i64));
-        let g = generate::generate(model, chunk_ids, &greedy, &tok.eos_ids, tok.pad_id)?;
-        pb.inc(chunk_p.len() as u64);
-        let mut sample_answers = vec![vec![]; chunk_p.len()];
-        if samples > 0 {
-            // Each prompt repeated `samples` times, in batches of at most `batch_size` rows.
-            let rows: Vec<(usize, Vec<i64>)> =
-                chunk_ids.iter().enumerate().flat_map(|(i, p)| std::iter::repeat_n((i, p.clone()), samples)).collect();
-            for part in rows.chunks(batch_size) {
-                let ids: Vec<Vec<i64>> = part.iter().map(|(_, p)| p.clone()).collect();
-                let s = generate::generate(model, &ids, &sampled, &tok.eos_ids, tok.pad_id)?;
-                for ((i, _), c) in part.iter().zip(s) {
-                    sample_answers[*i].push(task::extract_answer(&tok.decode(&c.tokens)?));
-                }
-                pb.inc(part.len() as u64);
-            }
+    for (i, (p, c)) in problems.iter().zip(g).enumerate() {
+        let answers = sampled[i * samples..(i + 1) * samples]
+            .iter()
+            .map(|c| Ok(task::extract_answer(&tok.decode(&c.tokens)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let text = tok.decode(&c.tokens)?;
+        let answer = task::extract_answer(&text);
+        let r = QuestionResult {
+            id: p.id.clone(),
+            question: p.question.clone(),
+            reference: p.answer,
+            greedy_correct: task::is_correct(answer, p.answer),
+            greedy_invalid: answer.is_none(),
+            greedy_tokens: c.tokens.len(),
+            greedy_answer: answer,
+            greedy_completion: text,
+            sample_correct: answers.iter().map(|a| task::is_correct(*a, p.answer)).collect(),
+            sample_answers: answers,
+        };
+        if let Some(w) = out.as_deref_mut() {
+            writeln!(w, "{}", serde_json::to_string(&r)?)?;
         }
-        for ((p, c), answers) in chunk_p.iter().zip(g).zip(sample_answers) {
-            let text = tok.decode(&c.tokens)?;
-            let answer = task::extract_answer(&text);
-            let r = QuestionResult {
-                id: p.id.clone(),
-                question: p.question.clone(),
-                reference: p.answer,
-                greedy_correct: task::is_correct(answer, p.answer),
-                greedy_invalid: answer.is_none(),
-                greedy_tokens: c.tokens.len(),
-                greedy_answer: answer,
-                greedy_completion: text,
-                sample_correct: answers.iter().map(|a| task::is_correct(*a, p.answer)).collect(),
-                sample_answers: answers,
-            };
-            if let Some(w) = out.as_deref_mut() {
-                writeln!(w, "{}", serde_json::to_string(&r)?)?;
-            }
-            results.push(r);
-        }
+        results.push(r);
     }
     pb.finish_and_clear();
     Ok(summarize(&results, samples))

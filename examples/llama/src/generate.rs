@@ -1,11 +1,13 @@
-//! Batched generation with a KV cache: prompts of different lengths are left-padded into one
-//! batch and each row keeps its own positions. Greedy, temperature, top-k and top-p sampling.
+//! Generation with continuous batching over a fixed-shape decoding state: a cache of `S` slots,
+//! each holding one completion at its own length; an ended completion's slot takes the next
+//! prompt at once ([`run`], [`Batching`]). Greedy, temperature, top-k and top-p sampling, each
+//! completion drawing from its own random stream ([`Stream`]).
 //!
 //! For every sampled token it records two log-probabilities: under the model itself
 //! (temperature 1, no truncation) and under the distribution actually sampled from (after
 //! temperature, top-k and top-p), so that either can serve as μ for an off-policy loss.
 
-use crate::model::Llama;
+use crate::model::{Llama, SlotCache};
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 
@@ -124,164 +126,441 @@ pub fn sampling_logits(logits: &Tensor, s: &SamplingParams) -> Tensor {
     z
 }
 
-/// When rows that have finished (produced an end-of-sequence token) leave the decoding batch.
+/// The random stream of one completion: a 64-bit key from which every draw of that completion
+/// is computed ([`uniform`]), so that what a completion samples depends on the key alone — not on
+/// the batch it ran in, the slot it took or what ran beside it.
 ///
-/// A finished row that stays is still computed at every step, its output ignored; leaving costs
-/// one copy of the remaining rows' keys and values. Where rows finish at different lengths (a
-/// greedy evaluation, `sample` with EOS) leaving saves most of the finished rows' work. Results
-/// do not depend on it: sampling draws for every row of the original batch at every step (the
-/// random stream is the same), and each row's logits are its own.
+/// `Stream::new(seed, prompt, sample)` is the stream of sample `sample` of the prompt at index
+/// `prompt` of a run seeded with `seed` (SplitMix64 of each part in turn, Steele et al. 2014).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    pub fn new(seed: u64, prompt: u64, sample: u64) -> Self {
+        Self(splitmix64(splitmix64(splitmix64(seed) ^ prompt) ^ sample))
+    }
+}
+
+/// SplitMix64's output function of `x + γ` (Steele, Lea and Flood 2014).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The 32-bit mixer "lowbias32" (C. Wellons, hash-prospector): the hash that [`uniform`] applies
+/// on the device, here on one value.
+pub fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// Draw `step` of stream `key` (the `step`-th token of a completion), uniform on `[0, 1)` with
+/// 52 random bits: two words of [`mix32`] hashes of the key's halves and the step. The device
+/// computes the same numbers ([`uniform_tensor`]); this is the scalar reference.
+pub fn uniform(key: Stream, step: u32) -> f64 {
+    let (hi, lo) = ((key.0 >> 32) as u32, key.0 as u32);
+    let a = mix32(hi ^ mix32(lo ^ mix32(step)));
+    let b = mix32(a ^ 0x9e37_79b9);
+    (f64::from(a >> 6) * 67_108_864.0 + f64::from(b >> 6)) / 4_503_599_627_370_496.0
+}
+
+/// `x · c mod 2³²` for `x [..]` int64 holding values in `0..2³²`, without overflowing int64
+/// (`c` in two 16-bit halves).
+fn mul32(x: &Tensor, c: u32) -> Tensor {
+    let (lo, hi) = (i64::from(c & 0xffff), i64::from(c >> 16));
+    ((x * lo) + (((x * hi).bitwise_and(0xffff)) * 65_536)).bitwise_and(0xffff_ffff)
+}
+
+fn mix32_tensor(x: &Tensor) -> Tensor {
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16));
+    let x = mul32(&x, 0x7feb_352d);
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(15));
+    let x = mul32(&x, 0x846c_a68b);
+    x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16))
+}
+
+/// [`uniform`] on the device: `hi`, `lo` (int64, the keys' halves) and `step` (int64), all `[S]`;
+/// returns `[S]` f64. Integer operations only, so every device computes the same bits.
+pub fn uniform_tensor(hi: &Tensor, lo: &Tensor, step: &Tensor) -> Tensor {
+    let a = mix32_tensor(&hi.bitwise_xor_tensor(&mix32_tensor(&lo.bitwise_xor_tensor(&mix32_tensor(step)))));
+    let b = mix32_tensor(&a.bitwise_xor(0x9e37_79b9_i64));
+    (a.bitwise_right_shift_tensor_scalar(6).to_kind(Kind::Double) * 67_108_864.0
+        + b.bitwise_right_shift_tensor_scalar(6).to_kind(Kind::Double))
+        / 4_503_599_627_370_496.0
+}
+
+/// Draws one token per row of the log-probabilities `logq [S, V]` (f32) by inversion, with the
+/// uniform numbers `u [S]` (f64, in `[0, 1)`): the first token whose cumulative probability (in
+/// f64) exceeds `u` times the total. A token of probability 0 is never drawn; shapes are fixed
+/// and nothing is read back.
+pub fn draw(logq: &Tensor, u: &Tensor) -> Tensor {
+    let cdf = logq.exp().cumsum(-1, Kind::Double); // [S, V]
+    let v = cdf.size()[1];
+    let target = (u * cdf.narrow(1, v - 1, 1).squeeze_dim(1)).unsqueeze(1); // [S, 1]
+    target.searchsorted(&cdf, false, true, "right", None::<Tensor>).squeeze_dim(1).clamp_max(v - 1)
+}
+
+/// One completion to generate: the prompt (an index into the prompts) and its random stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Release {
-    /// Finished rows stay until every row has finished.
-    Never,
-    /// Finished rows leave once they are at least `1/n` of the rows still computed (`n ≥ 1`;
-    /// a large `n` releases every finished row at once).
-    Fraction(usize),
+pub struct Job {
+    pub prompt: usize,
+    pub stream: Stream,
 }
 
-impl Default for Release {
-    /// Leave once an eighth of the computed rows have finished: at most a few copies of the
-    /// cache per generation, and never more than 1/8 of a step's rows wasted.
+/// How [`run`] batches its jobs.
+///
+/// Generation keeps `slots` completions in flight. A slot whose completion has ended (an
+/// end-of-sequence token, or the budget) takes the next job at once — its prompt prefilled into
+/// that slot — so the batch stays full until the jobs run out (continuous batching); then the
+/// slots still running move to a batch half as large whenever they fit in it. The host reads which
+/// slots have ended (with their tokens, and whether any logits were not finite) once every
+/// `sync_every` steps, and whenever a completion must have reached its budget; between those
+/// reads the decoding steps run on the device without waiting for the host. A slot that ended
+/// since the last read computes (and discards) at most `sync_every − 1` more tokens.
+///
+/// Neither setting changes a result: every row of every step is computed on its own, and every
+/// completion draws from its own [`Stream`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Completions in flight (0: every job at once).
+    pub slots: usize,
+    /// Steps between the host's reads (0: [`Batching::default_sync`] of the model's device).
+    pub sync_every: usize,
+}
+
+impl Default for Batching {
+    /// Every job at once, the device's default reads.
     fn default() -> Self {
-        Self::Fraction(8)
+        Self { slots: 0, sync_every: 0 }
     }
 }
 
-/// Generates one completion per prompt (ids), all in one batch; finished rows leave the batch
-/// as [`Release::default`] says.
-pub fn generate(
-    model: &Llama,
-    prompts: &[Vec<i64>],
-    s: &Sampling,
-    eos: &[i64],
-    pad_id: i64,
-) -> Result<Vec<Completion>> {
-    generate_releasing(model, prompts, s, eos, pad_id, Release::default())
+impl Batching {
+    /// `slots` completions in flight, the device's default reads.
+    pub fn slots(slots: usize) -> Self {
+        Self { slots, ..Self::default() }
+    }
+
+    /// Steps between the host's reads on `device` when [`Batching::sync_every`] is 0: every step
+    /// on the CPU (a read there costs no transfer, and a finished slot is refilled at once), 16 on
+    /// a GPU (where each read stalls the stream of kernels).
+    pub fn default_sync(device: tch::Device) -> usize {
+        if device == tch::Device::Cpu { 1 } else { 16 }
+    }
 }
 
-/// [`generate`] with an explicit [`Release`] of finished rows.
-pub fn generate_releasing(
+/// Generates one completion per prompt (ids), every prompt in one batch; completion `i` draws
+/// from `Stream::new(seed, i, 0)` (greedy decoding draws nothing).
+pub fn generate(model: &Llama, prompts: &[Vec<i64>], s: &Sampling, eos: &[i64], seed: u64) -> Result<Vec<Completion>> {
+    let jobs: Vec<Job> =
+        (0..prompts.len()).map(|i| Job { prompt: i, stream: Stream::new(seed, i as u64, 0) }).collect();
+    collect(model, prompts, &jobs, s, eos, Batching::default(), || ())
+}
+
+/// [`run`], the completions returned in the order of `jobs`; `each()` is called as each ends
+/// (a progress bar's tick).
+pub fn collect(
     model: &Llama,
     prompts: &[Vec<i64>],
+    jobs: &[Job],
     s: &Sampling,
     eos: &[i64],
-    pad_id: i64,
-    release: Release,
+    batching: Batching,
+    mut each: impl FnMut(),
 ) -> Result<Vec<Completion>> {
-    s.check()?;
-    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
-        bail!("every prompt needs at least one token");
-    }
-    if release == Release::Fraction(0) {
-        bail!("Release::Fraction needs n >= 1");
-    }
-    let vocab = model.cfg.vocab_size;
-    for p in prompts {
-        check_ids(p, vocab, "a prompt")?;
-    }
-    check_ids(&[pad_id], vocab, "the padding id")?;
-    let device = model.device();
-    let b = prompts.len() as i64;
-    let p_len = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
-    let limit = model.cfg.max_position_embeddings;
-    if p_len + s.max_new_tokens > limit {
-        bail!("prompt ({p_len} tokens) + max new tokens ({}) exceeds the model's context of {limit}", s.max_new_tokens);
-    }
-    // Left padding: [B, P] ids and mask.
-    let mut ids = vec![pad_id; (b * p_len) as usize];
-    let mut mask = vec![false; (b * p_len) as usize];
-    for (r, p) in prompts.iter().enumerate() {
-        let off = r * p_len as usize + (p_len as usize - p.len());
-        ids[off..off + p.len()].copy_from_slice(p);
-        mask[off..off + p.len()].iter_mut().for_each(|m| *m = true);
-    }
-    let ids = Tensor::from_slice(&ids).view([b, p_len]).to_device(device);
-    let mask = Tensor::from_slice(&mask).view([b, p_len]).to_device(device);
-    // Positions of the rows still in the cache.
-    let mut positions = crate::model::positions_from_mask(&mask);
-    let eos_t = Tensor::from_slice(eos).to_device(device);
-
-    let mut out: Vec<Completion> = (0..b)
-        .map(|_| Completion { tokens: vec![], logp_model: vec![], logp_sampling: vec![], stop: Stop::Length })
-        .collect();
-    let mut done = vec![false; b as usize];
-    // live[i]: the prompt whose row is row i of the cache; live_t: the same as a tensor, None
-    // while the cache holds every row in order.
-    let mut live: Vec<usize> = (0..b as usize).collect();
-    let mut live_t: Option<Tensor> = None;
-    tch::no_grad(|| -> Result<()> {
-        let (mut cache, logits) = model.prefill(&ids, &mask, p_len + s.max_new_tokens)?;
-        // [B, V] for every prompt: a row that has left keeps its last logits, so that sampling
-        // draws as many random numbers as with every row present.
-        let mut logits = logits.to_kind(Kind::Float);
-        for k in 0..s.max_new_tokens {
-            // NaN logits would make the argmax arbitrary and the multinomial draw panic.
-            if !bool::try_from(logits.isfinite().all())? {
-                bail!("{}", non_finite_logits(k));
-            }
-            let logp_model = logits.log_softmax(-1, Kind::Float);
-            let (next, logp_q) = match &s.decoding {
-                Decoding::Greedy => (logits.argmax(-1, false), Tensor::zeros([b], (Kind::Float, device))),
-                Decoding::Sample(params) => {
-                    let z = sampling_logits(&logits, params);
-                    let logq = z.log_softmax(-1, Kind::Float);
-                    let next = logq.exp().multinomial(1, false).squeeze_dim(1);
-                    let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-                    (next, lq)
-                }
-            };
-            let lp = logp_model.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-            let is_eos = next.unsqueeze(1).eq_tensor(&eos_t.unsqueeze(0)).any_dim(1, false);
-            let (next_v, lp_v, lq_v, eos_v) = (
-                Vec::<i64>::try_from(&next.to_device(tch::Device::Cpu))?,
-                Vec::<f32>::try_from(&lp.to_device(tch::Device::Cpu))?,
-                Vec::<f32>::try_from(&logp_q.to_device(tch::Device::Cpu))?,
-                Vec::<bool>::try_from(&is_eos.to_device(tch::Device::Cpu))?,
-            );
-            for &r in &live {
-                if done[r] {
-                    continue;
-                }
-                out[r].tokens.push(next_v[r]);
-                out[r].logp_model.push(lp_v[r]);
-                out[r].logp_sampling.push(lq_v[r]);
-                if eos_v[r] {
-                    done[r] = true;
-                    out[r].stop = Stop::Eos;
-                }
-            }
-            if done.iter().all(|d| *d) {
-                break;
-            }
-            let finished = live.iter().filter(|&&r| done[r]).count();
-            if matches!(release, Release::Fraction(n) if finished > 0 && finished.saturating_mul(n) >= live.len()) {
-                let keep: Vec<i64> = (0..live.len()).filter(|&i| !done[live[i]]).map(|i| i as i64).collect();
-                let keep_t = Tensor::from_slice(&keep).to_device(device);
-                cache.keep_rows(&keep_t);
-                positions = positions.index_select(0, &keep_t);
-                live = keep.iter().map(|&i| live[i as usize]).collect();
-                let rows: Vec<i64> = live.iter().map(|&r| r as i64).collect();
-                live_t = Some(Tensor::from_slice(&rows).to_device(device));
-            }
-            let rows = live.len() as i64;
-            let next_live = match &live_t {
-                Some(t) => next.index_select(0, t),
-                None => next,
-            };
-            positions = positions.narrow(1, positions.size()[1] - 1, 1) + 1; // [R, 1]
-            let new_mask = Tensor::ones([rows, 1], (Kind::Bool, device));
-            let step = model.step(&next_live.unsqueeze(1), &positions, &new_mask, &mut cache)?.to_kind(Kind::Float);
-            match &live_t {
-                Some(t) => {
-                    let _ = logits.index_copy_(0, t, &step);
-                }
-                None => logits = step,
-            }
-        }
+    let mut out: Vec<Option<Completion>> = vec![None; jobs.len()];
+    run(model, prompts, jobs, s, eos, batching, |j, c| {
+        out[j] = Some(c);
+        each();
         Ok(())
     })?;
-    Ok(out)
+    out.into_iter().map(|c| c.ok_or_else(|| anyhow::anyhow!("a job ended without its completion"))).collect()
+}
+
+/// Generates a completion for every job, `batching.slots` at a time with continuous batching
+/// (see [`Batching`]), calling `done(j, completion)` as job `j` ends — in the order they end,
+/// not the order of `jobs`. Every prompt needs at least one token, and the longest prompt plus
+/// the budget must fit the model's context.
+pub fn run(
+    model: &Llama,
+    prompts: &[Vec<i64>],
+    jobs: &[Job],
+    s: &Sampling,
+    eos: &[i64],
+    batching: Batching,
+    mut done: impl FnMut(usize, Completion) -> Result<()>,
+) -> Result<()> {
+    s.check()?;
+    if prompts.iter().any(|p| p.is_empty()) {
+        bail!("every prompt needs at least one token");
+    }
+    if let Some(j) = jobs.iter().find(|j| j.prompt >= prompts.len()) {
+        bail!("a job names prompt {} of {}", j.prompt, prompts.len());
+    }
+    for p in prompts {
+        check_ids(p, model.cfg.vocab_size, "a prompt")?;
+    }
+    if jobs.is_empty() {
+        return Ok(());
+    }
+    let p_max = jobs.iter().map(|j| prompts[j.prompt].len()).max().unwrap_or(0) as i64;
+    let limit = model.cfg.max_position_embeddings;
+    if p_max + s.max_new_tokens > limit {
+        bail!("prompt ({p_max} tokens) + max new tokens ({}) exceeds the model's context of {limit}", s.max_new_tokens);
+    }
+    let slots = if batching.slots == 0 { jobs.len() } else { batching.slots.min(jobs.len()) };
+    let sync = if batching.sync_every == 0 { Batching::default_sync(model.device()) } else { batching.sync_every };
+    tch::no_grad(|| {
+        let mut d = Decoder::new(model, s, eos, slots as i64, p_max + s.max_new_tokens)?;
+        let mut next_job = 0;
+        let mut steps = 0usize;
+        loop {
+            let must = d.occupied.iter().flatten().any(|o| o.steps >= s.max_new_tokens);
+            if steps % sync == 0 || must || d.occupied.iter().all(Option::is_none) {
+                for (j, c) in d.collect()? {
+                    done(j, c)?;
+                }
+                let free: Vec<usize> = (0..d.occupied.len()).filter(|&i| d.occupied[i].is_none()).collect();
+                let take = free.len().min(jobs.len() - next_job);
+                if take > 0 {
+                    d.fill(prompts, &free[..take], &jobs[next_job..next_job + take], next_job)?;
+                    next_job += take;
+                }
+                if d.occupied.iter().all(Option::is_none) {
+                    return Ok(());
+                }
+                if next_job == jobs.len() {
+                    d.shrink();
+                }
+            }
+            d.step()?;
+            steps += 1;
+        }
+    })
+}
+
+/// What the host knows of an occupied slot without reading the device.
+#[derive(Debug, Clone, Copy)]
+struct Occupant {
+    job: usize,
+    /// Decoding steps run since the slot was filled: an upper bound of its tokens.
+    steps: i64,
+    /// The cache position of its first generated token.
+    start: i64,
+}
+
+/// The fixed-shape decoding state of [`run`]: per-slot tensors on the model's device, and the
+/// host's view of which slot holds which job.
+struct Decoder<'a> {
+    model: &'a Llama,
+    s: Sampling,
+    cache: SlotCache,
+    eos: Tensor,
+    /// `[S, V]` f32: the logits the next token of each slot is drawn from.
+    logits: Tensor,
+    /// `[S]` int64: the rotary position, the cache position and the first real key of the
+    /// slot's next input token; tokens generated; the stream key's halves; 1 + the first
+    /// generated token whose logits were not finite (0: none).
+    pos: Tensor,
+    write: Tensor,
+    first: Tensor,
+    len: Tensor,
+    hi: Tensor,
+    lo: Tensor,
+    bad: Tensor,
+    /// `[S]` bool: ended (or empty).
+    ended: Tensor,
+    /// `[S, budget + 1]`: tokens and their two log-probs, by position in the completion.
+    tokens: Tensor,
+    lp: Tensor,
+    lq: Tensor,
+    occupied: Vec<Option<Occupant>>,
+}
+
+impl<'a> Decoder<'a> {
+    fn new(model: &'a Llama, s: &Sampling, eos: &[i64], slots: i64, capacity: i64) -> Result<Self> {
+        let dev = model.device();
+        let int = |v: i64| Tensor::full([slots], v, (Kind::Int64, dev));
+        let row = |kind| Tensor::zeros([slots, s.max_new_tokens + 1], (kind, dev));
+        Ok(Self {
+            model,
+            s: *s,
+            cache: model.new_slots(slots, capacity)?,
+            eos: Tensor::from_slice(eos).to_device(dev),
+            logits: Tensor::zeros([slots, model.cfg.vocab_size], (Kind::Float, dev)),
+            pos: int(0),
+            write: int(0),
+            first: int(0),
+            len: int(0),
+            hi: int(0),
+            lo: int(0),
+            bad: int(0),
+            ended: Tensor::ones([slots], (Kind::Bool, dev)),
+            tokens: row(Kind::Int64),
+            lp: row(Kind::Float),
+            lq: row(Kind::Float),
+            occupied: vec![None; slots as usize],
+        })
+    }
+
+    /// Reads the ended slots (one read of the flags, one of their rows), frees them and returns
+    /// their completions; refuses non-finite logits.
+    fn collect(&mut self) -> Result<Vec<(usize, Completion)>> {
+        let s = self.occupied.len();
+        let flags = Vec::<i64>::try_from(Tensor::cat(&[self.ended.to_kind(Kind::Int64), self.bad.shallow_clone()], 0).to_device(tch::Device::Cpu))?;
+        let (ended, bad) = flags.split_at(s);
+        if let Some(&b) = (0..s).filter(|&i| self.occupied[i].is_some()).map(|i| &bad[i]).find(|&&b| b > 0) {
+            bail!("{}", non_finite_logits(b - 1));
+        }
+        let rows: Vec<usize> = (0..s).filter(|&i| self.occupied[i].is_some() && ended[i] == 1).collect();
+        if rows.is_empty() {
+            return Ok(vec![]);
+        }
+        let idx = Tensor::from_slice(&rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(self.model.device());
+        let cpu = |t: &Tensor| t.index_select(0, &idx).to_device(tch::Device::Cpu);
+        let (tokens, lp, lq, len) = (cpu(&self.tokens), cpu(&self.lp), cpu(&self.lq), cpu(&self.len));
+        let width = self.s.max_new_tokens as usize + 1;
+        let (tokens, lp, lq, len) = (
+            Vec::<i64>::try_from(tokens.view([-1]))?,
+            Vec::<f32>::try_from(lp.view([-1]))?,
+            Vec::<f32>::try_from(lq.view([-1]))?,
+            Vec::<i64>::try_from(len)?,
+        );
+        let eos: Vec<i64> = Vec::<i64>::try_from(&self.eos.to_device(tch::Device::Cpu))?;
+        let mut out = vec![];
+        for (r, &slot) in rows.iter().enumerate() {
+            let n = len[r] as usize;
+            let at = r * width..r * width + n;
+            let tokens = tokens[at.clone()].to_vec();
+            let stop = if tokens.last().is_some_and(|t| eos.contains(t)) { Stop::Eos } else { Stop::Length };
+            let c = Completion { tokens, logp_model: lp[at.clone()].to_vec(), logp_sampling: lq[at].to_vec(), stop };
+            out.push((self.occupied[slot].take().map_or(0, |o| o.job), c));
+        }
+        Ok(out)
+    }
+
+    /// Prefills the prompts of `jobs` (numbered from `first_job`) into the free slots `slots`.
+    fn fill(&mut self, prompts: &[Vec<i64>], slots: &[usize], jobs: &[Job], first_job: usize) -> Result<()> {
+        let dev = self.model.device();
+        let n = jobs.len() as i64;
+        let p_len = jobs.iter().map(|j| prompts[j.prompt].len()).max().unwrap_or(1) as i64;
+        // Left padding: [J, P] ids and mask (the padding id is any valid one: it is masked).
+        let mut ids = vec![0i64; (n * p_len) as usize];
+        let mut mask = vec![false; (n * p_len) as usize];
+        let mut state = vec![];
+        for (r, j) in jobs.iter().enumerate() {
+            let p = &prompts[j.prompt];
+            let off = r * p_len as usize + (p_len as usize - p.len());
+            ids[off..off + p.len()].copy_from_slice(p);
+            mask[off..off + p.len()].iter_mut().for_each(|m| *m = true);
+            let (hi, lo) = ((j.stream.0 >> 32) as i64, (j.stream.0 & 0xffff_ffff) as i64);
+            state.extend([p.len() as i64, p_len, p_len - p.len() as i64, hi, lo]);
+        }
+        let ids = Tensor::from_slice(&ids).view([n, p_len]).to_device(dev);
+        let mask = Tensor::from_slice(&mask).view([n, p_len]).to_device(dev);
+        let (pre, logits) = self.model.prefill(&ids, &mask, p_len)?;
+        let at = Tensor::from_slice(&slots.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(dev);
+        self.cache.fill(&at, &pre, &Tensor::arange(n, (Kind::Int64, dev)));
+        let _ = self.logits.index_copy_(0, &at, &logits.to_kind(Kind::Float));
+        let state = Tensor::from_slice(&state).view([n, 5]).to_device(dev);
+        for (c, t) in [&mut self.pos, &mut self.write, &mut self.first, &mut self.hi, &mut self.lo].into_iter().enumerate() {
+            let _ = t.index_copy_(0, &at, &state.select(1, c as i64));
+        }
+        for t in [&mut self.len, &mut self.bad] {
+            let _ = t.index_fill_(0, &at, 0);
+        }
+        let _ = self.ended.index_fill_(0, &at, 0);
+        for (k, &slot) in slots.iter().enumerate() {
+            self.occupied[slot] = Some(Occupant { job: first_job + k, steps: 0, start: p_len });
+        }
+        Ok(())
+    }
+
+    /// Moves the occupied slots into a batch half as large (repeatedly) while they fit in it.
+    fn shrink(&mut self) {
+        let size = self.occupied.len();
+        let used = self.occupied.iter().filter(|o| o.is_some()).count();
+        let mut to = size;
+        while to > 1 && used <= to / 2 {
+            to /= 2;
+        }
+        if to == size {
+            return;
+        }
+        let keep: Vec<i64> = (0..size).filter(|&i| self.occupied[i].is_some()).map(|i| i as i64).collect();
+        let keep = Tensor::from_slice(&keep).to_device(self.model.device());
+        // The kept slots first, then empty ones up to the new size (taken from slot rows that
+        // are then marked ended).
+        let pad = to - used;
+        let empty: Vec<i64> = (0..size).filter(|&i| self.occupied[i].is_none()).take(pad).map(|i| i as i64).collect();
+        let rows = Tensor::cat(&[keep, Tensor::from_slice(&empty).to_device(self.model.device())], 0);
+        self.cache.keep(&rows);
+        for t in [
+            &mut self.logits,
+            &mut self.pos,
+            &mut self.write,
+            &mut self.first,
+            &mut self.len,
+            &mut self.hi,
+            &mut self.lo,
+            &mut self.bad,
+            &mut self.ended,
+            &mut self.tokens,
+            &mut self.lp,
+            &mut self.lq,
+        ] {
+            *t = t.index_select(0, &rows);
+        }
+        let mut occupied: Vec<Option<Occupant>> = self.occupied.iter().flatten().map(|o| Some(*o)).collect();
+        occupied.resize(to, None);
+        self.occupied = occupied;
+    }
+
+    /// One decoding step of every slot, on fixed shapes, with no read back to the host: draws
+    /// each slot's next token from its logits, records it, and feeds it through the model.
+    fn step(&mut self) -> Result<()> {
+        let live = self.ended.logical_not(); // [S]
+        let finite = self.logits.isfinite().all_dim(-1, false);
+        let newly_bad = self.bad.eq(0).logical_and(&live).logical_and(&finite.logical_not());
+        self.bad = (&self.len + 1).where_self(&newly_bad, &self.bad);
+        let logp = self.logits.log_softmax(-1, Kind::Float);
+        let (next, lq) = match &self.s.decoding {
+            Decoding::Greedy => (self.logits.argmax(-1, false), self.len.zeros_like().to_kind(Kind::Float)),
+            Decoding::Sample(params) => {
+                let logq = sampling_logits(&self.logits, params).log_softmax(-1, Kind::Float);
+                let next = draw(&logq, &uniform_tensor(&self.hi, &self.lo, &self.len));
+                let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+                (next, lq)
+            }
+        };
+        let lp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+        let at = self.len.unsqueeze(1);
+        let _ = self.tokens.scatter_(1, &at, &next.unsqueeze(1));
+        let _ = self.lp.scatter_(1, &at, &lp.unsqueeze(1));
+        let _ = self.lq.scatter_(1, &at, &lq.unsqueeze(1));
+        let _ = self.len.g_add_(&live.to_kind(Kind::Int64));
+        let is_eos = next.unsqueeze(1).eq_tensor(&self.eos.unsqueeze(0)).any_dim(1, false);
+        let _ = self.ended.logical_or_(&is_eos.logical_or(&self.len.ge(self.s.max_new_tokens)));
+        // The attended keys: every slot's, up to the last position any occupied slot can reach.
+        let keys = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
+        let keys = keys.min(self.cache.capacity());
+        self.logits = self
+            .model
+            .decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?
+            .to_kind(Kind::Float);
+        let advance = self.ended.logical_not().to_kind(Kind::Int64);
+        let _ = self.pos.g_add_(&advance);
+        let _ = self.write.g_add_(&advance);
+        for o in self.occupied.iter_mut().flatten() {
+            o.steps += 1;
+        }
+        Ok(())
+    }
 }
 
 /// Refuses token ids outside `0..vocab` (the embedding would panic on them).
@@ -330,4 +609,78 @@ pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f3
         Ok(pred.gather(2, &labels, false).view([c]))
     })?;
     Ok(Vec::<f32>::try_from(&logp.to_device(tch::Device::Cpu))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The device's draws are the scalar reference's, bit for bit, over keys and steps that
+    /// exercise every bit of both halves.
+    #[test]
+    fn device_draws_equal_the_scalar_reference() {
+        let keys: Vec<Stream> = (0..64u64).map(|i| Stream::new(i * 7919, i, i % 5)).chain([Stream(0), Stream(u64::MAX)]).collect();
+        for step in [0u32, 1, 2, 127, 65_535, u32::MAX] {
+            let hi: Vec<i64> = keys.iter().map(|k| (k.0 >> 32) as i64).collect();
+            let lo: Vec<i64> = keys.iter().map(|k| (k.0 & 0xffff_ffff) as i64).collect();
+            let steps = vec![i64::from(step); keys.len()];
+            let u = uniform_tensor(&Tensor::from_slice(&hi), &Tensor::from_slice(&lo), &Tensor::from_slice(&steps));
+            let u = Vec::<f64>::try_from(&u).unwrap();
+            for (k, got) in keys.iter().zip(u) {
+                assert_eq!(got, uniform(*k, step), "key {:#x}, step {step}", k.0);
+                assert!((0.0..1.0).contains(&got));
+            }
+        }
+    }
+
+    /// Draws of one stream over many steps are uniform (Kolmogorov–Smirnov distance of 20,000
+    /// draws under 0.012, the 1 % critical value 1.63/√n), and neighbouring streams and steps
+    /// are uncorrelated.
+    #[test]
+    fn draws_are_uniform_and_independent() {
+        let n = 20_000u32;
+        let mut u: Vec<f64> = (0..n).map(|t| uniform(Stream::new(1, 2, 3), t)).collect();
+        let pairs: Vec<(f64, f64)> = (0..n as u64).map(|i| (uniform(Stream::new(9, i, 0), 0), uniform(Stream::new(9, i, 1), 0))).collect();
+        u.sort_by(f64::total_cmp);
+        let ks = u.iter().enumerate().map(|(i, x)| ((i + 1) as f64 / f64::from(n) - x).abs()).fold(0.0, f64::max);
+        assert!(ks < 1.63 / f64::from(n).sqrt(), "KS distance {ks}");
+        let mean = |f: &dyn Fn(&(f64, f64)) -> f64| pairs.iter().map(f).sum::<f64>() / pairs.len() as f64;
+        let (ma, mb) = (mean(&|p| p.0), mean(&|p| p.1));
+        let cov = mean(&|p| (p.0 - ma) * (p.1 - mb));
+        let corr = cov / (1.0 / 12.0);
+        assert!(corr.abs() < 4.0 / f64::from(n).sqrt(), "correlation {corr}");
+    }
+
+    /// Drawing by inversion follows the distribution (a chi-square test over 40,000 draws of a
+    /// 6-token distribution with a masked token, 1 % critical value 15.1 for 5 degrees of
+    /// freedom), never draws a token of probability 0, and stays in range for NaN rows.
+    #[test]
+    fn inversion_follows_the_distribution() {
+        let p = [0.3f64, 0.0, 0.05, 0.4, 0.15, 0.1];
+        let n = 40_000i64;
+        let logq = Tensor::from_slice(&p.iter().map(|&x| x.ln() as f32).collect::<Vec<_>>()).unsqueeze(0).repeat([n, 1]);
+        let u: Vec<f64> = (0..n as u64).map(|i| uniform(Stream::new(4, i, 0), 0)).collect();
+        let next = Vec::<i64>::try_from(&draw(&logq, &Tensor::from_slice(&u))).unwrap();
+        let mut count = [0f64; 6];
+        for t in next {
+            count[t as usize] += 1.0;
+        }
+        assert_eq!(count[1], 0.0, "a token of probability 0 was drawn");
+        let chi2: f64 = p.iter().zip(count).filter(|(p, _)| **p > 0.0).map(|(p, c)| (c - p * n as f64).powi(2) / (p * n as f64)).sum();
+        assert!(chi2 < 15.1, "chi-square {chi2}, counts {count:?}");
+        // Extreme draws: u = 0 and the largest u give the first and last tokens of positive mass.
+        let edge = draw(&logq.narrow(0, 0, 2), &Tensor::from_slice(&[0.0, 1.0 - 2f64.powi(-52)]));
+        assert_eq!(Vec::<i64>::try_from(&edge).unwrap(), vec![0, 5]);
+        let nan = draw(&Tensor::full([1, 6], f64::NAN, (Kind::Float, tch::Device::Cpu)), &Tensor::from_slice(&[0.5]));
+        assert!((0..6).contains(&nan.int64_value(&[0])));
+    }
+
+    #[test]
+    fn streams_differ_by_every_part() {
+        let s = Stream::new(1, 2, 3);
+        assert_ne!(s, Stream::new(0, 2, 3));
+        assert_ne!(s, Stream::new(1, 3, 3));
+        assert_ne!(s, Stream::new(1, 2, 4));
+        assert_ne!(Stream::new(0, 1, 0), Stream::new(0, 0, 1));
+    }
 }

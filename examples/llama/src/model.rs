@@ -86,6 +86,23 @@ enum Attend {
     Mask(Tensor),
 }
 
+/// The cache a forward pass writes its keys and values to.
+enum Kv<'a> {
+    /// None: the training forward.
+    None,
+    /// Appended after the cache's `len` positions, the same for every row.
+    Append(&'a mut KvCache),
+    /// One token per slot, written at the positions `index` (`[S, nkv, 1, hd]`) of each slot;
+    /// attention reads positions `0..keys`.
+    Slots { cache: &'a mut SlotCache, index: &'a Tensor, keys: i64 },
+}
+
+/// One layer's part of [`Kv`]: its key and value tensors and where the new ones go.
+enum Write<'a> {
+    Append(&'a mut Tensor, &'a mut Tensor, i64),
+    Scatter(&'a mut Tensor, &'a mut Tensor, &'a Tensor, i64),
+}
+
 /// Keys and values of past tokens, preallocated for `capacity` positions, and the weights packed
 /// for this generation when [`Kernels::Onednn`] applies.
 pub struct KvCache {
@@ -111,6 +128,45 @@ impl KvCache {
             *t = t.index_select(0, rows);
         }
         self.key_mask = self.key_mask.index_select(0, rows);
+    }
+}
+
+/// Keys and values of `S` decoding slots, each with room for `capacity` positions, for the
+/// fixed-shape decoding step [`Llama::decode`]: every slot holds one completion at its own length
+/// (slot `s`'s real keys are positions `first[s]..=write[s]`), so that a finished slot can take a
+/// new prompt while the others go on.
+pub struct SlotCache {
+    k: Vec<Tensor>, // per layer [S, nkv, capacity, hd]
+    v: Vec<Tensor>,
+    packed: Option<Arc<Packed>>,
+}
+
+impl SlotCache {
+    /// The number of slots.
+    pub fn slots(&self) -> i64 {
+        self.k.first().map_or(0, |t| t.size()[0])
+    }
+
+    /// Positions per slot.
+    pub fn capacity(&self) -> i64 {
+        self.k.first().map_or(0, |t| t.size()[2])
+    }
+
+    /// Copies rows `rows [J]` of a prefilled cache `from` (all its positions, `0..from.len`) into
+    /// slots `slots [J]` (int64 on the cache's device), positions `0..from.len`.
+    pub fn fill(&mut self, slots: &Tensor, from: &KvCache, rows: &Tensor) {
+        let p = from.len;
+        for (dst, src) in self.k.iter_mut().chain(self.v.iter_mut()).zip(from.k.iter().chain(from.v.iter())) {
+            let _ = dst.narrow(2, 0, p).index_copy_(0, slots, &src.narrow(2, 0, p).index_select(0, rows));
+        }
+    }
+
+    /// Keeps the slots `rows [R]` (indices into the current slots), in that order: the cache of a
+    /// smaller batch.
+    pub fn keep(&mut self, rows: &Tensor) {
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.index_select(0, rows);
+        }
     }
 }
 
@@ -284,6 +340,48 @@ impl Llama {
         Ok((cache, logits.index_select(0, &inverse)))
     }
 
+    /// `S` empty decoding slots of `capacity` positions each (with [`Llama::packs_for_generation`],
+    /// holding the packed weights).
+    pub fn new_slots(&self, slots: i64, capacity: i64) -> Result<SlotCache> {
+        let cache = self.empty_cache(slots, capacity, self.packed_weights()?);
+        Ok(SlotCache { k: cache.k, v: cache.v, packed: cache.packed })
+    }
+
+    /// The fixed-shape decoding step: feeds one token per slot, `ids [S]` at rotary positions
+    /// `positions [S]`, writes its key and value at cache position `write [S]` of its slot, and
+    /// attends to the slot's keys `first[s]..=write[s]` among positions `0..keys`; returns the
+    /// logits `[S, V]`. Every shape depends on `S` and `keys` only, and nothing is read back to
+    /// the host: the step can be replayed as a CUDA graph. `keys` must exceed every `write`
+    /// (`cache.capacity()` always does).
+    pub fn decode(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        write: &Tensor,
+        first: &Tensor,
+        keys: i64,
+        cache: &mut SlotCache,
+    ) -> Result<Tensor> {
+        let s = ids.size()[0];
+        let (nkv, hd) = (self.cfg.num_kv_heads(), self.cfg.head_dim());
+        let j = Tensor::arange(keys, (Kind::Int64, ids.device())).unsqueeze(0); // [1, keys]
+        let allowed = j.ge_tensor(&first.unsqueeze(1)).logical_and(&j.le_tensor(&write.unsqueeze(1))); // [S, keys]
+        let attend = Attend::Mask(allowed.view([s, 1, 1, keys]));
+        let index = write.view([s, 1, 1, 1]).expand([s, nkv, 1, hd], false);
+        let packed = cache.packed.clone();
+        let kv = Kv::Slots { cache, index: &index, keys };
+        let (ids, positions) = (ids.view([s, 1]), positions.view([s, 1]));
+        let h = match &packed {
+            Some(p) => self.run(&ids, &positions, &attend, kv, p.as_ref())?,
+            None => infallible(self.run(&ids, &positions, &attend, kv, &Plain)),
+        };
+        let last = h.squeeze_dim(1);
+        match &packed {
+            Some(p) => p.lm_head.forward(&last),
+            None => Ok(last.matmul(&self.lm_head.tr())),
+        }
+    }
+
     /// Final hidden states `[B, T, H]` (after the last RMSNorm) of a padded batch, without cache:
     /// the training forward. `mask [B, T]` is 1/true for real tokens; left or right padding both
     /// work (positions count real tokens only). The states at padding positions are unspecified
@@ -311,9 +409,9 @@ impl Llama {
             Attend::Mask(allowed.unsqueeze(1))
         };
         if self.trains_with_onednn() {
-            self.run(ids, &positions, &attend, None, &TrainOnednn)
+            self.run(ids, &positions, &attend, Kv::None, &TrainOnednn)
         } else {
-            Ok(infallible(self.run(ids, &positions, &attend, None, &Plain)))
+            Ok(infallible(self.run(ids, &positions, &attend, Kv::None, &Plain)))
         }
     }
 
@@ -351,8 +449,8 @@ impl Llama {
         };
         let packed = cache.packed.clone();
         let h = match &packed {
-            Some(p) => self.run(ids, positions, &attend, Some(cache), p.as_ref()),
-            None => Ok(infallible(self.run(ids, positions, &attend, Some(cache), &Plain))),
+            Some(p) => self.run(ids, positions, &attend, Kv::Append(cache), p.as_ref()),
+            None => Ok(infallible(self.run(ids, positions, &attend, Kv::Append(cache), &Plain))),
         };
         cache.len = total;
         let last = h?.narrow(1, t - 1, 1).squeeze_dim(1);
@@ -370,14 +468,18 @@ impl Llama {
         ids: &Tensor,
         positions: &Tensor,
         attend: &Attend,
-        mut cache: Option<&mut KvCache>,
+        mut cache: Kv,
         lin: &L,
     ) -> Result<Tensor, L::Error> {
         let (cos, sin) = rope_cos_sin(&self.inv_freq, positions, self.kind); // [B, 1, T, hd]
         let mut x = Tensor::embedding(&self.embed, ids, -1, false, false); // [B, T, H]
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps);
-            let kv = cache.as_deref_mut().map(|c| (&mut c.k[l], &mut c.v[l], c.len));
+            let kv = match &mut cache {
+                Kv::None => None,
+                Kv::Append(c) => Some(Write::Append(&mut c.k[l], &mut c.v[l], c.len)),
+                Kv::Slots { cache, index, keys } => Some(Write::Scatter(&mut cache.k[l], &mut cache.v[l], index, *keys)),
+            };
             let (q, k, v) = lin.qkv(self, l, &h)?;
             let y = self.attention(&q, &k, &v, &cos, &sin, attend, kv);
             x = x + lin.o(self, l, &y)?;
@@ -399,7 +501,7 @@ impl Llama {
         cos: &Tensor,
         sin: &Tensor,
         attend: &Attend,
-        cache: Option<(&mut Tensor, &mut Tensor, i64)>,
+        cache: Option<Write>,
     ) -> Tensor {
         let (b, t) = (q.size()[0], q.size()[1]);
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_kv_heads(), self.cfg.head_dim());
@@ -408,10 +510,15 @@ impl Llama {
         let k = apply_rope(&heads(k, nkv), cos, sin);
         let v = heads(v, nkv);
         let (k, v) = match cache {
-            Some((ck, cv, start)) => {
+            Some(Write::Append(ck, cv, start)) => {
                 ck.narrow(2, start, t).copy_(&k);
                 cv.narrow(2, start, t).copy_(&v);
                 (ck.narrow(2, 0, start + t), cv.narrow(2, 0, start + t))
+            }
+            Some(Write::Scatter(ck, cv, index, keys)) => {
+                let _ = ck.scatter_(2, index, &k);
+                let _ = cv.scatter_(2, index, &v);
+                (ck.narrow(2, 0, keys), cv.narrow(2, 0, keys))
             }
             None => (k, v),
         };

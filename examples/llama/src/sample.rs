@@ -2,16 +2,18 @@
 //! model (μ), each with its token ids, μ's per-token and sequence log-probabilities, its reward and
 //! the sampling settings, one JSON line per completion.
 //!
-//! The file is written batch by batch and flushed; a rerun with the same output resumes after the
-//! last complete prompt and never regenerates what is there. Each batch reseeds the generator
-//! from `seed` and the batch index, so a resumed run produces the same lines as an uninterrupted one.
+//! The file is written prompt by prompt, in order, and flushed; a rerun with the same output
+//! resumes after the last complete prompt and never regenerates what is there. Every completion
+//! draws from its own random stream (the seed, the prompt's index in the task, the sample's
+//! number: [`generate::Stream`]), so a resumed or sharded run writes the lines of an
+//! uninterrupted one, whatever the batch size.
 
 use crate::dataset::{CutLine, ShardPart, read_records, write_merged};
 pub use crate::dataset::{
-    Sample, SampleRun, SamplingRecord, merge_shards, read_dataset, read_dataset_for, run_file, shard_file,
+    Sample, SampleRun, SamplingRecord, Streams, merge_shards, read_dataset, read_dataset_for, run_file, shard_file,
     write_solutions,
 };
-use crate::generate::{self, Decoding, Sampling};
+use crate::generate::{self, Batching, Decoding, Job, Sampling, Stream};
 use crate::identity::{Digest, ModelId};
 use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
@@ -30,12 +32,13 @@ pub struct SampleSettings {
     pub samples_per_prompt: usize,
     /// A sampling distribution (greedy decoding is refused) and the token budget.
     pub sampling: Sampling,
-    /// Each batch of prompts reseeds the generator with this plus the index of its first prompt.
+    /// Completion `k` of the task's problem `i` draws from `Stream::new(seed, i, k)`.
     pub seed: i64,
-    /// Prompts per generation batch (each with all its samples).
+    /// Completions in flight are `batch_prompts ·` [`SampleSettings::samples_per_prompt`]
+    /// (continuous batching: an ended completion's slot takes the next one at once).
     pub batch_prompts: usize,
     /// The share of the batches this process samples ([`Shard::WHOLE`]: all). Shards are runs
-    /// of whole batches, so each batch has the seed and the rows it has in a one-process run,
+    /// of whole batches of `batch_prompts` prompts,
     /// and [`merge_shards`] joins the shards' files into exactly the file one process writes.
     pub shard: Shard,
 }
@@ -86,7 +89,7 @@ pub fn sample_dataset(
     let mine = run.shard_problems();
     let problems = &problems[mine.clone()];
     let batch_prompts = batch_prompts.max(1);
-    let start = if out.exists() { keep_whole_batches(out, problems, n, batch_prompts, &record)? } else { 0 };
+    let start = if out.exists() { keep_complete_prompts(out, problems, n, &record)? } else { 0 };
     if start == problems.len() {
         if !out.exists() {
             // A shard with no batch (fewer batches than shards): its file is empty, and whole.
@@ -95,7 +98,7 @@ pub fn sample_dataset(
         eprintln!("{}: all {} prompts already sampled", out.display(), problems.len());
         return Ok(0);
     }
-    // Indices into the whole task list: they seed the batches.
+    // Indices into the whole task list: they key the streams.
     let todo: Vec<(usize, &Problem)> =
         problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
     let mut w = crate::io::Append::open(out)?;
@@ -105,41 +108,54 @@ pub fn sample_dataset(
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     pb.inc(((problems.len() - todo.len()) * n) as u64);
+    // Every completion of every prompt left, `batch_prompts · n` in flight (continuous
+    // batching); completion k of problem i draws from the stream (seed, i, k).
+    let prompts: Vec<Vec<i64>> = todo.iter().map(|(i, _)| all_prompts[*i].clone()).collect();
+    let jobs: Vec<Job> = todo
+        .iter()
+        .enumerate()
+        .flat_map(|(t, (i, _))| {
+            (0..n).map(move |k| Job { prompt: t, stream: Stream::new(seed as u64, *i as u64, k as u64) })
+        })
+        .collect();
+    // Completions end out of order; a prompt's lines are written (and flushed) once it and every
+    // prompt before it are complete, so the file always ends on a whole prompt.
+    let mut pending: Vec<Vec<Option<generate::Completion>>> = vec![vec![None; n]; todo.len()];
+    let mut have = vec![0usize; todo.len()];
+    let mut next = 0;
     let mut written = 0;
-    for chunk in todo.chunks(batch_prompts) {
-        // Seeded by the position of its first problem: a resumed run reseeds as the original did.
-        tch::manual_seed(seed.wrapping_add(chunk[0].0 as i64));
-        let prompts: Vec<&Vec<i64>> = chunk.iter().map(|(i, _)| &all_prompts[*i]).collect();
-        let rows: Vec<(usize, usize)> = (0..chunk.len()).flat_map(|i| (0..n).map(move |k| (i, k))).collect();
-        let ids: Vec<Vec<i64>> = rows.iter().map(|(i, _)| prompts[*i].clone()).collect();
-        // One batch is buffered (bounded), then written and flushed: a failed write stops here.
-        let completions = generate::generate(model, &ids, &s, &tok.eos_ids, tok.pad_id)?;
+    let batching = Batching::slots(batch_prompts * n);
+    generate::run(model, &prompts, &jobs, &s, &tok.eos_ids, batching, |j, c| {
+        let (t, k) = (j / n, j % n);
+        pending[t][k] = Some(c);
+        have[t] += 1;
         let mut buf = String::new();
-        for ((i, k), c) in rows.iter().zip(completions) {
-            let smp = graded(tok, chunk[*i].1, *k, prompts[*i], c, &record)?;
-            buf.push_str(&serde_json::to_string(&smp)?);
-            buf.push('\n');
-            written += 1;
+        while next < todo.len() && have[next] == n {
+            for (k, c) in std::mem::take(&mut pending[next]).into_iter().enumerate() {
+                let c = c.ok_or_else(|| anyhow::anyhow!("a completion went missing"))?;
+                let smp = graded(tok, todo[next].1, k, &prompts[next], c, &record)?;
+                buf.push_str(&serde_json::to_string(&smp)?);
+                buf.push('\n');
+                written += 1;
+            }
+            next += 1;
         }
-        w.write(buf.as_bytes())?;
-        pb.inc(rows.len() as u64);
-    }
+        if !buf.is_empty() {
+            w.write(buf.as_bytes())?;
+        }
+        pb.inc(1);
+        Ok(())
+    })?;
     pb.finish_and_clear();
     Ok(written)
 }
 
-/// Keeps the lines of `out` up to the last whole batch of `batch_prompts` prompts whose prompts
-/// all have their `n` samples (rewritten atomically, each kept line verbatim, never
-/// re-serialised); returns the number of `problems` kept. The rest is redone, so batches (and
-/// their seeds) are the same as in an uninterrupted run. A line sampled with other settings than
-/// `record` is refused.
-fn keep_whole_batches(
-    out: &Path,
-    problems: &[Problem],
-    n: usize,
-    batch_prompts: usize,
-    record: &SamplingRecord,
-) -> Result<usize> {
+/// Keeps the lines of `out` up to the last prompt that has all its `n` samples, with every prompt
+/// before it (rewritten atomically, each kept line verbatim, never re-serialised); returns the
+/// number of `problems` kept. The rest is redone: each completion draws from its own stream, so
+/// the redone lines are those an uninterrupted run writes. A line sampled with other settings
+/// than `record` is refused.
+fn keep_complete_prompts(out: &Path, problems: &[Problem], n: usize, record: &SamplingRecord) -> Result<usize> {
     let existing = read_records(out, None, false, CutLine::Resume)?.0;
     let mut count: HashMap<&str, usize> = HashMap::new();
     for (_, smp) in &existing {
@@ -148,9 +164,7 @@ fn keep_whole_batches(
         }
         *count.entry(smp.id.as_str()).or_default() += 1;
     }
-    let complete = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
-    // Shards start on a batch boundary, so rounding within the shard keeps the batches.
-    let start = if complete == problems.len() { complete } else { complete - complete % batch_prompts };
+    let start = problems.iter().take_while(|p| count.get(p.id.as_str()).copied().unwrap_or(0) >= n).count();
     let keep: std::collections::HashSet<&str> = problems[..start].iter().map(|p| p.id.as_str()).collect();
     crate::io::write_atomic(out, |w| {
         for (line, smp) in &existing {
@@ -211,6 +225,7 @@ fn sample_run(
         samples_per_prompt: settings.samples_per_prompt,
         batch_prompts: settings.batch_prompts,
         sampling: settings.record()?,
+        streams: Streams::PerCompletion,
         shard: (!settings.shard.is_whole()).then_some(settings.shard),
     })
 }

@@ -240,7 +240,7 @@ fn smollm2_greedy_chat_matches_transformers() {
     }
     let theirs = hf(&dir, Value::Array(requests));
     let s = generate::Sampling::greedy(24);
-    let ours = generate::generate(&m, &prompts, &s, &tok.eos_ids, tok.pad_id).unwrap();
+    let ours = generate::generate(&m, &prompts, &s, &tok.eos_ids, 0).unwrap();
     for (i, q) in questions.iter().enumerate() {
         let want_prompt: Vec<i64> = serde_json::from_value(theirs[2 * i]["ids"].clone()).unwrap();
         assert_eq!(prompts[i], want_prompt, "chat prompt of {q:?}");
@@ -380,49 +380,85 @@ fn generation_kernels_shared_prompts_and_repacking_agree() {
     close(&after, &alone(&m), "oneDNN after the weights changed");
 }
 
-/// Finished rows leaving the decoding batch (`generate::Release`) changes no token and no
-/// log-probability: sampled with the same seed, rows that stop at different lengths give the
-/// same completions whether finished rows stay, leave at once, or leave in groups, under both
-/// kernels.
+/// Continuous batching changes no token and no log-probability: rows that stop at different
+/// lengths give the same completions whatever the number of slots (1, 3, 8, every job at once),
+/// the steps between the host's reads (1, 5, 16) and the kernels, sampled or greedy; and a
+/// rerun gives the same completions again.
 #[test]
-fn finished_rows_leaving_the_batch_change_nothing() {
-    use generate::{Release, Sampling, SamplingParams};
-    let dir = random_checkpoint("release", &["--kv-heads", "2", "--seed", "11"]);
+fn completions_do_not_depend_on_slots_or_reads() {
+    use generate::{Batching, Job, Sampling, SamplingParams, Stream};
+    let dir = random_checkpoint("slots", &["--kv-heads", "2", "--seed", "11"]);
     let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
     let prompts: Vec<Vec<i64>> = vec![
         vec![256, 40, 41, 42, 43],
         vec![256, 7, 8],
-        vec![256, 40, 41, 42, 43],
         vec![256, 9],
         vec![256, 100, 101, 102],
-        vec![256, 7, 8],
         vec![256, 60, 61],
         vec![256, 5, 6, 7, 8, 9],
     ];
-    let eos: Vec<i64> = (0..40).collect();
-    let s = Sampling::sample(SamplingParams::default(), 24);
-    let run = |m: &model::Llama, release: Release| {
-        tch::manual_seed(5);
-        generate::generate_releasing(m, &prompts, &s, &eos, 0, release).unwrap()
-    };
-    for kernels in [Kernels::Plain, Kernels::Onednn] {
-        m.set_kernels(kernels);
-        let stay = run(&m, Release::Never);
-        let lengths: std::collections::BTreeSet<usize> = stay.iter().map(|c| c.tokens.len()).collect();
-        assert!(lengths.len() >= 3, "{kernels:?}: rows should stop at different lengths, got {lengths:?}");
-        assert!(stay.iter().any(|c| c.stop == generate::Stop::Eos), "{kernels:?}: some row should stop at EOS");
-        for release in [Release::Fraction(1000), Release::Fraction(4), Release::default()] {
-            let left = run(&m, release);
-            for (r, (p, q)) in left.iter().zip(&stay).enumerate() {
-                assert_eq!(p.tokens, q.tokens, "{kernels:?}, {release:?}: row {r} tokens");
-                assert_eq!(p.stop, q.stop, "{kernels:?}, {release:?}: row {r} stop");
-                for (u, v) in p.logp_model.iter().zip(&q.logp_model).chain(p.logp_sampling.iter().zip(&q.logp_sampling))
-                {
-                    assert!((u - v).abs() < 1e-4, "{kernels:?}, {release:?}: row {r} log-probs {u} vs {v}");
+    // Three samples of each prompt, keyed as `sample` keys them.
+    let jobs: Vec<Job> = (0..prompts.len())
+        .flat_map(|i| (0..3).map(move |k| Job { prompt: i, stream: Stream::new(5, i as u64, k) }))
+        .collect();
+    let eos: Vec<i64> = (0..16).collect();
+    let top = SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 50 };
+    for s in [Sampling::sample(SamplingParams::default(), 24), Sampling::sample(top, 24), Sampling::greedy(24)] {
+        for kernels in [Kernels::Plain, Kernels::Onednn] {
+            m.set_kernels(kernels);
+            let run = |slots, sync_every| {
+                generate::collect(&m, &prompts, &jobs, &s, &eos, Batching { slots, sync_every }, || ()).unwrap()
+            };
+            let all = run(0, 1);
+            let lengths: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tokens.len()).collect();
+            if matches!(s.decoding, generate::Decoding::Sample(_)) {
+                assert!(lengths.len() >= 3, "{kernels:?}: rows should stop at different lengths, got {lengths:?}");
+                assert!(all.iter().any(|c| c.stop == generate::Stop::Eos), "{kernels:?}: some row should stop at EOS");
+                assert!(all.iter().any(|c| c.stop == generate::Stop::Length), "{kernels:?}: some row should use the budget");
+                // Samples of one prompt differ (their streams do).
+                assert!((0..prompts.len()).any(|i| all[3 * i].tokens != all[3 * i + 1].tokens));
+            }
+            for (slots, sync_every) in [(0, 1), (1, 1), (3, 5), (8, 1), (8, 16), (5, 3)] {
+                let other = run(slots, sync_every);
+                for (r, (p, q)) in other.iter().zip(&all).enumerate() {
+                    let at = format!("{kernels:?}, {:?}, {slots} slots, reads every {sync_every}: job {r}", s.decoding);
+                    assert_eq!(p.tokens, q.tokens, "{at} tokens");
+                    assert_eq!(p.stop, q.stop, "{at} stop");
+                    assert_eq!(p.tokens.len(), p.logp_model.len(), "{at}");
+                    assert_eq!(p.tokens.len(), p.logp_sampling.len(), "{at}");
+                    for (u, v) in
+                        p.logp_model.iter().zip(&q.logp_model).chain(p.logp_sampling.iter().zip(&q.logp_sampling))
+                    {
+                        assert!((u - v).abs() < 1e-4, "{at} log-probs {u} vs {v}");
+                    }
                 }
             }
         }
     }
-    m.set_kernels(Kernels::Onednn);
-    assert!(generate::generate_releasing(&m, &prompts, &s, &eos, 0, Release::Fraction(0)).is_err());
+}
+
+/// Greedy completions of the slot decoder equal the argmax of the full, uncached forward of each
+/// growing sequence (an independent computation: no cache, no slots), for prompts of different
+/// lengths decoded side by side.
+#[test]
+fn greedy_slots_equal_recomputing_each_sequence() {
+    let dir = random_checkpoint("greedy_slots", &["--kv-heads", "2", "--rope", "llama3", "--seed", "3"]);
+    let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let prompts: Vec<Vec<i64>> = vec![vec![256, 40, 41, 42, 43, 44, 45], vec![256, 7], vec![256, 100, 101]];
+    let s = generate::Sampling::greedy(12);
+    let ours = generate::collect(&m, &prompts, &(0..3).map(|i| generate::Job { prompt: i, stream: generate::Stream(0) }).collect::<Vec<_>>(), &s, &[], generate::Batching::slots(2), || ()).unwrap();
+    for (p, c) in prompts.iter().zip(&ours) {
+        let mut seq = p.clone();
+        for (k, &t) in c.tokens.iter().enumerate() {
+            let n = seq.len() as i64;
+            let ids = Tensor::from_slice(&seq).view([1, n]);
+            let logits = tch::no_grad(|| m.logits(&ids, &Tensor::ones([1, n], (Kind::Bool, Device::Cpu))).unwrap());
+            let last = logits.select(1, n - 1).squeeze_dim(0);
+            assert_eq!(last.argmax(-1, false).int64_value(&[]), t, "prompt {p:?}, token {k}");
+            let lp = last.log_softmax(-1, Kind::Float).double_value(&[t]);
+            assert!((lp - f64::from(c.logp_model[k])).abs() < 1e-4, "prompt {p:?}, token {k}: log-prob {lp} vs {}", c.logp_model[k]);
+            seq.push(t);
+        }
+        assert_eq!(c.tokens.len(), 12);
+    }
 }

@@ -75,9 +75,9 @@ fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], pe
     for &batch in batches {
         let prompts = vec![prompt.clone(); batch];
         let warm = Sampling { max_new_tokens: 4, ..s };
-        generate::generate(m, &prompts, &warm, &[], tok.pad_id)?;
+        generate::generate(m, &prompts, &warm, &[], 0)?;
         let t0 = Instant::now();
-        let out = generate::generate(m, &prompts, &s, &[], tok.pad_id)?; // no EOS: fixed length
+        let out = generate::generate(m, &prompts, &s, &[], 0)?; // no EOS: fixed length
         let secs = t0.elapsed().as_secs_f64();
         let n: usize = out.iter().map(|c| c.tokens.len()).sum();
         println!(

@@ -19,10 +19,9 @@ pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {
 pub fn generate(model: &ModelArgs, prompt: &str, chat: bool, decoding: &DecodingArgs) -> Result<()> {
     let (m, tok) = load(model)?;
     let s = decoding.sampling();
-    tch::manual_seed(decoding.seed);
     let ids = tok.prompt_ids(prompt, chat)?;
     let t0 = std::time::Instant::now();
-    let out = generate::generate(&m, &[ids], &s, &tok.eos_ids, tok.pad_id)?;
+    let out = generate::generate(&m, &[ids], &s, &tok.eos_ids, decoding.seed as u64)?;
     let c = &out[0];
     eprintln!(
         "{} tokens in {:.2} s ({:.1} tokens/s), stopped by {:?}",
