@@ -84,6 +84,7 @@ def main():
     cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
     # transformers' figures on the same model, sizes and dtype (bench-transformers), by measurement.
     hf = {(r["what"], r.get("batch")): r for r in get("bench-transformers") if r.get("impl") == "transformers"}
+    compiled = {r.get("batch"): r for r in get("bench-transformers-compiled") if r.get("what") == "generate"}
 
     def versus(what, batch, tokens_per_s):
         ref = hf.get((what, batch))
@@ -93,9 +94,20 @@ def main():
         if r.get("what") == "generate":
             mfu = r["share_of_peak"] if "share_of_peak" in r else None
             note = f"greedy, {r['new_tokens']} new tokens" + versus("generate", r["batch"], r["tokens_per_s"])
+            ref = compiled.get(r["batch"])
+            if ref:
+                note += f"; transformers static cache + torch.compile {ref['tokens_per_s']:.0f} tokens/s: ratio {r['tokens_per_s'] / ref['tokens_per_s']:.2f}"
             if mfu is not None:
                 note += f"; {r['achieved_tflops']:.3g} TFLOP/s, {mfu:.2%} of the measured peak"
-            rows.append(("throughput", f"generation, batch {r['batch']}", f"{r['tokens_per_s']:.0f} tokens/s", note))
+            if r.get("bandwidth_share") is not None:
+                note += f"; {r['bandwidth_share']:.1%} of the copy-bandwidth limit"
+            how = "CUDA graphs" if r.get("cuda_graphs") else "eager"
+            rows.append(("throughput", f"generation, batch {r['batch']}, {how}", f"{r['tokens_per_s']:.0f} tokens/s", note))
+        elif r.get("what") == "copy_bandwidth":
+            rows.append(("throughput", "device-to-device copy", f"{r['bytes_per_s'] / 1e9:.0f} GB/s", "read + written, the bandwidth share's denominator"))
+        elif r.get("what") == "sample":
+            note = f"{r['completions']} completions, mean length {r['mean_len']:.0f}, longest {r['max_len']}, {r['slots']} slots"
+            rows.append(("throughput", f"sampling workload, {r['batching']} batching", f"{r['tokens_per_s']:.0f} tokens/s", note))
         elif r.get("what", "").startswith("train_fwd_bwd"):
             fused = r["what"].endswith("fused_logprobs")
             mfu = r["flops_per_token"] * r["tokens_per_s"] / (peak["tflops"] * 1e12) if peak else None

@@ -65,12 +65,14 @@ pub struct Placement {
     pub kind: Kind,
     /// The kernels of generation ([`Kernels::Onednn`] by default: it applies on the CPU only).
     pub kernels: Kernels,
+    /// Whether generation on a CUDA device replays CUDA graphs ([`Llama::cuda_graphs`]).
+    pub cuda_graphs: bool,
 }
 
 impl Placement {
-    /// f32 on `device`, default kernels.
+    /// f32 on `device`, default kernels, no CUDA graphs.
     pub fn f32(device: Device) -> Self {
-        Self { device, kind: Kind::Float, kernels: Kernels::Onednn }
+        Self { device, kind: Kind::Float, kernels: Kernels::Onednn, cuda_graphs: false }
     }
 }
 
@@ -80,6 +82,7 @@ pub fn open(dir: &Path, at: Placement) -> Result<(Llama, Tokenizer)> {
     let t0 = std::time::Instant::now();
     let mut m = load(dir, at.device, at.kind).with_context(|| format!("loading {}", dir.display()))?;
     m.set_kernels(at.kernels);
+    m.set_cuda_graphs(at.cuda_graphs);
     let tok = Tokenizer::load(dir, &m.cfg)?;
     eprintln!(
         "loaded {} ({} layers, {:?}, {:?}) in {:.1} s",

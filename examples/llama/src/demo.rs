@@ -21,7 +21,6 @@ use crate::train;
 use crate::{Refusal, init, optim, tokenizer};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
-use tch::Device;
 
 /// The demo's sizes: the README run, or a CI-sized one for tests.
 #[derive(Debug, Clone, Copy)]
@@ -296,15 +295,16 @@ pub fn iterate_settings(work: std::path::PathBuf, scale: Scale, seed: u64, train
     }
 }
 
-/// Runs (or, with `resume`, continues) the demo in `work` on `device`.
-pub fn run(work: &Path, scale: Scale, device: Device, resume: bool) -> Result<()> {
+/// Runs (or, with `resume`, continues) the demo in `work`, its models placed as `at` says (in
+/// f32: the demo's recipe).
+pub fn run(work: &Path, scale: Scale, at: Placement, resume: bool) -> Result<()> {
     if DemoDir::new(work).init().exists() && !resume {
         bail!(Refusal::EarlierDemo(work.to_path_buf()));
     }
     std::fs::create_dir_all(work).with_context(|| format!("creating {}", work.display()))?;
     let _lock = crate::io::Lock::dir(work)?;
     let t0 = std::time::Instant::now();
-    let at = Placement::f32(device);
+    let at = Placement { kind: tch::Kind::Float, ..at };
     let warm = warm_up(work, scale, 0, at)?;
     // 4. TOPR iterations on the model's own graded samples.
     eprintln!("[demo {:.0} s] TOPR iterations", t0.elapsed().as_secs_f64());

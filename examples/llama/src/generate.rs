@@ -7,7 +7,8 @@
 //! (temperature 1, no truncation) and under the distribution actually sampled from (after
 //! temperature, top-k and top-p), so that either can serve as μ for an off-policy loss.
 
-use crate::model::{Llama, SlotCache};
+use crate::cuda_graph::CudaGraph;
+use crate::model::{KvCache, Llama, SlotCache};
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 
@@ -231,12 +232,16 @@ pub struct Batching {
     pub slots: usize,
     /// Steps between the host's reads (0: [`Batching::default_sync`] of the model's device).
     pub sync_every: usize,
+    /// Whether an ended completion's slot takes the next job at once (true: continuous
+    /// batching). False gives the draining batches of earlier versions — the next `slots` jobs
+    /// start only once every slot has ended — for comparison.
+    pub refill: bool,
 }
 
 impl Default for Batching {
-    /// Every job at once, the device's default reads.
+    /// Every job at once, the device's default reads, continuous batching.
     fn default() -> Self {
-        Self { slots: 0, sync_every: 0 }
+        Self { slots: 0, sync_every: 0, refill: true }
     }
 }
 
@@ -326,9 +331,11 @@ pub fn run(
                     done(j, c)?;
                 }
                 let free: Vec<usize> = (0..d.occupied.len()).filter(|&i| d.occupied[i].is_none()).collect();
-                let take = free.len().min(jobs.len() - next_job);
+                let drained = batching.refill || free.len() == d.occupied.len();
+                let take = if drained { free.len().min(jobs.len() - next_job) } else { 0 };
                 if take > 0 {
-                    d.fill(prompts, &free[..take], &jobs[next_job..next_job + take], next_job)?;
+                    let (now, upcoming) = jobs[next_job..].split_at(take);
+                    d.fill(prompts, &free[..take], now, next_job, upcoming)?;
                     next_job += take;
                 }
                 if d.occupied.iter().all(Option::is_none) {
@@ -380,6 +387,13 @@ struct Decoder<'a> {
     lp: Tensor,
     lq: Tensor,
     occupied: Vec<Option<Occupant>>,
+    /// Whether steps replay CUDA graphs ([`Llama::cuda_graphs`] on a CUDA device); the graph of
+    /// the current batch size, and whether a step has run eagerly at that size.
+    graphs: bool,
+    graph: Option<CudaGraph>,
+    warm: bool,
+    /// Prefills kept for jobs still to start: prompt → its cache (one row) and last logits.
+    prefixes: std::collections::HashMap<usize, (KvCache, Tensor)>,
 }
 
 impl<'a> Decoder<'a> {
@@ -405,6 +419,10 @@ impl<'a> Decoder<'a> {
             lp: row(Kind::Float),
             lq: row(Kind::Float),
             occupied: vec![None; slots as usize],
+            graphs: model.cuda_graphs() && dev.is_cuda(),
+            graph: None,
+            warm: false,
+            prefixes: std::collections::HashMap::new(),
         })
     }
 
@@ -444,40 +462,50 @@ impl<'a> Decoder<'a> {
         Ok(out)
     }
 
-    /// Prefills the prompts of `jobs` (numbered from `first_job`) into the free slots `slots`.
-    fn fill(&mut self, prompts: &[Vec<i64>], slots: &[usize], jobs: &[Job], first_job: usize) -> Result<()> {
+    /// Starts `jobs` (numbered from `first_job`) in the free slots `slots`: each prompt's keys
+    /// and values are copied from its prefill, computed once for all its samples — kept in
+    /// `prefixes` while `upcoming` jobs (the next ones to start) still need it.
+    fn fill(&mut self, prompts: &[Vec<i64>], slots: &[usize], jobs: &[Job], first_job: usize, upcoming: &[Job]) -> Result<()> {
         let dev = self.model.device();
-        let n = jobs.len() as i64;
-        let p_len = jobs.iter().map(|j| prompts[j.prompt].len()).max().unwrap_or(1) as i64;
-        // Left padding: [J, P] ids and mask (the padding id is any valid one: it is masked).
-        let mut ids = vec![0i64; (n * p_len) as usize];
-        let mut mask = vec![false; (n * p_len) as usize];
-        let mut state = vec![];
-        for (r, j) in jobs.iter().enumerate() {
-            let p = &prompts[j.prompt];
-            let off = r * p_len as usize + (p_len as usize - p.len());
-            ids[off..off + p.len()].copy_from_slice(p);
-            mask[off..off + p.len()].iter_mut().for_each(|m| *m = true);
-            let (hi, lo) = ((j.stream.0 >> 32) as i64, (j.stream.0 & 0xffff_ffff) as i64);
-            state.extend([p.len() as i64, p_len, p_len - p.len() as i64, hi, lo]);
+        let mut distinct: Vec<usize> = vec![];
+        for j in jobs {
+            if !distinct.contains(&j.prompt) {
+                distinct.push(j.prompt);
+            }
         }
-        let ids = Tensor::from_slice(&ids).view([n, p_len]).to_device(dev);
-        let mask = Tensor::from_slice(&mask).view([n, p_len]).to_device(dev);
-        let (pre, logits) = self.model.prefill(&ids, &mask, p_len)?;
-        let at = Tensor::from_slice(&slots.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(dev);
-        self.cache.fill(&at, &pre, &Tensor::arange(n, (Kind::Int64, dev)));
-        let _ = self.logits.index_copy_(0, &at, &logits.to_kind(Kind::Float));
-        let state = Tensor::from_slice(&state).view([n, 5]).to_device(dev);
+        let fresh: Vec<usize> = distinct.iter().copied().filter(|p| !self.prefixes.contains_key(p)).collect();
+        if !fresh.is_empty() {
+            let (pre, logits) = prefill(self.model, prompts, &fresh)?;
+            for (d, p) in fresh.iter().enumerate() {
+                let row = Tensor::from_slice(&[d as i64]).to_device(dev);
+                self.prefixes.insert(*p, (pre.select_rows(&row), logits.index_select(0, &row).to_kind(Kind::Float)));
+            }
+        }
+        let mut state = vec![];
+        for p in &distinct {
+            let (pre, logits) = &self.prefixes[p];
+            let mine: Vec<usize> = (0..jobs.len()).filter(|&k| jobs[k].prompt == *p).collect();
+            let at = Tensor::from_slice(&mine.iter().map(|&k| slots[k] as i64).collect::<Vec<_>>()).to_device(dev);
+            let rows = Tensor::zeros([mine.len() as i64], (Kind::Int64, dev));
+            self.cache.fill(&at, pre, &rows);
+            let _ = self.logits.index_copy_(0, &at, &logits.index_select(0, &rows));
+            for &k in &mine {
+                let (len, start, key) = (prompts[*p].len() as i64, pre.len, jobs[k].stream.0);
+                state.extend([slots[k] as i64, len, start, start - len, (key >> 32) as i64, (key & 0xffff_ffff) as i64]);
+                self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0, start });
+            }
+        }
+        let state = Tensor::from_slice(&state).view([jobs.len() as i64, 6]).to_device(dev);
+        let at = state.select(1, 0);
         for (c, t) in [&mut self.pos, &mut self.write, &mut self.first, &mut self.hi, &mut self.lo].into_iter().enumerate() {
-            let _ = t.index_copy_(0, &at, &state.select(1, c as i64));
+            let _ = t.index_copy_(0, &at, &state.select(1, c as i64 + 1));
         }
         for t in [&mut self.len, &mut self.bad] {
             let _ = t.index_fill_(0, &at, 0);
         }
         let _ = self.ended.index_fill_(0, &at, 0);
-        for (k, &slot) in slots.iter().enumerate() {
-            self.occupied[slot] = Some(Occupant { job: first_job + k, steps: 0, start: p_len });
-        }
+        let need: std::collections::HashSet<usize> = upcoming.iter().take(self.occupied.len()).map(|j| j.prompt).collect();
+        self.prefixes.retain(|p, _| need.contains(p));
         Ok(())
     }
 
@@ -516,23 +544,58 @@ impl<'a> Decoder<'a> {
         ] {
             *t = t.index_select(0, &rows);
         }
+        // New tensors: the graph recorded on the old ones goes.
+        self.graph = None;
+        self.warm = false;
         let mut occupied: Vec<Option<Occupant>> = self.occupied.iter().flatten().map(|o| Some(*o)).collect();
         occupied.resize(to, None);
         self.occupied = occupied;
     }
 
-    /// One decoding step of every slot, on fixed shapes, with no read back to the host: draws
-    /// each slot's next token from its logits, records it, and feeds it through the model.
+    /// One decoding step of every slot: eager, attending to the keys the host knows can be
+    /// real, or, with CUDA graphs, replaying the step recorded at this batch size over the whole
+    /// capacity (the first step at each size runs eagerly, as the recording's warm-up: libraries
+    /// set themselves up on their first call, which a recording must not contain).
     fn step(&mut self) -> Result<()> {
+        let capacity = self.cache.capacity();
+        if !self.graphs {
+            let keys = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
+            self.advance(keys.min(capacity))?;
+        } else if let Some(g) = &self.graph {
+            g.replay()?;
+        } else if !self.warm {
+            self.advance(capacity)?;
+            self.warm = true;
+        } else {
+            let device = self.model.device();
+            let g = CudaGraph::capture(device, || self.advance(capacity))?;
+            g.replay()?;
+            self.graph = Some(g);
+        }
+        for o in self.occupied.iter_mut().flatten() {
+            o.steps += 1;
+        }
+        Ok(())
+    }
+
+    /// The device's part of a step, on fixed shapes (`keys` attended positions), every state
+    /// tensor updated in place and nothing read back to the host: draws each slot's next token
+    /// from its logits, records it, and feeds it through the model.
+    fn advance(&mut self, keys: i64) -> Result<()> {
         let live = self.ended.logical_not(); // [S]
         let finite = self.logits.isfinite().all_dim(-1, false);
         let newly_bad = self.bad.eq(0).logical_and(&live).logical_and(&finite.logical_not());
-        self.bad = (&self.len + 1).where_self(&newly_bad, &self.bad);
+        let _ = self.bad.copy_(&(&self.len + 1).where_self(&newly_bad, &self.bad));
         let logp = self.logits.log_softmax(-1, Kind::Float);
         let (next, lq) = match &self.s.decoding {
             Decoding::Greedy => (self.logits.argmax(-1, false), self.len.zeros_like().to_kind(Kind::Float)),
             Decoding::Sample(params) => {
-                let logq = sampling_logits(&self.logits, params).log_softmax(-1, Kind::Float);
+                // The model's own distribution needs no second normalisation.
+                let logq = if *params == SamplingParams::default() {
+                    logp.shallow_clone()
+                } else {
+                    sampling_logits(&self.logits, params).log_softmax(-1, Kind::Float)
+                };
                 let next = draw(&logq, &uniform_tensor(&self.hi, &self.lo, &self.len));
                 let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
                 (next, lq)
@@ -546,21 +609,34 @@ impl<'a> Decoder<'a> {
         let _ = self.len.g_add_(&live.to_kind(Kind::Int64));
         let is_eos = next.unsqueeze(1).eq_tensor(&self.eos.unsqueeze(0)).any_dim(1, false);
         let _ = self.ended.logical_or_(&is_eos.logical_or(&self.len.ge(self.s.max_new_tokens)));
-        // The attended keys: every slot's, up to the last position any occupied slot can reach.
-        let keys = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
-        let keys = keys.min(self.cache.capacity());
-        self.logits = self
-            .model
-            .decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?
-            .to_kind(Kind::Float);
+        let logits = self.model.decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?;
+        let _ = self.logits.copy_(&logits);
         let advance = self.ended.logical_not().to_kind(Kind::Int64);
         let _ = self.pos.g_add_(&advance);
         let _ = self.write.g_add_(&advance);
-        for o in self.occupied.iter_mut().flatten() {
-            o.steps += 1;
-        }
         Ok(())
     }
+}
+
+/// The prefill of the prompts `which` (indices into `prompts`), left-padded into one batch: its
+/// cache (`which.len()` rows, each prompt's tokens at the end of the padded length) and each
+/// prompt's last logits `[D, V]`.
+fn prefill(model: &Llama, prompts: &[Vec<i64>], which: &[usize]) -> Result<(KvCache, Tensor)> {
+    let n = which.len() as i64;
+    let p_len = which.iter().map(|&p| prompts[p].len()).max().unwrap_or(1) as i64;
+    // The padding id is any valid one: it is masked.
+    let mut ids = vec![0i64; (n * p_len) as usize];
+    let mut mask = vec![false; (n * p_len) as usize];
+    for (r, &p) in which.iter().enumerate() {
+        let p = &prompts[p];
+        let off = r * p_len as usize + (p_len as usize - p.len());
+        ids[off..off + p.len()].copy_from_slice(p);
+        mask[off..off + p.len()].iter_mut().for_each(|m| *m = true);
+    }
+    let dev = model.device();
+    let ids = Tensor::from_slice(&ids).view([n, p_len]).to_device(dev);
+    let mask = Tensor::from_slice(&mask).view([n, p_len]).to_device(dev);
+    model.prefill(&ids, &mask, p_len)
 }
 
 /// Refuses token ids outside `0..vocab` (the embedding would panic on them).

@@ -44,6 +44,8 @@ pub struct Llama {
     inv_freq: Tensor, // [hd/2] f32
     kind: Kind,
     kernels: Kernels,
+    /// Whether generation on a CUDA device replays its decoding step as a CUDA graph.
+    cuda_graphs: bool,
     /// The weights packed for generation and the stamps ([`onednn::stamp`]) of the weights they
     /// were made from: reused while no weight has changed.
     packed: Mutex<Option<PackedCopy>>,
@@ -119,6 +121,18 @@ impl KvCache {
     /// Rows held (the batch of the next [`Llama::step`]).
     pub fn rows(&self) -> i64 {
         self.key_mask.size()[0]
+    }
+
+    /// A cache of the rows `rows` of this one (indices, `[R]` int64), in that order: copies.
+    pub fn select_rows(&self, rows: &Tensor) -> KvCache {
+        let pick = |ts: &[Tensor]| ts.iter().map(|t| t.index_select(0, rows)).collect();
+        KvCache {
+            k: pick(&self.k),
+            v: pick(&self.v),
+            key_mask: self.key_mask.index_select(0, rows),
+            len: self.len,
+            packed: self.packed.clone(),
+        }
     }
 
     /// Keeps only the cached rows `rows` (indices into the current rows, `[R]` int64), in that
@@ -212,7 +226,19 @@ impl Llama {
         };
         let inv_freq = inv_freq(&cfg.rope()?, hd, device);
         let kernels = Kernels::Onednn; // where it does not apply, generation uses `matmul`
-        Ok(Self { cfg, vs, embed, layers, norm, lm_head, inv_freq, kind, kernels, packed: Mutex::new(None) })
+        Ok(Self {
+            cfg,
+            vs,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            kind,
+            kernels,
+            cuda_graphs: false,
+            packed: Mutex::new(None),
+        })
     }
 
     pub fn kind(&self) -> Kind {
@@ -241,6 +267,18 @@ impl Llama {
         if kernels == Kernels::Plain {
             *self.packed.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
+    }
+
+    /// Whether generation on a CUDA device records its decoding step once per batch size as a
+    /// CUDA graph and replays it ([`crate::cuda_graph`]; default false). Elsewhere it changes
+    /// nothing.
+    pub fn cuda_graphs(&self) -> bool {
+        self.cuda_graphs
+    }
+
+    /// Chooses whether generation on a CUDA device replays CUDA graphs ([`Llama::cuda_graphs`]).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.cuda_graphs = on;
     }
 
     /// Whether generation packs the weights for oneDNN: [`Kernels::Onednn`] chosen, on the CPU,

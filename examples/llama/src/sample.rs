@@ -101,7 +101,6 @@ pub fn sample_dataset(
     // Indices into the whole task list: they key the streams.
     let todo: Vec<(usize, &Problem)> =
         problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
-    let mut w = crate::io::Append::open(out)?;
     let pb = indicatif::ProgressBar::new((problems.len() * n) as u64);
     pb.set_style(
         indicatif::ProgressStyle::with_template("sample [{bar:30}] {pos}/{len} completions {per_sec} ETA {eta}")
@@ -118,36 +117,53 @@ pub fn sample_dataset(
             (0..n).map(move |k| Job { prompt: t, stream: Stream::new(seed as u64, *i as u64, k as u64) })
         })
         .collect();
-    // Completions end out of order; a prompt's lines are written (and flushed) once it and every
-    // prompt before it are complete, so the file always ends on a whole prompt.
-    let mut pending: Vec<Vec<Option<generate::Completion>>> = vec![vec![None; n]; todo.len()];
-    let mut have = vec![0usize; todo.len()];
-    let mut next = 0;
-    let mut written = 0;
+    let mut w = InOrder { out: crate::io::Append::open(out)?, pending: vec![vec![None; n]; todo.len()], next: 0, written: 0 };
     let batching = Batching::slots(batch_prompts * n);
     generate::run(model, &prompts, &jobs, &s, &tok.eos_ids, batching, |j, c| {
-        let (t, k) = (j / n, j % n);
-        pending[t][k] = Some(c);
-        have[t] += 1;
-        let mut buf = String::new();
-        while next < todo.len() && have[next] == n {
-            for (k, c) in std::mem::take(&mut pending[next]).into_iter().enumerate() {
-                let c = c.ok_or_else(|| anyhow::anyhow!("a completion went missing"))?;
-                let smp = graded(tok, todo[next].1, k, &prompts[next], c, &record)?;
-                buf.push_str(&serde_json::to_string(&smp)?);
-                buf.push('\n');
-                written += 1;
-            }
-            next += 1;
-        }
-        if !buf.is_empty() {
-            w.write(buf.as_bytes())?;
-        }
+        w.add(j / n, j % n, c, |t, k, c| graded(tok, todo[t].1, k, &prompts[t], c, &record))?;
         pb.inc(1);
         Ok(())
     })?;
     pb.finish_and_clear();
-    Ok(written)
+    Ok(w.written)
+}
+
+/// Completions end out of order; a prompt's lines are written (and flushed) once it and every
+/// prompt before it are complete, so that the file always ends on a whole prompt.
+struct InOrder {
+    out: crate::io::Append,
+    /// Per prompt (from the first not yet written), its samples' completions so far.
+    pending: Vec<Vec<Option<generate::Completion>>>,
+    next: usize,
+    written: usize,
+}
+
+impl InOrder {
+    /// Adds completion `k` of prompt `t`, then writes every prompt now complete in order, each
+    /// sample turned into its line by `line`.
+    fn add(
+        &mut self,
+        t: usize,
+        k: usize,
+        c: generate::Completion,
+        line: impl Fn(usize, usize, generate::Completion) -> Result<Sample>,
+    ) -> Result<()> {
+        self.pending[t][k] = Some(c);
+        let mut buf = String::new();
+        while self.next < self.pending.len() && self.pending[self.next].iter().all(Option::is_some) {
+            for (k, c) in std::mem::take(&mut self.pending[self.next]).into_iter().enumerate() {
+                let c = c.ok_or_else(|| anyhow::anyhow!("a completion went missing"))?;
+                buf.push_str(&serde_json::to_string(&line(self.next, k, c)?)?);
+                buf.push('\n');
+                self.written += 1;
+            }
+            self.next += 1;
+        }
+        if !buf.is_empty() {
+            self.out.write(buf.as_bytes())?;
+        }
+        Ok(())
+    }
 }
 
 /// Keeps the lines of `out` up to the last prompt that has all its `n` samples, with every prompt

@@ -112,6 +112,16 @@ fn peak_and_bench_report_what_the_mfu_needs() {
     let batches: Vec<i64> =
         r.iter().filter(|x| x["what"] == "generate").map(|x| x["batch"].as_i64().unwrap()).collect();
     assert_eq!(batches, [1, 3]);
+    // The bandwidth share: bytes a step reads (weights and cached keys and values) per second over
+    // the copy bandwidth measured in the same run.
+    let bw = r.iter().find(|x| x["what"] == "copy_bandwidth").unwrap()["bytes_per_s"].as_f64().unwrap();
+    assert!(bw.is_finite() && bw > 0.0, "{bw}");
+    for x in r.iter().filter(|x| x["what"] == "generate") {
+        let steps_per_s = x["tokens_per_s"].as_f64().unwrap() / x["batch"].as_f64().unwrap();
+        let want = x["bytes_per_step"].as_f64().unwrap() * steps_per_s / bw;
+        assert!((x["bandwidth_share"].as_f64().unwrap() - want).abs() <= 1e-9 * want.max(1.0), "{x}");
+        assert_eq!(x["cuda_graphs"], false, "no CUDA graphs on the CPU");
+    }
     // 6N + 12·L·d·T with N = 300·32 (tied output layer) + 2 layers of attention and MLP.
     let (v, h, kv, i, l, t) = (300.0, 32.0, 16.0, 64.0, 2.0, 8.0);
     let n = v * h + l * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * i + 2.0 * h) + h;
@@ -122,7 +132,7 @@ fn peak_and_bench_report_what_the_mfu_needs() {
     // The roofline: the peak of the model's dtype measured in the same run, and every throughput
     // line's achieved TFLOP/s as FLOPs a token × tokens/s, and its share of that peak.
     let peak = r.iter().find(|x| x["what"] == "peak").unwrap()["tflops"].as_f64().unwrap();
-    for x in r.iter().filter(|x| x["what"] != "peak") {
+    for x in r.iter().filter(|x| x["what"] != "peak" && x["what"] != "copy_bandwidth") {
         let achieved = x["flops_per_token"].as_f64().unwrap() * x["tokens_per_s"].as_f64().unwrap() / 1e12;
         assert!((x["achieved_tflops"].as_f64().unwrap() - achieved).abs() <= 1e-12 * achieved.max(1.0), "{x}");
         assert!((x["share_of_peak"].as_f64().unwrap() - achieved / peak).abs() <= 1e-9, "{x}");

@@ -238,11 +238,15 @@ pub struct ModelArgs {
     /// size 512 or more) or plain (libtorch's matmul everywhere).
     #[arg(long, value_enum, default_value_t = Kernels::Onednn)]
     pub kernels: Kernels,
+    /// On a CUDA device, record the decoding step once per batch size as a CUDA graph and replay
+    /// it (one launch a token instead of hundreds); ignored on the CPU.
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 impl ModelArgs {
     pub fn placement(&self) -> Placement {
-        Placement { device: self.device, kind: self.dtype.into(), kernels: self.kernels }
+        Placement { device: self.device, kind: self.dtype.into(), kernels: self.kernels, cuda_graphs: self.cuda_graphs }
     }
 }
 
@@ -612,7 +616,8 @@ pub struct LoopArgs {
     /// Completions sampled per prompt (>= 1).
     #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub samples_per_prompt: usize,
-    /// Prompts per generation batch (>= 1).
+    /// Completions in flight while sampling: this many prompts' samples (>= 1; continuous
+    /// batching; results do not depend on it).
     #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub batch_prompts: usize,
     /// Which samples are trained on.

@@ -5,6 +5,8 @@
 //! in the model's dtype timed in the same run, and every throughput line carries the model FLOPs
 //! a token, the achieved TFLOP/s and their share of that peak. With `--kernel-pairs N`, N
 //! alternating pairs of training steps with the two kernels of training, in the same process.
+//! On a CUDA device, generation is measured eagerly and with CUDA graphs, side by side, with
+//! the share of the memory-bandwidth limit each achieves.
 
 use super::check::sync;
 use anyhow::Result;
@@ -15,7 +17,7 @@ use topr_llama::model::{Kernels, Llama};
 use topr_llama::tokenizer::Tokenizer;
 
 pub fn run(
-    m: &Llama,
+    m: &mut Llama,
     tok: &Tokenizer,
     new_tokens: i64,
     gen_batches: &[usize],
@@ -69,26 +71,107 @@ pub fn flops_per_token(m: &Llama, len: i64) -> f64 {
     6.0 * matmul + 12.0 * c.num_hidden_layers as f64 * width * len as f64
 }
 
-fn generation(m: &Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<()> {
+/// Greedy generation of `new_tokens` tokens (no EOS: fixed length) at each batch size, eagerly
+/// and, on a CUDA device of a CUDA build, replaying CUDA graphs of the decoding step, side by
+/// side; each line also gives the share of the memory-bandwidth limit achieved: the bytes a
+/// decoding step reads (every weight it multiplies by, and the cached keys and values at the
+/// mean context) per second, over a device-to-device copy's bandwidth measured in the same run.
+fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<()> {
     let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
     let s = Sampling::greedy(new_tokens);
+    let bandwidth = copy_bandwidth(m.device(), m.kind());
+    println!("{}", serde_json::json!({"what": "copy_bandwidth", "impl": "topr-loss", "bytes_per_s": bandwidth}));
+    let graphs = m.device().is_cuda() && topr_llama::cuda_graph::available();
+    let ctx = prompt.len() as i64 + new_tokens / 2;
+    let before = m.cuda_graphs();
     for &batch in batches {
-        let prompts = vec![prompt.clone(); batch];
-        let warm = Sampling { max_new_tokens: 4, ..s };
-        generate::generate(m, &prompts, &warm, &[], 0)?;
+        for cuda_graphs in [false, true].into_iter().filter(|g| !g || graphs) {
+            m.set_cuda_graphs(cuda_graphs);
+            let prompts = vec![prompt.clone(); batch];
+            // The warm-up runs enough steps to record the graph (the first step is eager).
+            let warm = Sampling { max_new_tokens: new_tokens.min(4), ..s };
+            generate::generate(m, &prompts, &warm, &[], 0)?;
+            sync(m.device());
+            let t0 = Instant::now();
+            let out = generate::generate(m, &prompts, &s, &[], 0)?;
+            sync(m.device());
+            let secs = t0.elapsed().as_secs_f64();
+            let n: usize = out.iter().map(|c| c.tokens.len()).sum();
+            let tokens_per_s = n as f64 / secs;
+            let step_bytes = decode_step_bytes(m, batch as f64, ctx as f64);
+            let share = step_bytes * (tokens_per_s / batch as f64) / bandwidth;
+            println!(
+                "{}",
+                with(
+                    serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": tokens_per_s, "bytes_per_step": step_bytes, "bandwidth_share": share}),
+                    roofline(generation_flops_per_token(m, ctx), tokens_per_s, peak)
+                )
+            );
+        }
+    }
+    m.set_cuda_graphs(before);
+    Ok(())
+}
+
+/// A sampling workload with uneven lengths, with continuous batching and with draining batches
+/// side by side: `prompts` synthetic problems (chat prompts), 4 samples each at temperature 1,
+/// `new_tokens` at most, ending at the tokenizer's end-of-sequence tokens, `slots` in flight.
+/// One line per mode: completions, generated tokens, seconds, tokens/s, and the mean and
+/// largest completion length.
+pub fn sampling(m: &Llama, tok: &Tokenizer, prompts: usize, slots: usize, new_tokens: i64) -> Result<()> {
+    if prompts == 0 {
+        return Ok(());
+    }
+    let problems = topr_llama::task::synthetic_problems(0, prompts, 2);
+    let style = topr_llama::task::PromptStyle::Chat;
+    let ids: Vec<Vec<i64>> =
+        problems.iter().map(|p| topr_llama::task::prompt_ids(tok, &style, p)).collect::<Result<_>>()?;
+    let jobs: Vec<generate::Job> = (0..prompts)
+        .flat_map(|i| (0..4).map(move |k| generate::Job { prompt: i, stream: generate::Stream::new(0, i as u64, k) }))
+        .collect();
+    let s = Sampling::sample(generate::SamplingParams::default(), new_tokens);
+    for refill in [true, false] {
+        let batching = generate::Batching { slots, refill, ..generate::Batching::default() };
+        sync(m.device());
         let t0 = Instant::now();
-        let out = generate::generate(m, &prompts, &s, &[], 0)?; // no EOS: fixed length
+        let out = generate::collect(m, &ids, &jobs, &s, &tok.eos_ids, batching, || ())?;
+        sync(m.device());
         let secs = t0.elapsed().as_secs_f64();
-        let n: usize = out.iter().map(|c| c.tokens.len()).sum();
+        let lens: Vec<usize> = out.iter().map(|c| c.tokens.len()).collect();
+        let n: usize = lens.iter().sum();
         println!(
             "{}",
-            with(
-                serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": n as f64 / secs}),
-                roofline(generation_flops_per_token(m, prompt.len() as i64 + new_tokens / 2), n as f64 / secs, peak)
-            )
+            serde_json::json!({"what": "sample", "impl": "topr-loss", "batching": if refill { "continuous" } else { "draining" }, "slots": slots, "cuda_graphs": m.cuda_graphs(), "completions": out.len(), "tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs, "mean_len": n as f64 / lens.len() as f64, "max_len": lens.iter().max()})
         );
     }
     Ok(())
+}
+
+/// Bytes a decoding step of `batch` rows at context `ctx` reads: the weights it multiplies by
+/// (the embedding's looked-up rows aside; a tied output layer counted once) and the cached keys
+/// and values.
+fn decode_step_bytes(m: &Llama, batch: f64, ctx: f64) -> f64 {
+    let c = &m.cfg;
+    let elt = m.kind().elt_size_in_bytes() as f64;
+    let embedding = c.vocab_size as f64 * c.hidden_size as f64;
+    let weights = c.parameter_count() - if c.tie_word_embeddings { 0.0 } else { embedding };
+    let kv = 2.0 * c.num_hidden_layers as f64 * (c.num_kv_heads() * c.head_dim()) as f64 * ctx * batch;
+    (weights + kv) * elt
+}
+
+/// A device-to-device copy's bandwidth, bytes read plus bytes written per second: the mean of 10
+/// copies of 1 GiB (64 MiB on the CPU) after one warm-up copy.
+fn copy_bandwidth(device: tch::Device, kind: Kind) -> f64 {
+    let bytes: i64 = if device.is_cuda() { 1 << 30 } else { 64 << 20 };
+    let n = bytes / kind.elt_size_in_bytes() as i64;
+    let src = Tensor::ones([n], (kind, device));
+    let mut dst = Tensor::zeros([n], (kind, device));
+    let secs = seconds_per_call(device, 10, || {
+        let _ = dst.copy_(&src);
+        Ok(())
+    })
+    .unwrap_or(f64::NAN);
+    2.0 * bytes as f64 / secs
 }
 
 /// The training measurement's batch: `[B, T]` random token ids (seeded) and an all-ones mask.

@@ -86,8 +86,10 @@ pub enum Command {
         samples_per_prompt: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
-        /// Prompts per generation batch (each with all its samples; >= 1).
-        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        /// Completions in flight: this many prompts' samples (>= 1; 16 prompts × 4 samples, 64
+        /// slots, by default). Continuous batching: an ended completion's slot takes the next
+        /// one. Results do not depend on it; speed and memory do.
+        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_prompts: usize,
         #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
@@ -243,6 +245,13 @@ pub enum Command {
         /// with both throughputs and their ratio (0: none).
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
         kernel_pairs: usize,
+        /// Also time a sampling workload of this many synthetic prompts (4 samples each, uneven
+        /// lengths), with continuous batching and with draining batches (0: none).
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 100_000))]
+        sample_prompts: usize,
+        /// Completions in flight in the sampling workload.
+        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        sample_slots: usize,
     },
     /// The GPU check's own measurements (parity with the CPU, the bf16 peak, the losses' speed
     /// and host reads); one JSON line per measurement.
@@ -344,6 +353,10 @@ pub struct DemoArgs {
     /// Continue an interrupted demo (finished stages are kept).
     #[arg(long)]
     pub resume: bool,
+    /// On a CUDA device, generate by replaying CUDA graphs of the decoding step (as
+    /// `sample --cuda-graphs`).
+    #[arg(long)]
+    pub cuda_graphs: bool,
     /// Epochs of the SFT warm-up (default: the scale's, 4 at full scale).
     #[arg(long, allow_hyphen_values = true, value_parser = args::whole(1usize, 1000))]
     pub sft_epochs: Option<usize>,
@@ -357,7 +370,8 @@ impl DemoArgs {
         let mut scale = if self.quick { topr_llama::demo::Scale::quick() } else { demo_scale(self.scale) };
         scale.sft_epochs = self.sft_epochs.unwrap_or(scale.sft_epochs);
         scale.iterations = self.iterations.unwrap_or(scale.iterations);
-        topr_llama::demo::run(&self.work, scale, self.device, self.resume)
+        let at = topr_llama::checkpoint::Placement { cuda_graphs: self.cuda_graphs, ..topr_llama::checkpoint::Placement::f32(self.device) };
+        topr_llama::demo::run(&self.work, scale, at, self.resume)
     }
 }
 
@@ -483,15 +497,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(a) => a.run(),
         Command::Study(a) => a.run(),
         Command::Compare { run, iteration, arms, device, dtype, kernels } => {
-            let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels };
+            let at = topr_llama::checkpoint::Placement { device, kind: dtype.into(), kernels, cuda_graphs: false };
             let s = topr_llama::compare::CompareSettings { run, iteration, arms: arms.0, at };
             topr_llama::compare::run(&s).map(|_| ())
         }
         Command::Plot { dir } => c::plot(&dir),
         Command::Convert { model, out } => c::convert(&model, &out),
-        Command::Bench { model, new_tokens, gen_batch, train_batch, train_len, kernel_pairs } => {
+        Command::Bench { model, new_tokens, gen_batch, train_batch, train_len, kernel_pairs, sample_prompts, sample_slots } => {
             let (mut m, tok) = c::load(&model)?;
-            bench::run(&m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
+            bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
+            bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens)?;
             bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)
         }
         Command::Check { what } => match what {
