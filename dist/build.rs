@@ -43,4 +43,64 @@ fn main() {
     println!("cargo:rustc-link-search=native={}", libtorch.join("lib").display());
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
+    // NCCL, when libtorch is a CUDA build whose CUDA and NCCL headers are found.
+    println!("cargo::rustc-check-cfg=cfg(topr_nccl)");
+    let cuda = cuda_include(&libtorch).filter(|_| libtorch.join("lib/libtorch_cuda.so").exists());
+    if let Some(cuda) = &cuda {
+        // For dependent build scripts (the Llama example's CUDA graphs): DEP_TOPR_C10D_CUDA_INCLUDE.
+        let joined = std::env::join_paths(cuda).expect("paths without separators");
+        println!("cargo:cuda_include={}", joined.to_string_lossy());
+    }
+    let nccl = libtorch.parent().map(|site| site.join("nvidia/nccl/include")).filter(|d| d.join("nccl.h").exists());
+    // c10d's NCCL header includes the CUDA half-precision headers, which include CCCL's
+    // `nv/target` (the nvidia-cuda-cccl wheel; scripts/env.sh installs it).
+    let cccl = cuda.as_ref().is_some_and(|dirs| dirs.iter().any(|d| d.join("nv/target").exists()));
+    let nccl = nccl.filter(|_| cccl);
+    match (cuda, nccl) {
+        (Some(cuda), Some(nccl)) => {
+            cc::Build::new()
+                .cpp(true)
+                .file("csrc/nccl_shim.cpp")
+                .include(&csrc)
+                .include("csrc/gloo_decls")
+                .include(&include)
+                .include(include.join("torch/csrc/api/include"))
+                .includes(cuda)
+                .include(nccl)
+                .flag("-std=c++17")
+                .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+                .define("USE_C10D_NCCL", None)
+                .define("USE_CUDA", None)
+                .define("GLOG_USE_GLOG_EXPORT", None)
+                .warnings(false)
+                .compile("topr_nccl");
+            println!("cargo:rustc-link-lib=dylib=torch_cuda");
+            println!("cargo:rustc-cfg=topr_nccl");
+        }
+        _ => println!(
+            "cargo:warning=topr-dist: libtorch is not a CUDA build, or its CUDA, CCCL (nvidia-cuda-cccl) or NCCL headers are missing: Gloo only"
+        ),
+    }
+}
+
+/// The folders of the CUDA runtime's headers for `libtorch`: the one holding `cuda_runtime_api.h`
+/// — beside a torch wheel (`nvidia/cu13/include`, `nvidia/cuda_runtime/include`), in `CUDA_HOME`,
+/// or in `/usr/local/cuda` — and, when it lacks the compiler's `crt/` headers that
+/// `cuda_runtime.h` includes (the wheels' runtime packages leave them to nvcc's), triton's copy
+/// of them, which CUDA builds of torch install.
+fn cuda_include(libtorch: &std::path::Path) -> Option<Vec<PathBuf>> {
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    let site = libtorch.parent()?;
+    let mut candidates: Vec<PathBuf> =
+        ["cu13/include", "cuda_runtime/include", "cu12/include"].iter().map(|s| site.join("nvidia").join(s)).collect();
+    if let Some(home) = std::env::var_os("CUDA_HOME") {
+        candidates.push(PathBuf::from(home).join("include"));
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    let main = candidates.into_iter().find(|d| d.join("cuda_runtime_api.h").exists())?;
+    if main.join("crt/host_config.h").exists() {
+        return Some(vec![main]);
+    }
+    let triton = site.join("triton/backends/nvidia/include");
+    triton.join("crt/host_config.h").exists().then(|| vec![main, triton])
 }

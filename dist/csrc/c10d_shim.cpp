@@ -1,7 +1,8 @@
 // A C interface to PyTorch's c10d process groups (the engine of torch.distributed and PyTorch
 // DDP), for the Rust crate topr-dist. It creates a TCPStore rendezvous and a Gloo (CPU) process
 // group from libtorch, and runs three collectives on tensors handed over by tch: all-reduce
-// (sum), broadcast and barrier. Every C++ exception becomes an error message for Rust; nothing
+// (sum), broadcast and barrier; CUDA tensors go through the group's NCCL backend when
+// `nccl_shim.cpp` has added one. Every C++ exception becomes an error message for Rust; nothing
 // throws across the C boundary.
 //
 // tch passes a tensor as `torch::Tensor*` (torch-sys's `tensor` type), the `at::Tensor*` these
@@ -10,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "c_boundary.hpp"
+#include "process_group.hpp"
 
 #include <chrono>
 #include <cstdint>
@@ -17,12 +19,6 @@
 #include <exception>
 #include <string>
 #include <vector>
-
-struct topr_process_group {
-  c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::Backend> backend;
-  std::chrono::milliseconds timeout;
-};
 
 namespace {
 
@@ -63,7 +59,7 @@ topr_process_group* topr_pg_new_gloo(
     auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
     c10::intrusive_ptr<c10d::Backend> backend =
         c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
-    out = new topr_process_group{store, backend, timeout};
+    out = new topr_process_group{store, backend, timeout, {}, rank, world_size};
   });
   return out;
 }
@@ -72,14 +68,15 @@ void topr_pg_free(topr_process_group* pg) {
   delete pg;
 }
 
-// Sums `tensor` (contiguous, on the CPU) over the group, in place.
+// Sums `tensor` (contiguous) over the group, in place: through NCCL for a CUDA tensor when the
+// group has it, through Gloo otherwise (a CUDA tensor staged through the host).
 int topr_pg_all_reduce_sum(topr_process_group* pg, at::Tensor* tensor, char* err, size_t cap) {
   return guarded(err, cap, [&] {
     std::vector<at::Tensor> tensors{*tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     opts.timeout = pg->timeout;
-    wait(pg->backend->allreduce(tensors, opts), pg->timeout);
+    wait(pg->for_tensor(*tensor).allreduce(tensors, opts), pg->timeout);
   });
 }
 
@@ -90,7 +87,7 @@ int topr_pg_broadcast(topr_process_group* pg, at::Tensor* tensor, int root, char
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = pg->timeout;
-    wait(pg->backend->broadcast(tensors, opts), pg->timeout);
+    wait(pg->for_tensor(*tensor).broadcast(tensors, opts), pg->timeout);
   });
 }
 

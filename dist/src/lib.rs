@@ -16,8 +16,9 @@
 //! (Gloo sees the connection close), and every collective and the rendezvous are bounded by the
 //! group's time-out.
 //!
-//! Gloo works on CPU tensors (and stages CUDA tensors through the host); NCCL, the GPU engine of
-//! the same c10d, is not wired in yet (see `docs/distributed.md`).
+//! Gloo works on CPU tensors (and stages CUDA tensors through the host); in a build against a
+//! CUDA libtorch, [`ProcessGroup::use_nccl`] adds NCCL, the GPU engine of the same c10d, for CUDA
+//! tensors (see `docs/distributed.md`).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -171,6 +172,17 @@ unsafe extern "C" {
     fn topr_pg_barrier(pg: *mut RawGroup, err: *mut c_char, cap: usize) -> c_int;
 }
 
+#[cfg(topr_nccl)]
+unsafe extern "C" {
+    fn topr_pg_add_nccl(pg: *mut RawGroup, err: *mut c_char, cap: usize) -> c_int;
+}
+
+/// Whether this build has NCCL, c10d's GPU engine ([`ProcessGroup::use_nccl`]): its libtorch is
+/// a CUDA build and NCCL's headers were found when it was compiled.
+pub fn nccl_available() -> bool {
+    cfg!(topr_nccl)
+}
+
 const ERR_CAP: usize = 2048;
 
 fn message(buf: &[u8]) -> String {
@@ -188,6 +200,7 @@ pub struct ProcessGroup {
     raw: NonNull<RawGroup>,
     rank: usize,
     world_size: usize,
+    nccl: bool,
 }
 
 // The group is used from one thread at a time (`&self` methods run one collective to the end);
@@ -232,9 +245,45 @@ impl ProcessGroup {
             topr_pg_new_gloo(host.as_ptr(), launch.master_port, rank, world, ms, err.as_mut_ptr().cast(), ERR_CAP)
         };
         match NonNull::new(raw) {
-            Some(raw) => Ok(Self { raw, rank: launch.rank, world_size: launch.world_size }),
+            Some(raw) => Ok(Self { raw, rank: launch.rank, world_size: launch.world_size, nccl: false }),
             None => Err(join_err(message(&err))),
         }
+    }
+
+    /// From now on, collectives on CUDA tensors run on NCCL (c10d's `ProcessGroupNCCL`, over
+    /// the same rendezvous store under the prefix `nccl/`, bounded by the group's time-out),
+    /// device to device, instead of Gloo staging them through the host; CPU tensors stay on Gloo.
+    /// Every rank must call it, before its first collective on a CUDA tensor, each with its own
+    /// GPU (NCCL's communicators are made on the first collective, on the device of its tensor).
+    /// An error in a build without NCCL ([`nccl_available`]).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let mut pg = topr_dist::ProcessGroup::join(&topr_dist::Launch::single()?, Duration::from_secs(10))?;
+    /// if !topr_dist::nccl_available() {
+    ///     assert!(pg.use_nccl().is_err());
+    /// }
+    /// # Ok::<(), topr_dist::DistError>(())
+    /// ```
+    pub fn use_nccl(&mut self) -> Result<(), DistError> {
+        #[cfg(topr_nccl)]
+        {
+            // SAFETY: the group is live; the shim catches every C++ exception.
+            self.run("NCCL set-up", |pg, err, cap| unsafe { topr_pg_add_nccl(pg, err, cap) })?;
+            self.nccl = true;
+            Ok(())
+        }
+        #[cfg(not(topr_nccl))]
+        Err(DistError::Collective {
+            rank: self.rank,
+            op: "NCCL set-up",
+            message: "this build has no NCCL (its libtorch is not a CUDA build, or NCCL's headers were missing)".into(),
+        })
+    }
+
+    /// Whether collectives on CUDA tensors run on NCCL ([`ProcessGroup::use_nccl`]).
+    pub fn uses_nccl(&self) -> bool {
+        self.nccl
     }
 
     /// This process's rank, `0..world_size`.

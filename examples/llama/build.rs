@@ -4,9 +4,8 @@
 //! 1. `csrc/onednn_linear.cpp`, compiled against libtorch's headers: oneDNN's packed linear layer
 //!    for generation and training on the CPU (`src/onednn.rs`), which tch does not wrap.
 //! 2. `csrc/cuda_graph.cpp` (`src/cuda_graph.rs`), when the libtorch is a CUDA build: libtorch's
-//!    CUDA graphs, with the CUDA runtime's headers found beside a torch wheel
-//!    (`nvidia/cu13/include`, `nvidia/cuda_runtime/include`), in `CUDA_HOME`, or in
-//!    `/usr/local/cuda`; it sets the `topr_cuda_graphs` cfg.
+//!    CUDA graphs, with the CUDA runtime's headers that topr-dist's build script found (beside
+//!    a torch wheel, in `CUDA_HOME` or in `/usr/local/cuda`); it sets the `topr_cuda_graphs` cfg.
 //! 3. The `llama` binary must load libtorch's CUDA backend. The binary calls nothing in
 //!    `libtorch_cuda.so` directly, so the linker's default `--as-needed` drops it from the
 //!    binary's needed libraries, and libtorch then reports no CUDA device at run time even on a
@@ -44,7 +43,10 @@ fn main() {
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
     println!("cargo::rustc-check-cfg=cfg(topr_cuda_graphs)");
-    match cuda_include(&libtorch) {
+    // topr-dist's build found the CUDA runtime's headers (DEP_TOPR_C10D_CUDA_INCLUDE) when
+    // libtorch is a CUDA build.
+    let cuda = std::env::var_os("DEP_TOPR_C10D_CUDA_INCLUDE").map(|v| std::env::split_paths(&v).collect::<Vec<_>>());
+    match cuda {
         Some(cuda) if lib.join("libtorch_cuda.so").exists() => {
             cc::Build::new()
                 .cpp(true)
@@ -69,33 +71,4 @@ fn main() {
             println!("cargo:rustc-link-arg-bins={arg}");
         }
     }
-}
-
-/// The folders of the CUDA runtime's headers for `libtorch`: the one holding `cuda_runtime_api.h`
-/// — beside a torch wheel (`nvidia/…`), in `CUDA_HOME`, or in `/usr/local/cuda` — and, when it
-/// lacks the compiler's `crt/` headers that `cuda_runtime.h` includes (the wheels' runtime
-/// packages leave them to nvcc's), triton's copy of them, which CUDA builds of torch install.
-fn cuda_include(libtorch: &std::path::Path) -> Option<Vec<PathBuf>> {
-    let main = cuda_runtime_include(libtorch)?;
-    if main.join("crt/host_config.h").exists() {
-        return Some(vec![main]);
-    }
-    let triton = libtorch.parent()?.join("triton/backends/nvidia/include");
-    triton.join("crt/host_config.h").exists().then(|| vec![main, triton])
-}
-
-fn cuda_runtime_include(libtorch: &std::path::Path) -> Option<PathBuf> {
-    println!("cargo:rerun-if-env-changed=CUDA_HOME");
-    let site = libtorch.parent().map(|p| p.join("nvidia"));
-    let mut candidates: Vec<PathBuf> = vec![];
-    if let Some(site) = &site {
-        for sub in ["cu13/include", "cuda_runtime/include", "cu12/include"] {
-            candidates.push(site.join(sub));
-        }
-    }
-    if let Some(home) = std::env::var_os("CUDA_HOME") {
-        candidates.push(PathBuf::from(home).join("include"));
-    }
-    candidates.push(PathBuf::from("/usr/local/cuda/include"));
-    candidates.into_iter().find(|d| d.join("cuda_runtime_api.h").exists())
 }

@@ -76,6 +76,11 @@ def main():
             ("parity", "bf16 argmax = f32 CPU argmax", f"{parity['bf16_argmax_agreement']:.1%}", f"{parity['positions']} positions"),
             ("parity", "greedy generations identical (f32)", fmt(parity["greedy_identical"]), f"{parity['greedy_tokens']} tokens"),
         ]
+        if "sampled_identical" in parity:
+            rows.append(("parity", "sampled generations identical to the CPU's (f32, seed 0)", fmt(parity["sampled_identical"]), "the same draws on both; rounding alone can differ"))
+        for key, what in [("graphs_greedy_identical", "greedy"), ("graphs_sampled_identical", "sampled")]:
+            if key in parity:
+                rows.append(("parity", f"{what} generations identical with CUDA graphs and eagerly (f32)", fmt(parity[key]), ""))
 
     peak = next((r for r in get("peak") if r.get("what") == "peak"), None)
     if peak:
@@ -136,7 +141,7 @@ def main():
 
     for s in stages:
         if s["stage"].startswith("train-"):
-            _, objective, optimizer = s["stage"].split("-")
+            _, objective, optimizer = s["stage"].split("-", 2)
             steps = lines(os.path.join(out, "work", s["stage"], "metrics.jsonl"))
             last = steps[-1]["stats"]["loss"] if steps else None
             rows.append(("objectives", f"train {objective}, {optimizer}", s["status"], f"{len(steps)} steps, last loss {fmt(last)}, {s['seconds']:.1f} s, peak {s['peak_mib'] or '—'} MiB"))

@@ -164,11 +164,17 @@ with open(sys.argv[1]) as f, open(sys.argv[2], "w") as out:
         out.write(json.dumps(r) + "\n")
 PY
     # Data parallelism (docs/distributed.md): the TOPR run as a launched group of one rank, so the
-    # c10d path (rendezvous, Gloo all-reduce of the counts and of every gradient, on a GPU staged
-    # through the host) runs on the device; its time beside train-topr-adamw's is its overhead.
+    # c10d path (rendezvous, all-reduce of the counts on Gloo and of every gradient on NCCL, device
+    # to device, where the build has NCCL) runs on the device; then the same with Gloo staging the
+    # gradients through the host (TOPR_DIST_BACKEND=gloo). Their times beside train-topr-adamw's
+    # are their overheads. On the CPU both are Gloo.
     stage train-topr-dp1 60 env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 "$bin" train \
         --model "$W/small" "${dev[@]}" "${half[@]}" --data "$W/mixed.jsonl" --out "$W/train-topr-dp1" \
         --objective topr --optimizer adamw --lr 1e-5 --batch-size 32 --micro-batch-size 16 --save-every 0
+    stage train-topr-dp1-gloo 60 env TOPR_DIST_BACKEND=gloo RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=29534 "$bin" train --model "$W/small" "${dev[@]}" "${half[@]}" --data "$W/mixed.jsonl" \
+        --out "$W/train-topr-dp1-gloo" --objective topr --optimizer adamw --lr 1e-5 --batch-size 32 \
+        --micro-batch-size 16 --save-every 0
     for objective in topr tis sft reinforce is ppo grpo dpo; do
         for optimizer in adamw adafactor; do
             stage "train-$objective-$optimizer" 60 "$bin" train --model "$W/small" "${dev[@]}" "${half[@]}" \

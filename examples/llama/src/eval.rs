@@ -96,20 +96,21 @@ pub fn evaluate(
     // Whole batches of questions, so that each is seeded and shaped as in one process.
     let batches = shard.range(problems.len().div_ceil(batch_size));
     let first = (batches.start * batch_size).min(problems.len());
-    let problems = &problems[first..(batches.end * batch_size).min(problems.len())];
+    let mine = first..(batches.end * batch_size).min(problems.len());
     let greedy = Sampling::greedy(max_new_tokens);
     let sampled = Sampling::sample(settings.sampling, max_new_tokens);
+    // Every question's prompt (jobs index them), so that every shard decodes on the shapes of
+    // one process.
     let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+    let problems = &problems[mine.clone()];
     let pb = bar((problems.len() * (1 + samples)) as u64, "eval");
     let batching = Batching::slots(batch_size);
     // Greedy: one completion per question; sampled: `samples` per question, sample k of the
     // task's question i drawing from the stream (seed, i, k). `batch_size` in flight, each.
-    let jobs: Vec<Job> = (0..problems.len()).map(|i| Job { prompt: i, stream: Stream(0) }).collect();
+    let jobs: Vec<Job> = mine.clone().map(|i| Job { prompt: i, stream: Stream(0) }).collect();
     let g = generate::collect(model, &prompts, &jobs, &greedy, &tok.eos_ids, batching, || pb.inc(1))?;
-    let jobs: Vec<Job> = (0..problems.len())
-        .flat_map(|i| {
-            (0..samples).map(move |k| Job { prompt: i, stream: Stream::new(seed as u64, (first + i) as u64, k as u64) })
-        })
+    let jobs: Vec<Job> = mine
+        .flat_map(|i| (0..samples).map(move |k| Job { prompt: i, stream: Stream::new(seed as u64, i as u64, k as u64) }))
         .collect();
     let sampled = generate::collect(model, &prompts, &jobs, &sampled, &tok.eos_ids, batching, || pb.inc(1))?;
     let mut results = vec![];

@@ -128,8 +128,8 @@ pub fn sampling_logits(logits: &Tensor, s: &SamplingParams) -> Tensor {
 }
 
 /// The random stream of one completion: a 64-bit key from which every draw of that completion
-/// is computed ([`uniform`]), so that what a completion samples depends on the key alone — not on
-/// the batch it ran in, the slot it took or what ran beside it.
+/// is computed ([`uniform`]), so that its draws depend on the key alone — not on the slot it took,
+/// what ran beside it, or when it started.
 ///
 /// `Stream::new(seed, prompt, sample)` is the stream of sample `sample` of the prompt at index
 /// `prompt` of a run seeded with `seed` (SplitMix64 of each part in turn, Steele et al. 2014).
@@ -217,15 +217,18 @@ pub struct Job {
 ///
 /// Generation keeps `slots` completions in flight. A slot whose completion has ended (an
 /// end-of-sequence token, or the budget) takes the next job at once — its prompt prefilled into
-/// that slot — so the batch stays full until the jobs run out (continuous batching); then the
-/// slots still running move to a batch half as large whenever they fit in it. The host reads which
+/// that slot — so the batch stays full until the jobs run out (continuous batching). The host reads which
 /// slots have ended (with their tokens, and whether any logits were not finite) once every
 /// `sync_every` steps, and whenever a completion must have reached its budget; between those
 /// reads the decoding steps run on the device without waiting for the host. A slot that ended
 /// since the last read computes (and discards) at most `sync_every − 1` more tokens.
 ///
-/// Neither setting changes a result: every row of every step is computed on its own, and every
-/// completion draws from its own [`Stream`].
+/// What a completion is depends on its prompt, its [`Stream`], the slot count and the longest
+/// prompt given (the capacity), to the bit: every step runs on the same shapes, every row on its
+/// own. `sync_every` and `refill` change nothing. The slot count changes only rounding (the
+/// matrix libraries sum a product's terms in an order that depends on its number of rows), which
+/// can flip a draw that falls within it of a boundary between two tokens: rarely, but a run that
+/// must reproduce another keeps its slots (`sample` records them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Batching {
     /// Completions in flight (0: every job at once).
@@ -236,12 +239,17 @@ pub struct Batching {
     /// batching). False gives the draining batches of earlier versions — the next `slots` jobs
     /// start only once every slot has ended — for comparison.
     pub refill: bool,
+    /// Whether the slots still running move to a batch half as large once they fit in it, when
+    /// the jobs have run out (default false). It saves the empty slots' work at the end, but the
+    /// batch's row count then changes, and with it the rounding of the matrix products: a
+    /// resumed or sharded run would no longer reproduce an uninterrupted one bit for bit.
+    pub shrink: bool,
 }
 
 impl Default for Batching {
     /// Every job at once, the device's default reads, continuous batching.
     fn default() -> Self {
-        Self { slots: 0, sync_every: 0, refill: true }
+        Self { slots: 0, sync_every: 0, refill: true, shrink: false }
     }
 }
 
@@ -290,7 +298,9 @@ pub fn collect(
 /// Generates a completion for every job, `batching.slots` at a time with continuous batching
 /// (see [`Batching`]), calling `done(j, completion)` as job `j` ends — in the order they end,
 /// not the order of `jobs`. Every prompt needs at least one token, and the longest prompt plus
-/// the budget must fit the model's context.
+/// the budget must fit the model's context: the cache of every slot holds that many positions,
+/// the longest of all `prompts`, not only of the jobs' (pass every prompt of a task, so that a
+/// run of part of it decodes on the same shapes as a run of all of it).
 pub fn run(
     model: &Llama,
     prompts: &[Vec<i64>],
@@ -313,12 +323,14 @@ pub fn run(
     if jobs.is_empty() {
         return Ok(());
     }
-    let p_max = jobs.iter().map(|j| prompts[j.prompt].len()).max().unwrap_or(0) as i64;
+    // The capacity from every prompt given, not only the jobs': a run of part of the same prompts
+    // (a resumed or sharded one) then decodes on the same shapes.
+    let p_max = prompts.iter().map(Vec::len).max().unwrap_or(0) as i64;
     let limit = model.cfg.max_position_embeddings;
     if p_max + s.max_new_tokens > limit {
         bail!("prompt ({p_max} tokens) + max new tokens ({}) exceeds the model's context of {limit}", s.max_new_tokens);
     }
-    let slots = if batching.slots == 0 { jobs.len() } else { batching.slots.min(jobs.len()) };
+    let slots = if batching.slots == 0 { jobs.len() } else { batching.slots };
     let sync = if batching.sync_every == 0 { Batching::default_sync(model.device()) } else { batching.sync_every };
     tch::no_grad(|| {
         let mut d = Decoder::new(model, s, eos, slots as i64, p_max + s.max_new_tokens)?;
@@ -341,7 +353,7 @@ pub fn run(
                 if d.occupied.iter().all(Option::is_none) {
                     return Ok(());
                 }
-                if next_job == jobs.len() {
+                if next_job == jobs.len() && batching.shrink {
                     d.shrink();
                 }
             }
@@ -357,8 +369,6 @@ struct Occupant {
     job: usize,
     /// Decoding steps run since the slot was filled: an upper bound of its tokens.
     steps: i64,
-    /// The cache position of its first generated token.
-    start: i64,
 }
 
 /// The fixed-shape decoding state of [`run`]: per-slot tensors on the model's device, and the
@@ -368,6 +378,7 @@ struct Decoder<'a> {
     s: Sampling,
     cache: SlotCache,
     eos: Tensor,
+    eos_ids: Vec<i64>,
     /// `[S, V]` f32: the logits the next token of each slot is drawn from.
     logits: Tensor,
     /// `[S]` int64: the rotary position, the cache position and the first real key of the
@@ -406,6 +417,7 @@ impl<'a> Decoder<'a> {
             s: *s,
             cache: model.new_slots(slots, capacity)?,
             eos: Tensor::from_slice(eos).to_device(dev),
+            eos_ids: eos.to_vec(),
             logits: Tensor::zeros([slots, model.cfg.vocab_size], (Kind::Float, dev)),
             pos: int(0),
             write: int(0),
@@ -449,13 +461,12 @@ impl<'a> Decoder<'a> {
             Vec::<f32>::try_from(lq.view([-1]))?,
             Vec::<i64>::try_from(len)?,
         );
-        let eos: Vec<i64> = Vec::<i64>::try_from(&self.eos.to_device(tch::Device::Cpu))?;
         let mut out = vec![];
         for (r, &slot) in rows.iter().enumerate() {
             let n = len[r] as usize;
             let at = r * width..r * width + n;
             let tokens = tokens[at.clone()].to_vec();
-            let stop = if tokens.last().is_some_and(|t| eos.contains(t)) { Stop::Eos } else { Stop::Length };
+            let stop = if tokens.last().is_some_and(|t| self.eos_ids.contains(t)) { Stop::Eos } else { Stop::Length };
             let c = Completion { tokens, logp_model: lp[at.clone()].to_vec(), logp_sampling: lq[at].to_vec(), stop };
             out.push((self.occupied[slot].take().map_or(0, |o| o.job), c));
         }
@@ -473,12 +484,12 @@ impl<'a> Decoder<'a> {
                 distinct.push(j.prompt);
             }
         }
-        let fresh: Vec<usize> = distinct.iter().copied().filter(|p| !self.prefixes.contains_key(p)).collect();
-        if !fresh.is_empty() {
-            let (pre, logits) = prefill(self.model, prompts, &fresh)?;
-            for (d, p) in fresh.iter().enumerate() {
-                let row = Tensor::from_slice(&[d as i64]).to_device(dev);
-                self.prefixes.insert(*p, (pre.select_rows(&row), logits.index_select(0, &row).to_kind(Kind::Float)));
+        // Each prompt alone (no padding, nothing beside it): its keys, values and logits are the
+        // same bits whatever else starts with it.
+        for &p in &distinct {
+            if !self.prefixes.contains_key(&p) {
+                let (pre, logits) = prefill(self.model, prompts, &[p])?;
+                self.prefixes.insert(p, (pre, logits.to_kind(Kind::Float)));
             }
         }
         let mut state = vec![];
@@ -492,7 +503,7 @@ impl<'a> Decoder<'a> {
             for &k in &mine {
                 let (len, start, key) = (prompts[*p].len() as i64, pre.len, jobs[k].stream.0);
                 state.extend([slots[k] as i64, len, start, start - len, (key >> 32) as i64, (key & 0xffff_ffff) as i64]);
-                self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0, start });
+                self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0 });
             }
         }
         let state = Tensor::from_slice(&state).view([jobs.len() as i64, 6]).to_device(dev);
@@ -552,15 +563,15 @@ impl<'a> Decoder<'a> {
         self.occupied = occupied;
     }
 
-    /// One decoding step of every slot: eager, attending to the keys the host knows can be
-    /// real, or, with CUDA graphs, replaying the step recorded at this batch size over the whole
-    /// capacity (the first step at each size runs eagerly, as the recording's warm-up: libraries
-    /// set themselves up on their first call, which a recording must not contain).
+    /// One decoding step of every slot, over the whole capacity (fixed shapes: a slot's results
+    /// then depend on nothing beside it, to the bit): eager, or, with CUDA graphs, replaying the
+    /// step recorded at this batch size (the first step at each size runs eagerly, as the
+    /// recording's warm-up: libraries set themselves up on their first call, which a recording
+    /// must not contain).
     fn step(&mut self) -> Result<()> {
         let capacity = self.cache.capacity();
         if !self.graphs {
-            let keys = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
-            self.advance(keys.min(capacity))?;
+            self.advance(capacity)?;
         } else if let Some(g) = &self.graph {
             g.replay()?;
         } else if !self.warm {

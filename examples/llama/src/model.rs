@@ -123,18 +123,6 @@ impl KvCache {
         self.key_mask.size()[0]
     }
 
-    /// A cache of the rows `rows` of this one (indices, `[R]` int64), in that order: copies.
-    pub fn select_rows(&self, rows: &Tensor) -> KvCache {
-        let pick = |ts: &[Tensor]| ts.iter().map(|t| t.index_select(0, rows)).collect();
-        KvCache {
-            k: pick(&self.k),
-            v: pick(&self.v),
-            key_mask: self.key_mask.index_select(0, rows),
-            len: self.len,
-            packed: self.packed.clone(),
-        }
-    }
-
     /// Keeps only the cached rows `rows` (indices into the current rows, `[R]` int64), in that
     /// order: finished rows leave the batch, and the next step computes the others only.
     pub fn keep_rows(&mut self, rows: &Tensor) {

@@ -109,18 +109,16 @@ pub fn sample_dataset(
     pb.inc(((problems.len() - todo.len()) * n) as u64);
     // Every completion of every prompt left, `batch_prompts · n` in flight (continuous
     // batching); completion k of problem i draws from the stream (seed, i, k).
-    let prompts: Vec<Vec<i64>> = todo.iter().map(|(i, _)| all_prompts[*i].clone()).collect();
+    // Every prompt of the task is given (jobs index them), so that every shard and every resume
+    // decodes on the same shapes.
     let jobs: Vec<Job> = todo
         .iter()
-        .enumerate()
-        .flat_map(|(t, (i, _))| {
-            (0..n).map(move |k| Job { prompt: t, stream: Stream::new(seed as u64, *i as u64, k as u64) })
-        })
+        .flat_map(|(i, _)| (0..n).map(move |k| Job { prompt: *i, stream: Stream::new(seed as u64, *i as u64, k as u64) }))
         .collect();
     let mut w = InOrder { out: crate::io::Append::open(out)?, pending: vec![vec![None; n]; todo.len()], next: 0, written: 0 };
     let batching = Batching::slots(batch_prompts * n);
-    generate::run(model, &prompts, &jobs, &s, &tok.eos_ids, batching, |j, c| {
-        w.add(j / n, j % n, c, |t, k, c| graded(tok, todo[t].1, k, &prompts[t], c, &record))?;
+    generate::run(model, &all_prompts, &jobs, &s, &tok.eos_ids, batching, |j, c| {
+        w.add(j / n, j % n, c, |t, k, c| graded(tok, todo[t].1, k, &all_prompts[todo[t].0], c, &record))?;
         pb.inc(1);
         Ok(())
     })?;

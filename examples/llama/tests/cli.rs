@@ -826,6 +826,15 @@ fn sampling_more_into_a_data_set_of_another_task_is_refused() {
     // The same settings: nothing to add.
     run(&strs(&sample(&["--synthetic-n", "2"])));
     assert_eq!(std::fs::read_to_string(&data).unwrap(), before);
+    // A file of an earlier version (its record has no `streams`: drawn by another scheme) is
+    // refused, not extended with other draws.
+    let record = std::path::PathBuf::from(format!("{}.run.json", data.display()));
+    let mut run_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
+    assert_eq!(run_json["streams"], "per_completion");
+    run_json.as_object_mut().unwrap().remove("streams");
+    std::fs::write(&record, serde_json::to_string(&run_json).unwrap()).unwrap();
+    refused(&strs(&sample(&["--synthetic-n", "2"])), &["streams batch → per_completion"]);
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), before);
 }
 
 /// A killed training run resumed with another setting is refused, listing each difference; the

@@ -408,7 +408,7 @@ fn completions_do_not_depend_on_slots_or_reads() {
             m.set_kernels(kernels);
             let run = |slots, sync_every| {
                 let refill = slots != 5; // 5 slots: draining batches
-                generate::collect(&m, &prompts, &jobs, &s, &eos, Batching { slots, sync_every, refill }, || ()).unwrap()
+                generate::collect(&m, &prompts, &jobs, &s, &eos, Batching { slots, sync_every, refill, shrink: true }, || ()).unwrap()
             };
             let all = run(0, 1);
             let lengths: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tokens.len()).collect();
@@ -432,6 +432,53 @@ fn completions_do_not_depend_on_slots_or_reads() {
                     {
                         assert!((u - v).abs() < 1e-4, "{at} log-probs {u} vs {v}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// On a model of hidden size 512, under both kernels: with the same number of slots, a
+/// completion is the same to the bit whatever runs beside it and whenever it starts (all the jobs,
+/// the last six alone as a resumed run has them, the jobs in reverse order); with another number
+/// of slots (1, 2, every job at once) its log-probabilities differ by rounding alone (under 1e-5)
+/// and its tokens not at all here. Not bit for bit across slot counts: the matrix libraries sum a
+/// product's terms in an order that depends on its number of rows.
+#[test]
+fn a_completion_depends_on_nothing_beside_it() {
+    use generate::{Batching, Job, Sampling, SamplingParams, Stream};
+    let dir = random_checkpoint(
+        "slots_bits",
+        &["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", "9"],
+    );
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let prompts: Vec<Vec<i64>> = (0..9).map(|i| (0..3 + 2 * (i % 4)).map(|t| 200 + ((t * 7 + i) % 40)).collect()).collect();
+    let jobs: Vec<Job> = (0..9).map(|i| Job { prompt: i, stream: Stream::new(1, i as u64, 0) }).collect();
+    let s = Sampling::sample(SamplingParams::default(), 12);
+    let eos: Vec<i64> = (200..204).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for kernels in [Kernels::Plain, Kernels::Onednn] {
+        m.set_kernels(kernels);
+        let run = |jobs: &[Job], slots| generate::collect(&m, &prompts, jobs, &s, &eos, Batching::slots(slots), || ()).unwrap();
+        let all = run(&jobs, 4);
+        let lengths: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tokens.len()).collect();
+        assert!(lengths.len() >= 2, "{kernels:?}: completions of different lengths, got {lengths:?}");
+        let tail = run(&jobs[3..], 4);
+        let reversed: Vec<Job> = jobs.iter().rev().copied().collect();
+        let back: Vec<_> = run(&reversed, 4).into_iter().rev().collect();
+        for (j, q) in all.iter().enumerate() {
+            if j >= 3 {
+                assert_eq!(bits(&tail[j - 3].logp_model), bits(&q.logp_model), "{kernels:?}: job {j} resumed");
+                assert_eq!(tail[j - 3].tokens, q.tokens);
+            }
+            assert_eq!(bits(&back[j].logp_model), bits(&q.logp_model), "{kernels:?}: job {j} in reverse order");
+            assert_eq!(bits(&back[j].logp_sampling), bits(&q.logp_sampling));
+        }
+        for slots in [1, 2, 0] {
+            for (j, (p, q)) in run(&jobs, slots).iter().zip(&all).enumerate() {
+                assert_eq!(p.tokens, q.tokens, "{kernels:?}, {slots} slots: job {j}");
+                for (u, v) in p.logp_model.iter().zip(&q.logp_model) {
+                    assert!((u - v).abs() <= 1e-5, "{kernels:?}, {slots} slots: job {j} log-probs {u} vs {v}");
                 }
             }
         }

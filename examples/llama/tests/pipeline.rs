@@ -43,17 +43,25 @@ fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
     };
     let n = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &full).unwrap();
     assert_eq!(n, 21);
-    // A run killed during its third batch: the first two batches are written, the third cut short
-    // (the record of how it was sampled is written before the first line).
+    // A run killed within its fourth prompt, in the middle of a batch of two: three prompts are
+    // written, the fourth cut short (the record of how it was sampled is written before the
+    // first line).
     let killed = data.join("killed.jsonl");
     let text = std::fs::read_to_string(&full).unwrap();
     let lines: Vec<&str> = text.lines().collect();
-    let partial = format!("{}\n{}\n{}", lines[..12].join("\n"), lines[12], &lines[13][..20]);
+    let partial = format!("{}\n{}\n{}", lines[..9].join("\n"), lines[9], &lines[10][..20]);
     std::fs::write(&killed, partial).unwrap();
     std::fs::copy(sample::run_file(&full), sample::run_file(&killed)).unwrap();
     let n2 = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &killed).unwrap();
-    assert_eq!(n2, 9, "the incomplete batch is redone, nothing before it");
+    assert_eq!(n2, 12, "the incomplete prompt is redone, nothing before it");
     assert_eq!(std::fs::read_to_string(&killed).unwrap(), text, "same seed, same data set");
+    // Other batchings (one prompt, every prompt at once in flight) write the same file.
+    for batch_prompts in [1, 7] {
+        let other = data.join(format!("batch-{batch_prompts}.jsonl"));
+        let how = sample::SampleSettings { batch_prompts, ..settings(s) };
+        sample::sample_dataset(&m, &tok, &dir, &problems, &style, &how, &other).unwrap();
+        assert_eq!(std::fs::read_to_string(&other).unwrap(), text, "{batch_prompts} prompts in flight");
+    }
     // A complete file is never regenerated.
     assert_eq!(sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &full).unwrap(), 0);
     // Other settings or other problems on an existing file are refused, naming what differs.

@@ -35,6 +35,15 @@ pub enum CheckRecord {
         /// Greedy generations in f32: identical token for token on the device and the CPU.
         greedy_identical: bool,
         greedy_tokens: usize,
+        /// Sampled generations in f32 (temperature 1, seed 0): identical on the device and the
+        /// CPU (each completion's draws are the same numbers on both; only rounding can differ).
+        sampled_identical: bool,
+        /// On a CUDA device: greedy and sampled generations in f32 identical with CUDA graphs
+        /// and eagerly (absent elsewhere).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        graphs_greedy_identical: Option<bool>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        graphs_sampled_identical: Option<bool>,
     },
     /// A large bf16 matrix product on the device.
     Peak { device: String, n: i64, tflops: f64 },
@@ -74,7 +83,7 @@ pub fn sync(d: Device) {
 /// `check parity`: `prompts` random prompts of `len` byte-level tokens.
 pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i64) -> Result<()> {
     let (cpu, _) = checkpoint::open(dir, Placement::f32(Device::Cpu))?;
-    let (dev32, _) = checkpoint::open(dir, Placement::f32(device))?;
+    let (mut dev32, _) = checkpoint::open(dir, Placement::f32(device))?;
     let (dev16, _) = checkpoint::open(dir, Placement { kind: Kind::BFloat16, ..Placement::f32(device) })?;
     // Ids the tokenizer produces (the byte tokens of `init`'s models are 0..256; any real
     // tokenizer has at least as many).
@@ -98,14 +107,29 @@ pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i6
     let s = Sampling::greedy(new_tokens);
     let a = generate::generate(&cpu, &prompt_ids, &s, &[], 0)?;
     let b = generate::generate(&dev32, &prompt_ids, &s, &[], 0)?;
+    let sampled = Sampling::sample(generate::SamplingParams::default(), new_tokens);
+    let sa = generate::generate(&cpu, &prompt_ids, &sampled, &[], 0)?;
+    let sb = generate::generate(&dev32, &prompt_ids, &sampled, &[], 0)?;
+    let same = |x: &[generate::Completion], y: &[generate::Completion]| x.iter().zip(y).all(|(p, q)| p.tokens == q.tokens);
+    let (graphs_greedy_identical, graphs_sampled_identical) = if device.is_cuda() && topr_llama::cuda_graph::available() {
+        dev32.set_cuda_graphs(true);
+        let gb = generate::generate(&dev32, &prompt_ids, &s, &[], 0)?;
+        let gs = generate::generate(&dev32, &prompt_ids, &sampled, &[], 0)?;
+        (Some(same(&b, &gb)), Some(same(&sb, &gs)))
+    } else {
+        (None, None)
+    };
     emit(&CheckRecord::Parity {
         device: device_name(device),
         f32_rel: rel(&l32),
         bf16_rel: rel(&l16),
         bf16_argmax_agreement: agree.double_value(&[]),
         positions: prompts * len,
-        greedy_identical: a.iter().zip(&b).all(|(x, y)| x.tokens == y.tokens),
+        greedy_identical: same(&a, &b),
         greedy_tokens: a.iter().map(|c| c.tokens.len()).sum(),
+        sampled_identical: same(&sa, &sb),
+        graphs_greedy_identical,
+        graphs_sampled_identical,
     })
 }
 

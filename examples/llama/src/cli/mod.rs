@@ -452,6 +452,16 @@ impl Command {
     fn data_parallel(&self) -> bool {
         matches!(self, Self::Eval { .. } | Self::Sample { .. } | Self::Train { .. } | Self::Iterate { .. })
     }
+
+    /// The device of a data-parallel command's model.
+    fn device(&self) -> Option<tch::Device> {
+        match self {
+            Self::Eval { model, .. } | Self::Sample { model, .. } | Self::Train { model, .. } | Self::Iterate { model, .. } => {
+                Some(model.device)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The process group of a launched run (`None`: launched alone). Commands that do not run
@@ -467,7 +477,14 @@ fn join(command: &Command, timeout: std::time::Duration) -> anyhow::Result<Optio
         }
         return Ok(None);
     }
-    Ok(Some(ProcessGroup::join(&launch, timeout)?))
+    let mut group = ProcessGroup::join(&launch, timeout)?;
+    // CUDA tensors on NCCL, device to device, unless TOPR_DIST_BACKEND=gloo asks for Gloo (which
+    // stages them through the host), where the build has NCCL.
+    let gloo = std::env::var("TOPR_DIST_BACKEND").is_ok_and(|b| b == "gloo");
+    if command.device().is_some_and(|d| d.is_cuda()) && topr_dist::nccl_available() && !gloo {
+        group.use_nccl()?;
+    }
+    Ok(Some(group))
 }
 
 /// Runs one subcommand.
