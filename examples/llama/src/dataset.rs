@@ -202,7 +202,7 @@ pub enum Streams {
     #[default]
     Batch,
     /// One stream per completion, keyed by the seed, the prompt's index in the task and the
-    /// sample's number ([`crate::generate::Stream`]): independent of batches, slots and shards.
+    /// sample's number ([`crate::generate::Stream`]): the same in every shard and every resume.
     PerCompletion,
 }
 

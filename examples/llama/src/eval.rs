@@ -75,7 +75,7 @@ pub struct EvalSettings {
     /// Completions in flight (continuous batching).
     pub batch_size: usize,
     /// Sample `k` of the task's question `i` draws from `Stream::new(seed, i, k)`, so that a
-    /// shard samples what one process samples, whatever the batch size.
+    /// shard samples what one process samples.
     pub seed: i64,
     /// The share of the batches of questions this process evaluates ([`Shard::WHOLE`]: all).
     pub shard: Shard,

@@ -333,7 +333,8 @@ pub fn run(
     let slots = if batching.slots == 0 { jobs.len() } else { batching.slots };
     let sync = if batching.sync_every == 0 { Batching::default_sync(model.device()) } else { batching.sync_every };
     tch::no_grad(|| {
-        let mut d = Decoder::new(model, s, eos, slots as i64, p_max + s.max_new_tokens)?;
+        let capacity = whole_blocks(p_max + s.max_new_tokens);
+        let mut d = Decoder::new(model, s, eos, slots as i64, capacity)?;
         let mut next_job = 0;
         let mut steps = 0usize;
         loop {
@@ -363,12 +364,25 @@ pub fn run(
     })
 }
 
+/// Attention reads the keys in whole blocks of this many positions: the eager step attends to the
+/// blocks that hold any slot's keys, not to the whole capacity, and a slot's result does not
+/// depend on how many blocks are read (its keys lie in the same places of every block; past its
+/// keys the blocks are masked).
+pub const KEY_BLOCK: i64 = 64;
+
+/// `n` rounded up to whole [`KEY_BLOCK`]s.
+fn whole_blocks(n: i64) -> i64 {
+    (n + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK
+}
+
 /// What the host knows of an occupied slot without reading the device.
 #[derive(Debug, Clone, Copy)]
 struct Occupant {
     job: usize,
     /// Decoding steps run since the slot was filled: an upper bound of its tokens.
     steps: i64,
+    /// The cache position of its first generated token.
+    start: i64,
 }
 
 /// The fixed-shape decoding state of [`run`]: per-slot tensors on the model's device, and the
@@ -503,7 +517,7 @@ impl<'a> Decoder<'a> {
             for &k in &mine {
                 let (len, start, key) = (prompts[*p].len() as i64, pre.len, jobs[k].stream.0);
                 state.extend([slots[k] as i64, len, start, start - len, (key >> 32) as i64, (key & 0xffff_ffff) as i64]);
-                self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0 });
+                self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0, start });
             }
         }
         let state = Tensor::from_slice(&state).view([jobs.len() as i64, 6]).to_device(dev);
@@ -563,15 +577,15 @@ impl<'a> Decoder<'a> {
         self.occupied = occupied;
     }
 
-    /// One decoding step of every slot, over the whole capacity (fixed shapes: a slot's results
-    /// then depend on nothing beside it, to the bit): eager, or, with CUDA graphs, replaying the
-    /// step recorded at this batch size (the first step at each size runs eagerly, as the
-    /// recording's warm-up: libraries set themselves up on their first call, which a recording
-    /// must not contain).
+    /// One decoding step of every slot: eager, over the blocks of [`KEY_BLOCK`] keys any slot can
+    /// have reached, or, with CUDA graphs, replaying the step recorded at this batch size over the
+    /// whole capacity (the first step at each size runs eagerly, as the recording's warm-up:
+    /// libraries set themselves up on their first call, which a recording must not contain).
     fn step(&mut self) -> Result<()> {
         let capacity = self.cache.capacity();
         if !self.graphs {
-            self.advance(capacity)?;
+            let reach = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
+            self.advance(whole_blocks(reach).min(capacity))?;
         } else if let Some(g) = &self.graph {
             g.replay()?;
         } else if !self.warm {

@@ -5,8 +5,8 @@
 //! The file is written prompt by prompt, in order, and flushed; a rerun with the same output
 //! resumes after the last complete prompt and never regenerates what is there. Every completion
 //! draws from its own random stream (the seed, the prompt's index in the task, the sample's
-//! number: [`generate::Stream`]), so a resumed or sharded run writes the lines of an
-//! uninterrupted one, whatever the batch size.
+//! number: [`generate::Stream`]) and decodes on the same shapes whatever runs beside it, so a
+//! resumed or sharded run writes the lines of an uninterrupted one.
 
 use crate::dataset::{CutLine, ShardPart, read_records, write_merged};
 pub use crate::dataset::{

@@ -440,7 +440,8 @@ fn completions_do_not_depend_on_slots_or_reads() {
 
 /// On a model of hidden size 512, under both kernels: with the same number of slots, a
 /// completion is the same to the bit whatever runs beside it and whenever it starts (all the jobs,
-/// the last six alone as a resumed run has them, the jobs in reverse order); with another number
+/// the last six alone as a resumed run has them, the jobs in reverse order), also when the steps
+/// read one block of keys or two ([`generate::KEY_BLOCK`]); with another number
 /// of slots (1, 2, every job at once) its log-probabilities differ by rounding alone (under 1e-5)
 /// and its tokens not at all here. Not bit for bit across slot counts: the matrix libraries sum a
 /// product's terms in an order that depends on its number of rows.
@@ -452,7 +453,10 @@ fn a_completion_depends_on_nothing_beside_it() {
         &["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", "9"],
     );
     let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
-    let prompts: Vec<Vec<i64>> = (0..9).map(|i| (0..3 + 2 * (i % 4)).map(|t| 200 + ((t * 7 + i) % 40)).collect()).collect();
+    // Prompts of 30 to 69 tokens and 12 new ones: the keys read (whole blocks of 64) are one or
+    // two blocks, depending on which slots run together.
+    let prompts: Vec<Vec<i64>> =
+        (0..9).map(|i| (0..30 + 13 * (i % 4)).map(|t| 200 + ((t * 7 + i) % 40)).collect()).collect();
     let jobs: Vec<Job> = (0..9).map(|i| Job { prompt: i, stream: Stream::new(1, i as u64, 0) }).collect();
     let s = Sampling::sample(SamplingParams::default(), 12);
     let eos: Vec<i64> = (200..204).collect();

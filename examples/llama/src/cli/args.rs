@@ -617,7 +617,7 @@ pub struct LoopArgs {
     #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub samples_per_prompt: usize,
     /// Completions in flight while sampling: this many prompts' samples (>= 1; continuous
-    /// batching; results do not depend on it).
+    /// batching).
     #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub batch_prompts: usize,
     /// Which samples are trained on.

@@ -88,7 +88,7 @@ pub enum Command {
         sampling: SamplingArgs,
         /// Completions in flight: this many prompts' samples (>= 1; 16 prompts × 4 samples, 64
         /// slots, by default). Continuous batching: an ended completion's slot takes the next
-        /// one. Results do not depend on it; speed and memory do.
+        /// one. Another value changes speed, memory and the rounding of the batched products.
         #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_prompts: usize,
         #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
