@@ -418,7 +418,7 @@ struct Decoder<'a> {
     graph: Option<CudaGraph>,
     warm: bool,
     /// Prefills kept for jobs still to start: prompt → its cache (one row) and last logits.
-    prefixes: std::collections::HashMap<usize, (KvCache, Tensor)>,
+    prefixes: std::collections::HashMap<Vec<i64>, (KvCache, Tensor)>,
 }
 
 impl<'a> Decoder<'a> {
@@ -489,33 +489,34 @@ impl<'a> Decoder<'a> {
 
     /// Starts `jobs` (numbered from `first_job`) in the free slots `slots`: each prompt's keys
     /// and values are copied from its prefill, computed once for all its samples — kept in
-    /// `prefixes` while `upcoming` jobs (the next ones to start) still need it.
+    /// `prefixes` while `upcoming` jobs (the next ones to start) still need it. Prompts are told
+    /// apart by their tokens: the same prompt given twice is prefilled once.
     fn fill(&mut self, prompts: &[Vec<i64>], slots: &[usize], jobs: &[Job], first_job: usize, upcoming: &[Job]) -> Result<()> {
         let dev = self.model.device();
-        let mut distinct: Vec<usize> = vec![];
+        let mut distinct: Vec<&Vec<i64>> = vec![];
         for j in jobs {
-            if !distinct.contains(&j.prompt) {
-                distinct.push(j.prompt);
+            if !distinct.contains(&&prompts[j.prompt]) {
+                distinct.push(&prompts[j.prompt]);
             }
         }
         // Each prompt alone (no padding, nothing beside it): its keys, values and logits are the
         // same bits whatever else starts with it.
         for &p in &distinct {
-            if !self.prefixes.contains_key(&p) {
-                let (pre, logits) = prefill(self.model, prompts, &[p])?;
-                self.prefixes.insert(p, (pre, logits.to_kind(Kind::Float)));
+            if !self.prefixes.contains_key(p) {
+                let (pre, logits) = prefill(self.model, std::slice::from_ref(p), &[0])?;
+                self.prefixes.insert(p.clone(), (pre, logits.to_kind(Kind::Float)));
             }
         }
         let mut state = vec![];
-        for p in &distinct {
+        for &p in &distinct {
             let (pre, logits) = &self.prefixes[p];
-            let mine: Vec<usize> = (0..jobs.len()).filter(|&k| jobs[k].prompt == *p).collect();
+            let mine: Vec<usize> = (0..jobs.len()).filter(|&k| prompts[jobs[k].prompt] == *p).collect();
             let at = Tensor::from_slice(&mine.iter().map(|&k| slots[k] as i64).collect::<Vec<_>>()).to_device(dev);
             let rows = Tensor::zeros([mine.len() as i64], (Kind::Int64, dev));
             self.cache.fill(&at, pre, &rows);
             let _ = self.logits.index_copy_(0, &at, &logits.index_select(0, &rows));
             for &k in &mine {
-                let (len, start, key) = (prompts[*p].len() as i64, pre.len, jobs[k].stream.0);
+                let (len, start, key) = (p.len() as i64, pre.len, jobs[k].stream.0);
                 state.extend([slots[k] as i64, len, start, start - len, (key >> 32) as i64, (key & 0xffff_ffff) as i64]);
                 self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0, start });
             }
@@ -529,8 +530,8 @@ impl<'a> Decoder<'a> {
             let _ = t.index_fill_(0, &at, 0);
         }
         let _ = self.ended.index_fill_(0, &at, 0);
-        let need: std::collections::HashSet<usize> = upcoming.iter().take(self.occupied.len()).map(|j| j.prompt).collect();
-        self.prefixes.retain(|p, _| need.contains(p));
+        let need: Vec<&Vec<i64>> = upcoming.iter().take(self.occupied.len()).map(|j| &prompts[j.prompt]).collect();
+        self.prefixes.retain(|p, _| need.contains(&p));
         Ok(())
     }
 
