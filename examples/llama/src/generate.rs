@@ -611,7 +611,7 @@ impl<'a> Decoder<'a> {
         let live = self.ended.logical_not(); // [S]
         let finite = self.logits.isfinite().all_dim(-1, false);
         let newly_bad = self.bad.eq(0).logical_and(&live).logical_and(&finite.logical_not());
-        let _ = self.bad.copy_(&(&self.len + 1).where_self(&newly_bad, &self.bad));
+        self.bad.copy_(&(&self.len + 1).where_self(&newly_bad, &self.bad));
         let logp = self.logits.log_softmax(-1, Kind::Float);
         let (next, lq) = match &self.s.decoding {
             Decoding::Greedy => (self.logits.argmax(-1, false), self.len.zeros_like().to_kind(Kind::Float)),
@@ -636,7 +636,7 @@ impl<'a> Decoder<'a> {
         let is_eos = next.unsqueeze(1).eq_tensor(&self.eos.unsqueeze(0)).any_dim(1, false);
         let _ = self.ended.logical_or_(&is_eos.logical_or(&self.len.ge(self.s.max_new_tokens)));
         let logits = self.model.decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?;
-        let _ = self.logits.copy_(&logits);
+        self.logits.copy_(&logits);
         let advance = self.ended.logical_not().to_kind(Kind::Int64);
         let _ = self.pos.g_add_(&advance);
         let _ = self.write.g_add_(&advance);

@@ -167,7 +167,7 @@ fn copy_bandwidth(device: tch::Device, kind: Kind) -> f64 {
     let src = Tensor::ones([n], (kind, device));
     let mut dst = Tensor::zeros([n], (kind, device));
     let secs = seconds_per_call(device, 10, || {
-        let _ = dst.copy_(&src);
+        dst.copy_(&src);
         Ok(())
     })
     .unwrap_or(f64::NAN);
