@@ -489,6 +489,24 @@ fn a_completion_depends_on_nothing_beside_it() {
     }
 }
 
+/// `--cuda-graphs` changes nothing on the CPU: generation stays eager, with the same completions.
+#[test]
+fn cuda_graphs_are_ignored_on_the_cpu() {
+    use generate::{Sampling, SamplingParams};
+    let dir = random_checkpoint("graphs_cpu", &["--kv-heads", "2", "--seed", "5"]);
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let prompts: Vec<Vec<i64>> = vec![vec![256, 40, 41], vec![256, 7]];
+    let s = Sampling::sample(SamplingParams::default(), 10);
+    let eager = generate::generate(&m, &prompts, &s, &[], 3).unwrap();
+    m.set_cuda_graphs(true);
+    assert!(m.cuda_graphs());
+    let flagged = generate::generate(&m, &prompts, &s, &[], 3).unwrap();
+    for (a, b) in eager.iter().zip(&flagged) {
+        assert_eq!(a.tokens, b.tokens);
+        assert_eq!(a.logp_model, b.logp_model);
+    }
+}
+
 /// Greedy completions of the slot decoder equal the argmax of the full, uncached forward of each
 /// growing sequence (an independent computation: no cache, no slots), for prompts of different
 /// lengths decoded side by side.
