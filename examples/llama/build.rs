@@ -64,7 +64,9 @@ fn main() {
             println!("cargo:rustc-link-lib=dylib=c10_cuda");
             println!("cargo:rustc-cfg=topr_cuda_graphs");
         }
-        _ => println!("cargo:warning=topr-llama: libtorch is not a CUDA build (or its CUDA headers are missing): no CUDA graphs"),
+        _ => println!(
+            "cargo:warning=topr-llama: libtorch is not a CUDA build (or its CUDA headers are missing): no CUDA graphs"
+        ),
     }
     if lib.join("libtorch_cuda.so").exists() {
         for arg in ["-Wl,--no-as-needed", "-ltorch_cuda", "-Wl,--as-needed"] {

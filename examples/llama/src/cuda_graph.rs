@@ -46,8 +46,7 @@ fn check(rc: std::ffi::c_int, err: &[u8], what: &str) -> Result<()> {
     if rc == 0 {
         return Ok(());
     }
-    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-    bail!("CUDA graph {what} failed: {}", String::from_utf8_lossy(&err[..end]).split_whitespace().collect::<Vec<_>>().join(" "))
+    bail!("CUDA graph {what} failed: {}", crate::onednn::shim_message(err))
 }
 
 impl CudaGraph {
@@ -69,16 +68,20 @@ impl CudaGraph {
         // C++ exception.
         let raw = unsafe { ffi::topr_cuda_graph_new(err.as_mut_ptr().cast(), ERR_CAP) };
         let Some(raw) = std::ptr::NonNull::new(raw) else {
-            check(1, &err, "creation")?;
-            unreachable!("check fails on 1");
+            bail!("CUDA graph creation failed: {}", crate::onednn::shim_message(&err));
         };
         let graph = Self { raw };
         tch::Cuda::synchronize(index as i64);
         // SAFETY: `raw` is a live graph, owned by `graph`.
-        check(unsafe { ffi::topr_cuda_graph_begin(raw.as_ptr(), index as _, err.as_mut_ptr().cast(), ERR_CAP) }, &err, "capture")?;
+        check(
+            unsafe { ffi::topr_cuda_graph_begin(raw.as_ptr(), index as _, err.as_mut_ptr().cast(), ERR_CAP) },
+            &err,
+            "capture",
+        )?;
         let recorded = body();
         // SAFETY: as above; the capture is ended whether `body` succeeded or not.
-        let ended = check(unsafe { ffi::topr_cuda_graph_end(raw.as_ptr(), err.as_mut_ptr().cast(), ERR_CAP) }, &err, "capture");
+        let ended =
+            check(unsafe { ffi::topr_cuda_graph_end(raw.as_ptr(), err.as_mut_ptr().cast(), ERR_CAP) }, &err, "capture");
         recorded?;
         ended?;
         Ok(graph)
@@ -95,7 +98,11 @@ impl CudaGraph {
         {
             let mut err = [0u8; ERR_CAP];
             // SAFETY: `self.raw` is a live, captured graph.
-            check(unsafe { ffi::topr_cuda_graph_replay(self.raw.as_ptr(), err.as_mut_ptr().cast(), ERR_CAP) }, &err, "replay")
+            check(
+                unsafe { ffi::topr_cuda_graph_replay(self.raw.as_ptr(), err.as_mut_ptr().cast(), ERR_CAP) },
+                &err,
+                "replay",
+            )
         }
         #[cfg(not(topr_cuda_graphs))]
         bail!("this build's libtorch is not a CUDA build: it cannot replay CUDA graphs")

@@ -110,7 +110,9 @@ pub fn evaluate(
     let jobs: Vec<Job> = mine.clone().map(|i| Job { prompt: i, stream: Stream(0) }).collect();
     let g = generate::collect(model, &prompts, &jobs, &greedy, &tok.eos_ids, batching, || pb.inc(1))?;
     let jobs: Vec<Job> = mine
-        .flat_map(|i| (0..samples).map(move |k| Job { prompt: i, stream: Stream::new(seed as u64, i as u64, k as u64) }))
+        .flat_map(|i| {
+            (0..samples).map(move |k| Job { prompt: i, stream: Stream::new(seed as u64, i as u64, k as u64) })
+        })
         .collect();
     let sampled = generate::collect(model, &prompts, &jobs, &sampled, &tok.eos_ids, batching, || pb.inc(1))?;
     let mut results = vec![];

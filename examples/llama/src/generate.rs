@@ -456,7 +456,9 @@ impl<'a> Decoder<'a> {
     /// their completions; refuses non-finite logits.
     fn collect(&mut self) -> Result<Vec<(usize, Completion)>> {
         let s = self.occupied.len();
-        let flags = Vec::<i64>::try_from(Tensor::cat(&[self.ended.to_kind(Kind::Int64), self.bad.shallow_clone()], 0).to_device(tch::Device::Cpu))?;
+        let flags = Vec::<i64>::try_from(
+            Tensor::cat(&[self.ended.to_kind(Kind::Int64), self.bad.shallow_clone()], 0).to_device(tch::Device::Cpu),
+        )?;
         let (ended, bad) = flags.split_at(s);
         if let Some(&b) = (0..s).filter(|&i| self.occupied[i].is_some()).map(|i| &bad[i]).find(|&&b| b > 0) {
             bail!("{}", non_finite_logits(b - 1));
@@ -465,7 +467,8 @@ impl<'a> Decoder<'a> {
         if rows.is_empty() {
             return Ok(vec![]);
         }
-        let idx = Tensor::from_slice(&rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(self.model.device());
+        let idx =
+            Tensor::from_slice(&rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(self.model.device());
         let cpu = |t: &Tensor| t.index_select(0, &idx).to_device(tch::Device::Cpu);
         let (tokens, lp, lq, len) = (cpu(&self.tokens), cpu(&self.lp), cpu(&self.lq), cpu(&self.len));
         let width = self.s.max_new_tokens as usize + 1;
@@ -491,7 +494,14 @@ impl<'a> Decoder<'a> {
     /// and values are copied from its prefill, computed once for all its samples — kept in
     /// `prefixes` while `upcoming` jobs (the next ones to start) still need it. Prompts are told
     /// apart by their tokens: the same prompt given twice is prefilled once.
-    fn fill(&mut self, prompts: &[Vec<i64>], slots: &[usize], jobs: &[Job], first_job: usize, upcoming: &[Job]) -> Result<()> {
+    fn fill(
+        &mut self,
+        prompts: &[Vec<i64>],
+        slots: &[usize],
+        jobs: &[Job],
+        first_job: usize,
+        upcoming: &[Job],
+    ) -> Result<()> {
         let dev = self.model.device();
         let mut distinct: Vec<&Vec<i64>> = vec![];
         for j in jobs {
@@ -503,7 +513,7 @@ impl<'a> Decoder<'a> {
         // same bits whatever else starts with it.
         for &p in &distinct {
             if !self.prefixes.contains_key(p) {
-                let (pre, logits) = prefill(self.model, std::slice::from_ref(p), &[0])?;
+                let (pre, logits) = prefill(self.model, p)?;
                 self.prefixes.insert(p.clone(), (pre, logits.to_kind(Kind::Float)));
             }
         }
@@ -517,13 +527,22 @@ impl<'a> Decoder<'a> {
             let _ = self.logits.index_copy_(0, &at, &logits.index_select(0, &rows));
             for &k in &mine {
                 let (len, start, key) = (p.len() as i64, pre.len, jobs[k].stream.0);
-                state.extend([slots[k] as i64, len, start, start - len, (key >> 32) as i64, (key & 0xffff_ffff) as i64]);
+                state.extend([
+                    slots[k] as i64,
+                    len,
+                    start,
+                    start - len,
+                    (key >> 32) as i64,
+                    (key & 0xffff_ffff) as i64,
+                ]);
                 self.occupied[slots[k]] = Some(Occupant { job: first_job + k, steps: 0, start });
             }
         }
         let state = Tensor::from_slice(&state).view([jobs.len() as i64, 6]).to_device(dev);
         let at = state.select(1, 0);
-        for (c, t) in [&mut self.pos, &mut self.write, &mut self.first, &mut self.hi, &mut self.lo].into_iter().enumerate() {
+        for (c, t) in
+            [&mut self.pos, &mut self.write, &mut self.first, &mut self.hi, &mut self.lo].into_iter().enumerate()
+        {
             let _ = t.index_copy_(0, &at, &state.select(1, c as i64 + 1));
         }
         for t in [&mut self.len, &mut self.bad] {
@@ -644,25 +663,13 @@ impl<'a> Decoder<'a> {
     }
 }
 
-/// The prefill of the prompts `which` (indices into `prompts`), left-padded into one batch: its
-/// cache (`which.len()` rows, each prompt's tokens at the end of the padded length) and each
-/// prompt's last logits `[D, V]`.
-fn prefill(model: &Llama, prompts: &[Vec<i64>], which: &[usize]) -> Result<(KvCache, Tensor)> {
-    let n = which.len() as i64;
-    let p_len = which.iter().map(|&p| prompts[p].len()).max().unwrap_or(1) as i64;
-    // The padding id is any valid one: it is masked.
-    let mut ids = vec![0i64; (n * p_len) as usize];
-    let mut mask = vec![false; (n * p_len) as usize];
-    for (r, &p) in which.iter().enumerate() {
-        let p = &prompts[p];
-        let off = r * p_len as usize + (p_len as usize - p.len());
-        ids[off..off + p.len()].copy_from_slice(p);
-        mask[off..off + p.len()].iter_mut().for_each(|m| *m = true);
-    }
+/// The prefill of one prompt, alone: its cache (one row, the prompt's positions) and its last
+/// logits `[1, V]`.
+fn prefill(model: &Llama, prompt: &[i64]) -> Result<(KvCache, Tensor)> {
+    let n = prompt.len() as i64;
     let dev = model.device();
-    let ids = Tensor::from_slice(&ids).view([n, p_len]).to_device(dev);
-    let mask = Tensor::from_slice(&mask).view([n, p_len]).to_device(dev);
-    model.prefill(&ids, &mask, p_len)
+    let ids = Tensor::from_slice(prompt).view([1, n]).to_device(dev);
+    model.prefill(&ids, &Tensor::ones([1, n], (Kind::Bool, dev)), n)
 }
 
 /// Refuses token ids outside `0..vocab` (the embedding would panic on them).
@@ -721,7 +728,8 @@ mod tests {
     /// exercise every bit of both halves.
     #[test]
     fn device_draws_equal_the_scalar_reference() {
-        let keys: Vec<Stream> = (0..64u64).map(|i| Stream::new(i * 7919, i, i % 5)).chain([Stream(0), Stream(u64::MAX)]).collect();
+        let keys: Vec<Stream> =
+            (0..64u64).map(|i| Stream::new(i * 7919, i, i % 5)).chain([Stream(0), Stream(u64::MAX)]).collect();
         for step in [0u32, 1, 2, 127, 65_535, u32::MAX] {
             let hi: Vec<i64> = keys.iter().map(|k| (k.0 >> 32) as i64).collect();
             let lo: Vec<i64> = keys.iter().map(|k| (k.0 & 0xffff_ffff) as i64).collect();
@@ -742,7 +750,8 @@ mod tests {
     fn draws_are_uniform_and_independent() {
         let n = 20_000u32;
         let mut u: Vec<f64> = (0..n).map(|t| uniform(Stream::new(1, 2, 3), t)).collect();
-        let pairs: Vec<(f64, f64)> = (0..n as u64).map(|i| (uniform(Stream::new(9, i, 0), 0), uniform(Stream::new(9, i, 1), 0))).collect();
+        let pairs: Vec<(f64, f64)> =
+            (0..n as u64).map(|i| (uniform(Stream::new(9, i, 0), 0), uniform(Stream::new(9, i, 1), 0))).collect();
         u.sort_by(f64::total_cmp);
         let ks = u.iter().enumerate().map(|(i, x)| ((i + 1) as f64 / f64::from(n) - x).abs()).fold(0.0, f64::max);
         assert!(ks < 1.63 / f64::from(n).sqrt(), "KS distance {ks}");
@@ -760,7 +769,8 @@ mod tests {
     fn inversion_follows_the_distribution() {
         let p = [0.3f64, 0.0, 0.05, 0.4, 0.15, 0.1];
         let n = 40_000i64;
-        let logq = Tensor::from_slice(&p.iter().map(|&x| x.ln() as f32).collect::<Vec<_>>()).unsqueeze(0).repeat([n, 1]);
+        let logq =
+            Tensor::from_slice(&p.iter().map(|&x| x.ln() as f32).collect::<Vec<_>>()).unsqueeze(0).repeat([n, 1]);
         let u: Vec<f64> = (0..n as u64).map(|i| uniform(Stream::new(4, i, 0), 0)).collect();
         let next = Vec::<i64>::try_from(&draw(&logq, &Tensor::from_slice(&u))).unwrap();
         let mut count = [0f64; 6];
@@ -768,7 +778,12 @@ mod tests {
             count[t as usize] += 1.0;
         }
         assert_eq!(count[1], 0.0, "a token of probability 0 was drawn");
-        let chi2: f64 = p.iter().zip(count).filter(|(p, _)| **p > 0.0).map(|(p, c)| (c - p * n as f64).powi(2) / (p * n as f64)).sum();
+        let chi2: f64 = p
+            .iter()
+            .zip(count)
+            .filter(|(p, _)| **p > 0.0)
+            .map(|(p, c)| (c - p * n as f64).powi(2) / (p * n as f64))
+            .sum();
         assert!(chi2 < 15.1, "chi-square {chi2}, counts {count:?}");
         // Extreme draws: u = 0 and the largest u give the first and last tokens of positive mass.
         let edge = draw(&logq.narrow(0, 0, 2), &Tensor::from_slice(&[0.0, 1.0 - 2f64.powi(-52)]));

@@ -122,15 +122,6 @@ impl KvCache {
     pub fn rows(&self) -> i64 {
         self.key_mask.size()[0]
     }
-
-    /// Keeps only the cached rows `rows` (indices into the current rows, `[R]` int64), in that
-    /// order: finished rows leave the batch, and the next step computes the others only.
-    pub fn keep_rows(&mut self, rows: &Tensor) {
-        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-            *t = t.index_select(0, rows);
-        }
-        self.key_mask = self.key_mask.index_select(0, rows);
-    }
 }
 
 /// Keys and values of `S` decoding slots, each with room for `capacity` positions, for the
@@ -144,11 +135,6 @@ pub struct SlotCache {
 }
 
 impl SlotCache {
-    /// The number of slots.
-    pub fn slots(&self) -> i64 {
-        self.k.first().map_or(0, |t| t.size()[0])
-    }
-
     /// Positions per slot.
     pub fn capacity(&self) -> i64 {
         self.k.first().map_or(0, |t| t.size()[2])
@@ -504,7 +490,9 @@ impl Llama {
             let kv = match &mut cache {
                 Kv::None => None,
                 Kv::Append(c) => Some(Write::Append(&mut c.k[l], &mut c.v[l], c.len)),
-                Kv::Slots { cache, index, keys } => Some(Write::Scatter(&mut cache.k[l], &mut cache.v[l], index, *keys)),
+                Kv::Slots { cache, index, keys } => {
+                    Some(Write::Scatter(&mut cache.k[l], &mut cache.v[l], index, *keys))
+                }
             };
             let (q, k, v) = lin.qkv(self, l, &h)?;
             let y = self.attention(&q, &k, &v, &cos, &sin, attend, kv);

@@ -45,12 +45,16 @@ pub fn available() -> bool {
     *AVAILABLE.get_or_init(|| unsafe { topr_onednn_available() == 1 })
 }
 
+/// The message a C++ shim wrote into `err` (NUL-terminated), on one line.
+pub(crate) fn shim_message(err: &[u8]) -> String {
+    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+    String::from_utf8_lossy(&err[..end]).split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// Turns the shim's result into a tensor, or its message into an error.
 fn take(raw: *mut c_void, err: &[u8], what: &str) -> Result<Tensor> {
     if raw.is_null() {
-        let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-        let msg = String::from_utf8_lossy(&err[..end]);
-        bail!("oneDNN {what} failed: {}", msg.split_whitespace().collect::<Vec<_>>().join(" "));
+        bail!("oneDNN {what} failed: {}", shim_message(err));
     }
     // SAFETY: the shim returns a `new at::Tensor`, which tch takes over and frees on drop.
     Ok(unsafe { Tensor::from_ptr(raw.cast()) })

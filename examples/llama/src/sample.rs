@@ -113,9 +113,12 @@ pub fn sample_dataset(
     // decodes on the same shapes.
     let jobs: Vec<Job> = todo
         .iter()
-        .flat_map(|(i, _)| (0..n).map(move |k| Job { prompt: *i, stream: Stream::new(seed as u64, *i as u64, k as u64) }))
+        .flat_map(|(i, _)| {
+            (0..n).map(move |k| Job { prompt: *i, stream: Stream::new(seed as u64, *i as u64, k as u64) })
+        })
         .collect();
-    let mut w = InOrder { out: crate::io::Append::open(out)?, pending: vec![vec![None; n]; todo.len()], next: 0, written: 0 };
+    let mut w =
+        InOrder { out: crate::io::Append::open(out)?, pending: vec![vec![None; n]; todo.len()], next: 0, written: 0 };
     let batching = Batching::slots(batch_prompts * n);
     generate::run(model, &all_prompts, &jobs, &s, &tok.eos_ids, batching, |j, c| {
         w.add(j / n, j % n, c, |t, k, c| graded(tok, todo[t].1, k, &all_prompts[todo[t].0], c, &record))?;

@@ -288,15 +288,19 @@ fn fused_logprob_training_matches_naive_gradients() {
     }
 }
 
+/// A random checkpoint of hidden size 512 (where oneDNN's training products apply too), tied
+/// embeddings, drawn with `seed`.
+fn wide_checkpoint(name: &str, seed: &str) -> PathBuf {
+    let wide = ["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", seed];
+    random_checkpoint(name, &wide)
+}
+
 /// The training forward's two kernels (libtorch's matmul, oneDNN from
 /// `ONEDNN_TRAINING_MIN_HIDDEN` on) give the same logits and the same gradient of every
 /// parameter, for a right-padded batch (causal attention) and a left-padded one (a mask).
 #[test]
 fn training_kernels_agree_on_logits_and_gradients() {
-    let dir = random_checkpoint(
-        "train_kernels",
-        &["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", "8"],
-    );
+    let dir = wide_checkpoint("train_kernels", "8");
     let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
     assert!(m.cfg.hidden_size >= model::ONEDNN_TRAINING_MIN_HIDDEN);
     let ids = Tensor::from_slice(&[256i64, 10, 20, 30, 40, 50, 0, 256, 5, 6, 7, 8, 9, 11]).view([2, 7]);
@@ -408,14 +412,26 @@ fn completions_do_not_depend_on_slots_or_reads() {
             m.set_kernels(kernels);
             let run = |slots, sync_every| {
                 let refill = slots != 5; // 5 slots: draining batches
-                generate::collect(&m, &prompts, &jobs, &s, &eos, Batching { slots, sync_every, refill, shrink: true }, || ()).unwrap()
+                generate::collect(
+                    &m,
+                    &prompts,
+                    &jobs,
+                    &s,
+                    &eos,
+                    Batching { slots, sync_every, refill, shrink: true },
+                    || (),
+                )
+                .unwrap()
             };
             let all = run(0, 1);
             let lengths: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tokens.len()).collect();
             if matches!(s.decoding, generate::Decoding::Sample(_)) {
                 assert!(lengths.len() >= 3, "{kernels:?}: rows should stop at different lengths, got {lengths:?}");
                 assert!(all.iter().any(|c| c.stop == generate::Stop::Eos), "{kernels:?}: some row should stop at EOS");
-                assert!(all.iter().any(|c| c.stop == generate::Stop::Length), "{kernels:?}: some row should use the budget");
+                assert!(
+                    all.iter().any(|c| c.stop == generate::Stop::Length),
+                    "{kernels:?}: some row should use the budget"
+                );
                 // Samples of one prompt differ (their streams do).
                 assert!((0..prompts.len()).any(|i| all[3 * i].tokens != all[3 * i + 1].tokens));
             }
@@ -448,10 +464,7 @@ fn completions_do_not_depend_on_slots_or_reads() {
 #[test]
 fn a_completion_depends_on_nothing_beside_it() {
     use generate::{Batching, Job, Sampling, SamplingParams, Stream};
-    let dir = random_checkpoint(
-        "slots_bits",
-        &["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--intermediate", "640", "--tie", "--seed", "9"],
-    );
+    let dir = wide_checkpoint("slots_bits", "9");
     let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
     // Prompts of 30 to 69 tokens and 12 new ones: the keys read (whole blocks of 64) are one or
     // two blocks, depending on which slots run together.
@@ -463,7 +476,9 @@ fn a_completion_depends_on_nothing_beside_it() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for kernels in [Kernels::Plain, Kernels::Onednn] {
         m.set_kernels(kernels);
-        let run = |jobs: &[Job], slots| generate::collect(&m, &prompts, jobs, &s, &eos, Batching::slots(slots), || ()).unwrap();
+        let run = |jobs: &[Job], slots| {
+            generate::collect(&m, &prompts, jobs, &s, &eos, Batching::slots(slots), || ()).unwrap()
+        };
         let all = run(&jobs, 4);
         let lengths: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tokens.len()).collect();
         assert!(lengths.len() >= 2, "{kernels:?}: completions of different lengths, got {lengths:?}");
@@ -516,7 +531,16 @@ fn greedy_slots_equal_recomputing_each_sequence() {
     let m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
     let prompts: Vec<Vec<i64>> = vec![vec![256, 40, 41, 42, 43, 44, 45], vec![256, 7], vec![256, 100, 101]];
     let s = generate::Sampling::greedy(12);
-    let ours = generate::collect(&m, &prompts, &(0..3).map(|i| generate::Job { prompt: i, stream: generate::Stream(0) }).collect::<Vec<_>>(), &s, &[], generate::Batching::slots(2), || ()).unwrap();
+    let ours = generate::collect(
+        &m,
+        &prompts,
+        &(0..3).map(|i| generate::Job { prompt: i, stream: generate::Stream(0) }).collect::<Vec<_>>(),
+        &s,
+        &[],
+        generate::Batching::slots(2),
+        || (),
+    )
+    .unwrap();
     for (p, c) in prompts.iter().zip(&ours) {
         let mut seq = p.clone();
         for (k, &t) in c.tokens.iter().enumerate() {
@@ -526,7 +550,11 @@ fn greedy_slots_equal_recomputing_each_sequence() {
             let last = logits.select(1, n - 1).squeeze_dim(0);
             assert_eq!(last.argmax(-1, false).int64_value(&[]), t, "prompt {p:?}, token {k}");
             let lp = last.log_softmax(-1, Kind::Float).double_value(&[t]);
-            assert!((lp - f64::from(c.logp_model[k])).abs() < 1e-4, "prompt {p:?}, token {k}: log-prob {lp} vs {}", c.logp_model[k]);
+            assert!(
+                (lp - f64::from(c.logp_model[k])).abs() < 1e-4,
+                "prompt {p:?}, token {k}: log-prob {lp} vs {}",
+                c.logp_model[k]
+            );
             seq.push(t);
         }
         assert_eq!(c.tokens.len(), 12);

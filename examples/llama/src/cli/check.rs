@@ -110,8 +110,10 @@ pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i6
     let sampled = Sampling::sample(generate::SamplingParams::default(), new_tokens);
     let sa = generate::generate(&cpu, &prompt_ids, &sampled, &[], 0)?;
     let sb = generate::generate(&dev32, &prompt_ids, &sampled, &[], 0)?;
-    let same = |x: &[generate::Completion], y: &[generate::Completion]| x.iter().zip(y).all(|(p, q)| p.tokens == q.tokens);
-    let (graphs_greedy_identical, graphs_sampled_identical) = if device.is_cuda() && topr_llama::cuda_graph::available() {
+    let same =
+        |x: &[generate::Completion], y: &[generate::Completion]| x.iter().zip(y).all(|(p, q)| p.tokens == q.tokens);
+    let (graphs_greedy_identical, graphs_sampled_identical) = if device.is_cuda() && topr_llama::cuda_graph::available()
+    {
         dev32.set_cuda_graphs(true);
         let gb = generate::generate(&dev32, &prompt_ids, &s, &[], 0)?;
         let gs = generate::generate(&dev32, &prompt_ids, &sampled, &[], 0)?;

@@ -370,7 +370,10 @@ impl DemoArgs {
         let mut scale = if self.quick { topr_llama::demo::Scale::quick() } else { demo_scale(self.scale) };
         scale.sft_epochs = self.sft_epochs.unwrap_or(scale.sft_epochs);
         scale.iterations = self.iterations.unwrap_or(scale.iterations);
-        let at = topr_llama::checkpoint::Placement { cuda_graphs: self.cuda_graphs, ..topr_llama::checkpoint::Placement::f32(self.device) };
+        let at = topr_llama::checkpoint::Placement {
+            cuda_graphs: self.cuda_graphs,
+            ..topr_llama::checkpoint::Placement::f32(self.device)
+        };
         topr_llama::demo::run(&self.work, scale, at, self.resume)
     }
 }
@@ -456,9 +459,10 @@ impl Command {
     /// The device of a data-parallel command's model.
     fn device(&self) -> Option<tch::Device> {
         match self {
-            Self::Eval { model, .. } | Self::Sample { model, .. } | Self::Train { model, .. } | Self::Iterate { model, .. } => {
-                Some(model.device)
-            }
+            Self::Eval { model, .. }
+            | Self::Sample { model, .. }
+            | Self::Train { model, .. }
+            | Self::Iterate { model, .. } => Some(model.device),
             _ => None,
         }
     }
@@ -520,7 +524,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Plot { dir } => c::plot(&dir),
         Command::Convert { model, out } => c::convert(&model, &out),
-        Command::Bench { model, new_tokens, gen_batch, train_batch, train_len, kernel_pairs, sample_prompts, sample_slots } => {
+        Command::Bench {
+            model,
+            new_tokens,
+            gen_batch,
+            train_batch,
+            train_len,
+            kernel_pairs,
+            sample_prompts,
+            sample_slots,
+        } => {
             let (mut m, tok) = c::load(&model)?;
             bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
             bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens)?;
