@@ -15,7 +15,7 @@
 
 use crate::checkpoint::Placement;
 use crate::eval::QuestionResult;
-use crate::identity::ModelId;
+use crate::identity::{ModelId, Numerics};
 use crate::iterate::{self, Loop};
 use crate::layout::LoopDir;
 use crate::metrics::read_jsonl;
@@ -84,6 +84,15 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
         let prev = work.iteration(i - 1);
         (prev.model(), prev.eval())
     };
+    let numerics = Numerics::of(s.at);
+    if numerics != rec.numerics {
+        bail!(
+            "--dtype, --device, --kernels: the run in {} was made in {}; its arms must be too (this comparison asks for {})",
+            s.run.display(),
+            rec.numerics.describe(),
+            numerics.describe()
+        );
+    }
     if i == 1 && ModelId::of(&mu_dir)? != rec.model {
         bail!("the run's initial model {} has changed since the run started: its μ is gone", mu_dir.display());
     }
@@ -122,7 +131,7 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
         jsonl.push('\n');
     }
     crate::io::write_file(&out.join("compare.jsonl"), jsonl)?;
-    let md = table(s, &rec.settings.train, &rows)?;
+    let md = table(s, &rec.settings.train, &rec.numerics, &rows)?;
     crate::io::write_file(&out.join("compare.md"), &md)?;
     print!("{md}");
     Ok(rows)
@@ -174,18 +183,19 @@ fn row(
 }
 
 /// `compare.md`: one row per model, with the paired differences in standard errors.
-fn table(s: &CompareSettings, train: &TrainSettings, rows: &[CompareRow]) -> Result<String> {
+fn table(s: &CompareSettings, train: &TrainSettings, numerics: &Numerics, rows: &[CompareRow]) -> Result<String> {
     let mut md = String::new();
     writeln!(
         md,
         "# Iteration {} of {}: objectives on the same data\n\nThe run's objective: {} ({}). \
-         Every arm trained from the same μ on the same data set with the run's settings; greedy \
-         pass@1 on the same {} held-out questions; ± one standard error over questions (paired \
-         for the differences), `z` the difference in standard errors.\n",
+         Every arm trained from the same μ on the same data set with the run's settings, in {}; \
+         greedy pass@1 on the same {} held-out questions; ± one standard error over questions \
+         (paired for the differences), `z` the difference in standard errors.\n",
         s.iteration,
         s.run.display(),
         train.objective.name(),
         train.baseline.describe(),
+        numerics.describe(),
         rows.first().map_or(0, |r| r.questions)
     )?;
     writeln!(md, "| model | accuracy | invalid | gain over μ | z | − run's model | z |")?;

@@ -190,6 +190,10 @@ pub struct SampleRun {
     /// The shard this file holds (absent: the whole data set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<Shard>,
+    /// μ's dtype, device kind and kernels (absent from older records: f32 on the CPU, the
+    /// default kernels).
+    #[serde(default)]
+    pub numerics: crate::identity::Numerics,
 }
 
 /// How a data set's completions drew their random numbers: a file is only ever extended by the

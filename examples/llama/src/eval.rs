@@ -2,6 +2,7 @@
 //! and pass@k; invalid-answer rate and mean completion length; one JSON line per question.
 
 use crate::generate::{self, Batching, Job, Sampling, SamplingParams, Stream};
+use crate::identity::Numerics;
 use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
 use crate::shard::Shard;
@@ -64,7 +65,7 @@ fn bar(n: u64, what: &str) -> ProgressBar {
 }
 
 /// How an evaluation generates.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct EvalSettings {
     /// The token budget of every completion.
     pub max_new_tokens: i64,
@@ -144,6 +145,15 @@ pub fn evaluate(
     Ok(summarize(&results, samples))
 }
 
+/// What the ranks of an evaluation must agree on.
+#[derive(Serialize)]
+struct EvalRecord<'a> {
+    questions: crate::identity::Digest,
+    settings: EvalSettings,
+    model: &'a crate::config::LlamaConfig,
+    numerics: Numerics,
+}
+
 /// [`evaluate`] spread over the ranks of a process `group` (one process without one): each rank
 /// evaluates its shard, the per-question lines are gathered to every rank through the group, and
 /// every rank returns the summary of all questions; rank 0 writes `out` (whole, atomically),
@@ -162,6 +172,15 @@ pub fn evaluate_parallel(
         Some(_) => EvalSettings { shard: parallel::shard(group), ..*settings },
         None => *settings,
     };
+    // What each rank evaluates: the questions, the settings, the model's shapes and numerics.
+    let questions = crate::identity::Digest::of_records(problems.iter().map(|p| (&p.id, &p.question, p.answer)))?;
+    let record = EvalRecord {
+        questions,
+        settings: EvalSettings { shard: Shard::WHOLE, ..settings },
+        model: &model.cfg,
+        numerics: Numerics::of_model(model),
+    };
+    parallel::agree(group, "evaluation", &record, &[])?;
     let mut lines = vec![];
     evaluate(model, tok, problems, style, &settings, Some(&mut lines))?;
     let all = parallel::gather_bytes(group, &lines)?.concat();

@@ -55,6 +55,7 @@ impl<'a> Loop<'a> {
                 // What the initial evaluation and the first data set depend on.
                 let key = (
                     ModelId::of(initial)?,
+                    crate::identity::Numerics::of(at),
                     &s.task,
                     &s.sampling,
                     s.samples_per_prompt,
@@ -189,7 +190,7 @@ impl<'a> Loop<'a> {
         let samples =
             train::load_data(data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, train.skip_bad_records)?;
         let samples = self.s.curate.apply(samples);
-        let record = train::RunRecord::new(mu_dir, data, &samples, train)?;
+        let record = train::RunRecord::new(mu_dir, self.at, data, &samples, train)?;
         let summary = train::run(&m, &samples, train, &record, dir, self.group)?;
         parallel::on_main(self.group, || {
             checkpoint::save(&m, mu_dir, model_dir)?;
@@ -215,6 +216,10 @@ pub fn read_run(work: &Path) -> Result<IterateRun> {
 pub struct IterateRun {
     /// The initial model.
     pub model: ModelId,
+    /// The dtype, device kind and kernels of every stage (absent from older records: f32 on
+    /// the CPU, the default kernels).
+    #[serde(default)]
+    pub numerics: crate::identity::Numerics,
     /// The settings, as fields of the record (`iterations`, `train.lr`, ...).
     #[serde(flatten)]
     pub settings: IterateSettings,
@@ -280,7 +285,8 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
     s.curate.check()?;
     // The inputs first: a bad data file or model is reported before anything is written.
     let lp = Loop::new(at, group, s, model)?;
-    let run = IterateRun { model: ModelId::of(model)?, settings: s.clone() };
+    let run = IterateRun { model: ModelId::of(model)?, numerics: crate::identity::Numerics::of(at), settings: s.clone() };
+    parallel::agree(group, "iterate", &run, &["model.path"])?;
     let _lock = parallel::on_main(group, || {
         std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
         let lock = Lock::dir(&s.work)?;
@@ -421,7 +427,8 @@ mod tests {
             crate::demo::topr_settings().unwrap(),
         );
         let run = IterateRun {
-            model: ModelId { path: "m".into(), config: "c".into(), weights: Default::default() },
+            model: ModelId { path: "m".into(), config: "c".into(), weights: Default::default(), content: None },
+            numerics: Default::default(),
             settings,
         };
         let mut old = serde_json::to_value(&run).unwrap();

@@ -86,6 +86,42 @@ pub fn gather_bytes(group: Option<&ProcessGroup>, bytes: &[u8]) -> Result<Vec<Ve
     Ok(out)
 }
 
+/// Refuses to go on, on every rank alike, unless every rank's `record` of what it was started
+/// with (settings, the model's and the data's identity) is rank 0's, but for the fields in
+/// `may_differ` (dotted paths, e.g. `model.path`: copies of one model at other paths are the same
+/// model). A group started with other arguments on some rank would otherwise train one model on
+/// a mix of both. The error lists, per rank, each field that differs (`field rank 0's → its`).
+/// Every rank gathers every record, so every rank reaches the same verdict and none is left
+/// waiting.
+pub fn agree<T: serde::Serialize>(
+    group: Option<&ProcessGroup>,
+    what: &str,
+    record: &T,
+    may_differ: &[&str],
+) -> Result<()> {
+    let Some(g) = group else { return Ok(()) };
+    if g.world_size() < 2 {
+        return Ok(());
+    }
+    let records = gather_bytes(group, &serde_json::to_vec(record)?)?;
+    let parsed: Vec<serde_json::Value> =
+        records.iter().map(|r| serde_json::from_slice(r)).collect::<Result<_, _>>()?;
+    let mut disagreements = vec![];
+    for (rank, r) in parsed.iter().enumerate().skip(1) {
+        let d = crate::identity::differences(&parsed[0], r, may_differ);
+        if !d.is_empty() {
+            disagreements.push(format!("rank {rank}: {}", d.join(", ")));
+        }
+    }
+    if !disagreements.is_empty() {
+        anyhow::bail!(
+            "the ranks of the group were started with different {what} inputs or settings (rank 0's → the other rank's): {}; start every rank with the same arguments, data and model",
+            disagreements.join("; ")
+        );
+    }
+    Ok(())
+}
+
 /// Whether rank 0 says so: rank 0's `value` on every rank.
 pub fn main_says(group: Option<&ProcessGroup>, value: bool) -> Result<bool> {
     let Some(g) = group else { return Ok(value) };

@@ -83,7 +83,7 @@ pub fn sample_dataset(
     crate::io::refuse_overlap(model_dir, out, "output file")?;
     let _lock = crate::io::Lock::file(out)?;
     let all_prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
-    let run = sample_run(model_dir, problems, &all_prompts, settings)?;
+    let run = sample_run(model, model_dir, problems, &all_prompts, settings)?;
     check_run(out, &run)?;
     // This shard's problems (all of them for the whole): whole batches, seeded as in one process.
     let mine = run.shard_problems();
@@ -227,9 +227,10 @@ fn graded(
     })
 }
 
-/// The record of sampling `problems` (with their prompts `prompts`) from the model of
-/// `model_dir` with `settings`.
+/// The record of sampling `problems` (with their prompts `prompts`) from `model`, loaded from
+/// `model_dir`, with `settings`.
 fn sample_run(
+    model: &Llama,
     model_dir: &Path,
     problems: &[Problem],
     prompts: &[Vec<i64>],
@@ -244,6 +245,7 @@ fn sample_run(
         sampling: settings.record()?,
         streams: Streams::PerCompletion,
         shard: (!settings.shard.is_whole()).then_some(settings.shard),
+        numerics: crate::identity::Numerics::of_model(model),
     })
 }
 
@@ -299,11 +301,11 @@ pub fn sample_parallel(
     let Some(g) = group else {
         return sample_dataset(model, tok, model_dir, problems, style, settings, out);
     };
-    let done = g.is_main() && out.exists() && {
-        let whole = SampleSettings { shard: Shard::WHOLE, ..*settings };
-        let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
-        is_complete(out, &sample_run(model_dir, problems, &prompts, &whole)?)
-    };
+    let whole = SampleSettings { shard: Shard::WHOLE, ..*settings };
+    let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
+    let run = sample_run(model, model_dir, problems, &prompts, &whole)?;
+    parallel::agree(group, "sampling", &run, &["model.path"])?;
+    let done = g.is_main() && out.exists() && is_complete(out, &run);
     if parallel::main_says(group, done)? {
         return Ok(0);
     }

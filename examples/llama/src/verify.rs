@@ -337,7 +337,7 @@ fn train_round(
         if let Ok(saved) = serde_json::from_str::<RoundDone>(&text) {
             let cfg = crate::config::LlamaConfig::load(mu)?;
             let samples = train::load_data(&data, cfg.max_position_embeddings as usize, cfg.vocab_size, false)?;
-            let record = train::RunRecord::new(mu, &data, &samples, &settings)?;
+            let record = train::RunRecord::new(mu, at, &data, &samples, &settings)?;
             crate::stage::check(
                 &serde_json::to_value(&saved.record)?,
                 &record,
@@ -354,7 +354,7 @@ fn train_round(
         write_verdicts(&m, tok, problems, verdicts, &data)?;
     }
     let samples = train::load_data(&data, m.cfg.max_position_embeddings as usize, m.cfg.vocab_size, false)?;
-    let record = train::RunRecord::new(mu, &data, &samples, &settings)?;
+    let record = train::RunRecord::new(mu, at, &data, &samples, &settings)?;
     let summary = train::run(&m, &samples, &settings, &record, &dir, None)?;
     checkpoint::save(&m, mu, &model_dir)?;
     train::finish(&dir);

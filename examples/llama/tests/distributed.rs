@@ -60,11 +60,17 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// Starts `args` as the `world` ranks of a group, as torchrun would (one intra-op thread each:
 /// the two ranks share this machine's cores).
 fn spawn_group(args: &[&str], world: usize, extra_env: &[(&str, &str)]) -> Vec<Child> {
+    spawn_ranks(&vec![args.to_vec(); world], extra_env)
+}
+
+/// Starts the ranks of a group, rank `r` with `args[r]`.
+fn spawn_ranks(args: &[Vec<&str>], extra_env: &[(&str, &str)]) -> Vec<Child> {
     let port = free_port().to_string();
+    let world = args.len();
     (0..world)
         .map(|rank| {
             let mut c = Command::new(llama());
-            c.args(args)
+            c.args(&args[rank])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
@@ -343,6 +349,80 @@ fn two_ranks_train_as_one_process_does_for_topr_and_ppo() {
         assert!(String::from_utf8_lossy(&outs[0].stdout).contains("\"steps\":12"));
         assert!(outs[1].stdout.is_empty());
     }
+}
+
+/// Ranks started with another learning rate, objective, data file, model of the same shape with
+/// other weights, or model of another shape: every rank refuses before a step, naming the field
+/// and the rank, with a one-line error (no abort), and leaves no lock behind; the same model and
+/// data at other paths are accepted.
+#[test]
+fn ranks_started_differently_are_refused_before_a_step() {
+    let _serial = serial();
+    let (dir, m0, data) = setup("dist_disagree");
+    let other_weights = dir.join("m0-seed1");
+    let out = Command::new(llama())
+        .args(["init", "--out", s(&other_weights), "--layers", "2", "--hidden", "32", "--heads", "2"])
+        .args(["--kv-heads", "1", "--intermediate", "64", "--seed", "1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let other_shape = dir.join("m0-wide");
+    common::tiny_model(&other_shape, "3");
+    let other_data = dir.join("other.jsonl");
+    let all = std::fs::read_to_string(&data).unwrap();
+    let lines: Vec<&str> = all.lines().collect();
+    std::fs::write(&other_data, lines[..lines.len() - 1].join("\n") + "\n").unwrap();
+    let copy_data = dir.join("copy.jsonl");
+    std::fs::copy(&data, &copy_data).unwrap();
+    let base = |out: &Path| train_args(&m0, &data, out, "topr", "1").into_iter().map(String::from).collect::<Vec<_>>();
+    let with = |out: &Path, flag: &str, value: &str| {
+        let mut a = base(out);
+        let at = a.iter().position(|x| x == flag).unwrap();
+        a[at + 1] = value.into();
+        a
+    };
+    let cases: Vec<(&str, Box<dyn Fn(&Path) -> Vec<String>>, &str)> = vec![
+        ("lr", Box::new(|o: &Path| with(o, "--lr", "1e-3")), "lr 3e-3 → 1e-3"),
+        ("objective", Box::new(|o: &Path| with(o, "--objective", "ppo")), "objective topr → ppo"),
+        ("data", Box::new(|o: &Path| with(o, "--data", s(&other_data))), "data.bytes"),
+        ("weights", Box::new(|o: &Path| with(o, "--model", s(&other_weights))), "model.content"),
+        ("shape", Box::new(|o: &Path| with(o, "--model", s(&other_shape))), "model.config"),
+    ];
+    for (name, other, wanted) in cases {
+        let out = dir.join(format!("out-{name}"));
+        let args = [base(&out), other(&out)];
+        let outs: Vec<Output> = spawn_ranks(&[strs(&args[0]), strs(&args[1])], &[])
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        for (rank, o) in outs.iter().enumerate() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let last = err.lines().last().unwrap_or_default();
+            assert_eq!(o.status.code(), Some(1), "{name}, rank {rank}: {}", text(o));
+            assert!(last.starts_with("error: ") && last.contains("rank 1: ") && last.contains(wanted), "{name}, rank {rank}: {err}");
+        }
+        assert!(!out.join("LOCK").exists(), "{name}: the lock is left behind");
+        assert!(!out.join("model.safetensors").exists(), "{name}: a model was saved");
+    }
+    // The same model and data at other paths: one group, trained as usual.
+    let copy_model = dir.join("m0-copy");
+    std::fs::create_dir_all(&copy_model).unwrap();
+    for f in std::fs::read_dir(&m0).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, copy_model.join(f.file_name().unwrap())).unwrap();
+    }
+    let out = dir.join("out-copies");
+    let mut second = with(&out, "--data", s(&copy_data));
+    let at = second.iter().position(|x| x == "--model").unwrap();
+    second[at + 1] = s(&copy_model).into();
+    let outs: Vec<Output> = spawn_ranks(&[strs(&base(&out)), strs(&second)], &[])
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (rank, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "copies, rank {rank}: {}", text(o));
+    }
+    assert!(out.join("model.safetensors").exists());
 }
 
 #[test]

@@ -28,7 +28,7 @@ pub use units::{MicroBatch, Unit, micro_batch, units, units_with};
 use crate::Refusal;
 use crate::checkpoint::{self, Placement};
 use crate::dataset::Sample;
-use crate::identity::{Digest, FileId, ModelId};
+use crate::identity::{Digest, FileId, ModelId, Numerics};
 use crate::metrics::StepRecord;
 use crate::model::Llama;
 use crate::optim::Optimizer;
@@ -66,22 +66,32 @@ pub struct RunRecord {
     pub data: FileId,
     /// The records trained on (after skipping bad records and any curation).
     pub records: Digest,
+    /// The dtype, device kind and kernels of the training (absent from older records: f32 on
+    /// the CPU, the default kernels).
+    #[serde(default)]
+    pub numerics: Numerics,
     /// The settings, as fields of the record (`lr`, `objective`, ...).
     #[serde(flatten)]
     pub settings: TrainSettings,
 }
 
 impl RunRecord {
-    /// The record of training the model of `model_dir` on `samples`, read from `data`.
-    pub fn new(model_dir: &Path, data: &Path, samples: &[Sample], o: &TrainSettings) -> Result<Self> {
+    /// The record of training the model of `model_dir`, loaded `at`, on `samples`, read from
+    /// `data`.
+    pub fn new(model_dir: &Path, at: Placement, data: &Path, samples: &[Sample], o: &TrainSettings) -> Result<Self> {
         Ok(Self {
             model: ModelId::of(model_dir)?,
             data: FileId::of(data)?,
             records: Digest::of_records(samples)?,
+            numerics: Numerics::of(at),
             settings: o.clone(),
         })
     }
 }
+
+/// The fields of a [`RunRecord`] the ranks of a group may hold differently: where each finds its
+/// copy of the model and of the data (their contents are compared).
+pub(crate) const PATHS: [&str; 2] = ["model.path", "data.path"];
 
 /// What a training run did.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -249,6 +259,7 @@ pub fn run(
     group: Option<&ProcessGroup>,
 ) -> Result<Summary> {
     o.check()?;
+    parallel::agree(group, "training", record, &PATHS)?;
     let main = parallel::is_main(group);
     let state = StateDir { dir: dir.to_path_buf() };
     if main {
@@ -357,7 +368,7 @@ pub fn train_dir(
         crate::config::LlamaConfig::load(model_dir).with_context(|| format!("loading {}", model_dir.display()))?;
     let samples = load_data(data, cfg.max_position_embeddings as usize, cfg.vocab_size, o.skip_bad_records)?;
     refuse_no_op(&samples, o, data)?;
-    let record = RunRecord::new(model_dir, data, &samples, o)?;
+    let record = RunRecord::new(model_dir, at, data, &samples, o)?;
     let main = parallel::is_main(group);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let _lock = if main { Some(crate::io::Lock::dir(out)?) } else { None };
