@@ -835,6 +835,21 @@ fn sampling_more_into_a_data_set_of_another_task_is_refused() {
     std::fs::write(&record, serde_json::to_string(&run_json).unwrap()).unwrap();
     refused(&strs(&sample(&["--synthetic-n", "2"])), &["streams batch → per_completion"]);
     assert_eq!(std::fs::read_to_string(&data).unwrap(), before);
+    run_json["streams"] = "per_completion".into();
+    std::fs::write(&record, serde_json::to_string(&run_json).unwrap()).unwrap();
+    // Other numerics, or other weights of the same size at the same path: another μ.
+    refused(&strs(&sample(&["--synthetic-n", "2", "--dtype", "bf16"])), &["numerics.dtype f32 → bf16"]);
+    let other = dir.join("other");
+    init_seeded(&other, "1", "1");
+    std::fs::copy(other.join("model.safetensors"), m0.join("model.safetensors")).unwrap();
+    refused(&strs(&sample(&["--synthetic-n", "2"])), &["model.content"]);
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), before);
+}
+
+/// `llama init` of the tiny shape with `layers` and `seed`.
+fn init_seeded(dir: &Path, layers: &str, seed: &str) {
+    let args = ["init", "--out", s(dir), "--layers", layers, "--hidden", "32", "--heads", "2", "--kv-heads", "1"];
+    run(&strs(&with(&args, &["--intermediate", "64", "--seed", seed])));
 }
 
 /// A killed training run resumed with another setting is refused, listing each difference; the
@@ -878,6 +893,7 @@ fn a_training_run_resumed_with_other_settings_is_refused_listing_them() {
     let mut a = train(&["--lr", "1e-3", "--resume", "--objective", "sft"]);
     a[4] = s(&other).to_string();
     refused(&strs(&a), &["data.path", "records.hash"]);
+    refused(&strs(&train(&["--lr", "1e-3", "--resume", "--objective", "sft", "--dtype", "bf16"])), &["numerics.dtype f32 → bf16"]);
     assert!(out.join("state").exists(), "a refused resume removed the state");
 }
 
@@ -927,6 +943,7 @@ fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
         &["train.objective topr → tis", "another --work"],
     );
     refused(&strs(&iterate(&["--iterations", "2", "--resume", "--task-seed", "5"])), &["task.seed 1 → 5"]);
+    refused(&strs(&iterate(&["--iterations", "2", "--resume", "--dtype", "bf16"])), &["numerics.dtype f32 → bf16"]);
     assert!(!work.join("LOCK").exists());
     compare_trains_other_arms_on_an_iterations_data(&dir, &work);
 }
@@ -965,6 +982,8 @@ fn compare_trains_other_arms_on_an_iterations_data(dir: &Path, work: &Path) {
     assert_eq!(run(&compare), table, "a rerun reuses the finished arms");
     assert_eq!(std::fs::metadata(&done).unwrap().modified().unwrap(), stamp);
     refused(&["compare", "--run", s(work), "--iteration", "3"], &["iteration 3", "not finished"]);
+    refused(&strs(&with(&compare, &["--dtype", "bf16"])), &["--dtype", "made in f32 on cpu", "asks for bf16 on cpu"]);
+    assert!(std::fs::read_to_string(out.join("compare.md")).unwrap().contains("in f32 on cpu (onednn kernels)"));
     refused(&["compare", "--run", s(work), "--arms", "topr-p1.5"], &["(0, 1)"]);
     refused(&["compare", "--run", s(work), "--arms", "nope"], &["unknown objective"]);
     refused(&["compare", "--run", s(dir)], &["settings.json"]);
