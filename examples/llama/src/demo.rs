@@ -23,7 +23,7 @@ use anyhow::{Context, Result, bail};
 use std::path::Path;
 
 /// The demo's sizes: the README run, or a CI-sized one for tests.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Scale {
     pub size: init::Size,
     pub sft_problems: usize,

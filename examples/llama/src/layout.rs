@@ -257,6 +257,11 @@ impl StudyDir {
         VerifyDir::new(self.seed(seed).verifier())
     }
 
+    /// The record of what the study's runs are made with (`study.json`: sizes, numerics).
+    pub fn record(&self) -> PathBuf {
+        self.0.join("study.json")
+    }
+
     /// One row per claim, arm, seed and iteration.
     pub fn table(&self) -> PathBuf {
         self.0.join("study.jsonl")

@@ -83,6 +83,8 @@ pub enum Resumable {
     Verifier,
     /// The demo's (or a study seed's) warm-up stages.
     WarmUp,
+    /// A study's work directory (its sizes and numerics, `study.json`).
+    Study,
 }
 
 /// A refusal that a caller lifts by changing a setting (continuing an earlier run, or skipping

@@ -65,10 +65,30 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     let out = study(&work, &["--claims", "negatives,degeneration"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(std::fs::read(work.join("study.jsonl")).unwrap(), before);
-    // --report-only redraws the same tables.
+    // A rerun with other sizes is refused, naming them.
+    let out = study(&work, &["--claims", "negatives,degeneration", "--eval-n", "99"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("scale.eval_n 6 → 99") && err.contains("--work"), "{err}");
+    // --report-only redraws the same tables, with the sizes the study recorded; flags that
+    // would describe other runs are refused.
     std::fs::remove_file(work.join("study.md")).unwrap();
-    let out = study(&work, &["--claims", "negatives,degeneration", "--report-only"]);
+    let report = |extra: &[&str]| {
+        Command::new(llama())
+            .args(["study", "--work", work.to_str().unwrap(), "--seeds", "2", "--claims", "negatives,degeneration"])
+            .args(["--report-only"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for flag in [&["--eval-n", "99"][..], &["--iterations", "7"], &["--scale", "quick"], &["--device", "cpu"]] {
+        let out = report(flag);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(flag[0]) && err.contains("study.json"), "{flag:?}: {err}");
+    }
+    assert!(!work.join("study.md").exists(), "a refused report wrote study.md");
+    let out = report(&[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(work.join("study.md")).unwrap().contains("6 held-out problems a seed"));
     assert_eq!(std::fs::read(work.join("study.jsonl")).unwrap(), before);
     assert!(std::fs::read_to_string(work.join("study.md")).unwrap().contains("| topr-p0.5 | 2 |"));
     assert_eq!(std::fs::metadata(work.join("seed-1/warm-up/model.safetensors")).unwrap().modified().unwrap(), warm);

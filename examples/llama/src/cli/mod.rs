@@ -394,9 +394,9 @@ pub struct StudyArgs {
     /// Number of seeds (the seeds 0..n).
     #[arg(long, default_value_t = 5, value_parser = args::whole(1usize, 1000))]
     pub seeds: usize,
-    /// The demo scale the runs use (full: the README's model and data).
-    #[arg(long, value_enum, default_value_t = DemoScale::Full)]
-    pub scale: DemoScale,
+    /// The demo scale the runs use (default full: the README's model and data).
+    #[arg(long, value_enum)]
+    pub scale: Option<DemoScale>,
     /// Iterations per arm (default: the scale's), where a claim does not fix its own.
     #[arg(long, value_parser = args::whole(1usize, 1000))]
     pub iterations: Option<usize>,
@@ -406,11 +406,13 @@ pub struct StudyArgs {
     /// Held-out questions per seed (default: the scale's).
     #[arg(long, value_parser = args::whole(1usize, 1_000_000))]
     pub eval_n: Option<usize>,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    pub device: Device,
+    /// cpu (default), cuda or cuda:N.
+    #[arg(long, value_parser = parse_device)]
+    pub device: Option<Device>,
     /// Only redraw study.jsonl, study.md and the plots from what is finished; run nothing
-    /// (safe beside a running study of the same work directory).
+    /// (safe beside a running study of the same work directory). The sizes and numerics come
+    /// from the study's record (study.json), so --scale, --iterations, --prompts, --eval-n and
+    /// --device are refused with it.
     #[arg(long)]
     pub report_only: bool,
     /// The real model the real-model claims (real-negatives, real-composition, real-iterated)
@@ -424,27 +426,46 @@ pub struct StudyArgs {
 
 impl StudyArgs {
     fn run(self) -> anyhow::Result<()> {
-        let mut scale = demo_scale(self.scale);
+        let mut scale = demo_scale(self.scale.unwrap_or(DemoScale::Full));
         scale.iterations = self.iterations.unwrap_or(scale.iterations);
         scale.prompts = self.prompts.unwrap_or(scale.prompts);
         scale.eval_n = self.eval_n.unwrap_or(scale.eval_n);
-        let settings = topr_llama::study::StudySettings {
-            work: self.work,
-            claims: self.claims.0,
+        let mut settings = topr_llama::study::StudySettings {
+            work: self.work.clone(),
+            claims: self.claims.0.clone(),
             seeds: topr_llama::study::seeds(self.seeds),
             scale,
-            at: topr_llama::checkpoint::Placement::f32(self.device),
-            model: self.model,
+            at: topr_llama::checkpoint::Placement::f32(self.device.unwrap_or(Device::Cpu)),
+            model: self.model.clone(),
         };
         // Every refusal of the check concerns the real model: what --model gives, or lacks.
         topr_llama::study::check(&settings).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
         if !self.report_only {
             return topr_llama::study::run(&settings);
         }
+        let asked = [
+            ("--scale", self.scale.is_some()),
+            ("--iterations", self.iterations.is_some()),
+            ("--prompts", self.prompts.is_some()),
+            ("--eval-n", self.eval_n.is_some()),
+            ("--device", self.device.is_some()),
+        ];
+        if let Some((flag, _)) = asked.iter().find(|(_, given)| *given) {
+            anyhow::bail!(
+                "{flag}: --report-only reports what the runs were made with, from the study's record (study.json); drop {flag}"
+            );
+        }
         if !settings.work.is_dir() {
             let why = if settings.work.exists() { "not a directory" } else { "no such directory" };
             anyhow::bail!("--report-only: {} holds no study ({why})", settings.work.display());
         }
+        let Some(record) = topr_llama::study::StudyRecord::read(&settings.work)? else {
+            anyhow::bail!(
+                "--report-only: {} has no study.json (a study started before 2026-12-02): run `study` once with the flags it was started with, which reuses every finished stage and records them",
+                settings.work.display()
+            );
+        };
+        settings.scale = record.scale;
         topr_llama::study::report(&settings)
     }
 }
@@ -711,6 +732,7 @@ fn refusal(r: &Refusal) -> String {
                 topr_llama::Resumable::Iterations => ("--resume: settings differ from the saved run in", "--work"),
                 topr_llama::Resumable::Verifier => ("settings differ from the verifier's earlier run in", "--work"),
                 topr_llama::Resumable::WarmUp => ("settings differ from those that made the warm-up in", "--work"),
+                topr_llama::Resumable::Study => ("settings differ from those the study was started with in", "--work"),
             };
             format!("{what} {}: {} (use another {remedy} to start a new run)", dir.display(), differences.join(", "))
         }

@@ -47,11 +47,45 @@ pub struct StudySettings {
     pub model: Option<PathBuf>,
 }
 
+/// What every run of a study is made with, recorded in `study.json` when it starts: a continued
+/// study must match it (claims and seeds may be added), and `--report-only` reads its labels
+/// from it rather than from the command line.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StudyRecord {
+    /// The demo model's sizes (the real-model claims have their own, [`Scale::real`]).
+    pub scale: Scale,
+    pub numerics: crate::identity::Numerics,
+    /// The real model's directory, if the study has real-model claims.
+    pub model: Option<PathBuf>,
+}
+
+impl StudyRecord {
+    pub fn of(s: &StudySettings) -> Self {
+        Self { scale: s.scale, numerics: crate::identity::Numerics::of(s.at), model: s.model.clone() }
+    }
+
+    /// The record in `work`, if the study there has one (versions before 2026-12-02 wrote none).
+    pub fn read(work: &Path) -> Result<Option<Self>> {
+        let file = StudyDir::new(work).record();
+        if !file.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+        Ok(Some(serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?))
+    }
+}
+
 /// Runs (or continues) the study; rewrites its tables and plots after every arm.
 pub fn run(s: &StudySettings) -> Result<()> {
     check(s)?;
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     let _lock = crate::io::Lock::dir(&s.work)?;
+    let record = StudyRecord::of(s);
+    let file = StudyDir::new(&s.work).record();
+    match file.exists() {
+        true => crate::stage::check(&crate::stage::read_record(&file)?, &record, &[], &s.work, crate::Resumable::Study)?,
+        false => crate::stage::write_record(&file, &record)?,
+    }
     let t0 = std::time::Instant::now();
     // Each arm once; one that several claims share runs the most iterations any of them needs.
     let mut arms: Vec<Arm> = vec![];
