@@ -91,6 +91,22 @@ fn losses_report_their_host_reads_full_and_none_with_shape_checks() {
     assert!(r.iter().all(|x| x["ms"].as_f64().unwrap() > 0.0));
 }
 
+/// The largest accepted sizes of `check losses` (2^40 tokens, about 140 TB) are refused with a
+/// one-line error naming the sizes and the memory, before anything is allocated (was: a panic on
+/// the failed allocation, exit 101).
+#[test]
+fn sizes_beyond_the_memory_are_refused_naming_them() {
+    let max = (1u64 << 20).to_string();
+    let out = llama(&["check", "losses", "--device", "cpu", "--batch", &max, "--len", &max, "--iters", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    for needle in ["error: ", "--batch 1048576 --len 1048576", "140737.5 GB", "available"] {
+        assert!(err.contains(needle), "{needle:?} not in {err}");
+    }
+    assert!(out.stdout.is_empty());
+}
+
 #[test]
 fn peak_and_bench_report_what_the_mfu_needs() {
     let peak = records(&["check", "peak", "--device", "cpu", "--n", "64"]);

@@ -28,7 +28,7 @@ pub fn run(
         anyhow::bail!("--train-len {train_len} exceeds the model's context of {}", m.cfg.max_position_embeddings);
     }
     let n = if m.device() == tch::Device::Cpu { 2048 } else { 8192 };
-    let peak = super::check::matmul_tflops(m.device(), m.kind(), n);
+    let peak = super::check::matmul_tflops(m.device(), m.kind(), n)?;
     println!(
         "{}",
         serde_json::json!({"what": "peak", "impl": "topr-loss", "kind": format!("{:?}", m.kind()), "n": n, "tflops": peak})

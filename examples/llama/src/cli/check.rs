@@ -136,26 +136,71 @@ pub fn parity(dir: &Path, device: Device, prompts: i64, len: i64, new_tokens: i6
 }
 
 /// TFLOP/s of an `n × n` matrix product in `kind` on `device`, best of 10 after a warm-up: the
-/// machine's measured peak for that dtype.
-pub fn matmul_tflops(device: Device, kind: Kind, n: i64) -> f64 {
-    let a = Tensor::randn([n, n], (kind, device));
-    let b = Tensor::randn([n, n], (kind, device));
-    let _ = a.matmul(&b);
-    sync(device);
-    let mut best = f64::INFINITY;
-    for _ in 0..10 {
-        let t0 = Instant::now();
-        let _ = a.matmul(&b);
+/// machine's measured peak for that dtype. A failed allocation (three `n × n` matrices) is an
+/// error naming the size.
+pub fn matmul_tflops(device: Device, kind: Kind, n: i64) -> Result<f64> {
+    let bytes = 3 * (n as u64).pow(2) * kind.elt_size_in_bytes() as u64;
+    let what = format!("three {n} × {n} {kind:?} matrices");
+    fits(device, bytes, &what)?;
+    let run = || -> Result<f64, tch::TchError> {
+        let a = Tensor::f_randn([n, n], (kind, device))?;
+        let b = Tensor::f_randn([n, n], (kind, device))?;
+        let _ = a.f_matmul(&b)?;
         sync(device);
-        best = best.min(t0.elapsed().as_secs_f64());
+        let mut best = f64::INFINITY;
+        for _ in 0..10 {
+            let t0 = Instant::now();
+            let _ = a.f_matmul(&b)?;
+            sync(device);
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * (n as f64).powi(3) / best / 1e12)
+    };
+    run().map_err(|e| anyhow::anyhow!("{what} ({}) on {device:?}: {}", gb(bytes), first_line(&e.to_string())))
+}
+
+/// `bytes` as `12.9 GB`.
+fn gb(bytes: u64) -> String {
+    format!("{:.1} GB", bytes as f64 / 1e9)
+}
+
+fn first_line(text: &str) -> &str {
+    text.lines().next().unwrap_or_default()
+}
+
+/// The memory the kernel says is available to a new allocation (Linux: `MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Refuses, before allocating, `bytes` of CPU tensors for `what` that the machine's available
+/// memory cannot hold (an allocation that succeeds on overcommitted memory and is then filled
+/// ends in the kernel's out-of-memory kill, not in an error). On a GPU, libtorch's own
+/// out-of-memory error is returned as an error naming the size.
+fn fits(device: Device, bytes: u64, what: &str) -> Result<()> {
+    if device == Device::Cpu
+        && let Some(available) = available_memory()
+        && bytes > available
+    {
+        bail!("{what} need {}, and {} of memory is available: use smaller sizes", gb(bytes), gb(available));
     }
-    2.0 * (n as f64).powi(3) / best / 1e12
+    Ok(())
 }
 
 /// `check peak`: TFLOP/s of an `n × n` bf16 matrix product.
 pub fn peak(device: Device, n: i64) -> Result<()> {
-    emit(&CheckRecord::Peak { device: device_name(device), n, tflops: matmul_tflops(device, Kind::BFloat16, n) })
+    let tflops = matmul_tflops(device, Kind::BFloat16, n).map_err(|e| anyhow::anyhow!("--n {n}: {e}"))?;
+    emit(&CheckRecord::Peak { device: device_name(device), n, tflops })
 }
+
+/// Bytes `check losses` holds per token at its peak (inputs, their gradient, the losses'
+/// intermediates and the backward pass's buffers, in f32): the size check's estimate. Measured
+/// on the CPU (2026-12-02): the peak resident size grows by 106 bytes a token from 1024 × 2048 to
+/// 2048 × 2048 tokens, over about 0.5 GB for the process itself.
+const LOSS_BYTES_PER_TOKEN: u64 = 128;
 
 /// One loss call of `check losses`, on inputs it captures.
 type LossCall<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
@@ -163,13 +208,24 @@ type LossCall<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
 /// `check losses`: mean time of `iters` forward + backward passes of each loss (after two
 /// warm-up calls), with full and with shape-only checks.
 pub fn losses(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> {
+    let bytes = (batch as u64) * (len as u64) * LOSS_BYTES_PER_TOKEN;
+    let what = format!("--batch {batch} --len {len}: the losses' tensors");
+    fits(device, bytes, &what)?;
+    losses_on(device, batch, len, iters)
+        .map_err(|e| anyhow::anyhow!("{what} (about {}) on {device:?}: {}", gb(bytes), first_line(&format!("{e:#}"))))
+}
+
+fn losses_on(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> {
     tch::manual_seed(0);
     let opts = (Kind::Float, device);
-    let logp = (-Tensor::rand([batch, len], opts) * 2.0).set_requires_grad(true);
-    let logp_mu = logp.detach() + Tensor::randn([batch, len], opts) * 0.1;
-    let lengths = Tensor::randint_low(len / 2, len + 1, [batch, 1], (Kind::Int64, device));
-    let mask = Tensor::arange(len, (Kind::Int64, device)).unsqueeze(0).lt_tensor(&lengths);
-    let rewards = Tensor::randint(2, [batch], (Kind::Float, device)) * 2.0 - 1.0;
+    // Log-probs in (−2, 0], μ's within about 0.1 of them (and at most 0, as log-probs are).
+    let logp = Tensor::f_rand([batch, len], opts)?.f_mul_scalar(-2.0)?.set_requires_grad(true);
+    let noise = Tensor::f_randn([batch, len], opts)?.f_mul_scalar(0.1)?;
+    let logp_mu = logp.f_detach()?.f_add(&noise)?.f_clamp_max(0.0)?;
+    drop(noise);
+    let lengths = Tensor::f_randint_low(len / 2, len + 1, [batch, 1], (Kind::Int64, device))?;
+    let mask = Tensor::f_arange(len, (Kind::Int64, device))?.f_unsqueeze(0)?.f_lt_tensor(&lengths)?;
+    let rewards = Tensor::f_randint(2, [batch], (Kind::Float, device))?.f_mul_scalar(2.0)?.f_sub_scalar(1.0)?;
     let half = batch / 2;
     for checks in [Checks::Full, Checks::Shapes] {
         let name = if checks == Checks::Full { "full" } else { "shapes" };
@@ -198,7 +254,7 @@ pub fn losses(device: Device, batch: i64, len: i64, iters: usize) -> Result<()> 
                 let before = host_reads();
                 let l = call()?;
                 let reads = host_reads() - before;
-                l.backward();
+                l.f_backward()?;
                 Ok(reads)
             };
             step()?;
