@@ -64,6 +64,27 @@ impl Checks {
     }
 }
 
+/// How far above 0 a log-probability argument may lie under [`Checks::Full`] before it is
+/// refused ([`LossError::PositiveLogProb`]): `1e-3`, room for rounding (a token's log-softmax
+/// can land a few ulps above 0; a sequence sum of thousands of such tokens stays far below this)
+/// while logits, probabilities and negated log-probabilities, the mistakes the check exists for,
+/// are caught.
+///
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{topr_loss, LossError, ToprConfig, LOG_PROB_TOLERANCE};
+///
+/// let rewards = Tensor::from_slice(&[1.0f32, -1.0]);
+/// let logp_mu = Tensor::from_slice(&[-1.0f32, -2.0]);
+/// let rounded = Tensor::from_slice(&[1e-6f32, -2.0]); // rounding: accepted
+/// assert!(topr_loss(&rounded, &logp_mu, &rewards, &ToprConfig::canonical()).is_ok());
+/// let logits = Tensor::from_slice(&[3.5f32, -2.0]); // not a log-probability: refused
+/// let err = topr_loss(&logits, &logp_mu, &rewards, &ToprConfig::canonical()).unwrap_err();
+/// assert!(matches!(err, LossError::PositiveLogProb { argument: "logp", .. }));
+/// assert!(3.5 > LOG_PROB_TOLERANCE);
+/// ```
+pub const LOG_PROB_TOLERANCE: f64 = 1e-3;
+
 thread_local! {
     static HOST_READS: Cell<u64> = const { Cell::new(0) };
 }

@@ -11,7 +11,7 @@
 use crate::checks::Checks;
 use crate::dpo_config::{DpoConfig, DpoVariant};
 use crate::error::LossError;
-use crate::validate::{self, FiniteCheck};
+use crate::validate::{self, FiniteCheck, LogProbCheck};
 use tch::Tensor;
 
 /// Checked inputs in the compute dtype, `[B]` each; the reference detached, `None` when no
@@ -62,7 +62,9 @@ pub(crate) fn check_inputs(
             .iter()
             .map(|&(t, argument)| FiniteCheck { clean: t, original: t, argument, valid: None, also: None })
             .collect();
-        validate::all_finite(&checks)?;
+        let log_probs: Vec<LogProbCheck> =
+            args.iter().map(|&(t, argument)| LogProbCheck { t, argument, valid: None }).collect();
+        validate::all_finite_sums_and_log_probs(&checks, &log_probs)?;
     }
     let kind = validate::compute_kind(&kinds);
     let reference = |t: &Tensor| -> Result<Option<Tensor>, LossError> {

@@ -139,6 +139,23 @@ pub enum LossError {
         first_index: Vec<i64>,
     },
 
+    /// A log-probability argument holds a value above 0, beyond [`crate::LOG_PROB_TOLERANCE`]
+    /// (which allows for rounding), where the mask (if any) says the data is real: logits,
+    /// probabilities or negated log-probabilities passed by mistake. Checked under
+    /// [`crate::Checks::Full`] only.
+    #[error(
+        "`{argument}` holds log-probabilities above 0 (the largest is {max:.4e}, the first at index {first_index:?}): a log-probability is at most 0 (up to {tol} for rounding); pass log-probabilities, not logits or probabilities",
+        tol = crate::LOG_PROB_TOLERANCE
+    )]
+    PositiveLogProb {
+        /// The argument's name.
+        argument: &'static str,
+        /// Its largest real entry.
+        max: f64,
+        /// The multi-index of the first entry above the tolerance.
+        first_index: Vec<i64>,
+    },
+
     /// The result would overflow the compute dtype. This happens only with an infinite upper
     /// truncation limit (`b = ∞`, plain importance sampling), whose weight `exp(δ)` is unbounded.
     #[error(

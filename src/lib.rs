@@ -244,7 +244,7 @@ pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,
     effective_positive_proportion_of_rewards,
 };
-pub use checks::{Checks, host_reads};
+pub use checks::{Checks, LOG_PROB_TOLERANCE, host_reads};
 pub use covariance::{
     ClipCovConfig, KlCovConfig, clip_cov_loss, clip_cov_loss_output, kl_cov_loss, kl_cov_loss_output,
 };

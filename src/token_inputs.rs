@@ -7,7 +7,7 @@ use crate::aggregate::{
 };
 use crate::checks::Checks;
 use crate::error::LossError;
-use crate::validate::{self, FiniteCheck};
+use crate::validate::{self, FiniteCheck, LogProbCheck};
 use tch::{Kind, Tensor};
 
 /// The arguments of a token-level loss, with the names its signature gives them.
@@ -110,7 +110,11 @@ pub(crate) fn check(args: TokenArgs) -> Result<TokenInputs, LossError> {
     if let Some((original, argument)) = args.weights {
         checks.push(FiniteCheck { clean: &weights, original, argument, valid: per_token.then_some(&m), also: None });
     }
-    let padding_finite = full && validate::all_finite_sums(&checks)?[0].is_finite();
+    let log_probs = [
+        LogProbCheck { t: args.logp, argument: "logp", valid: Some(&m) },
+        LogProbCheck { t: other, argument: other_name, valid: Some(&m) },
+    ];
+    let padding_finite = full && validate::all_finite_sums_and_log_probs(&checks, &log_probs)?[0].is_finite();
     let delta = if full && !padding_finite { zero_padding(&d, &m, &mask_f, false)? } else { first };
     let lengths = mask_f.f_sum_dim_intlist(1, false, kind)?;
     let has_tokens = lengths.f_gt(0.0)?.f_to_kind(kind)?;

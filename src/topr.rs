@@ -27,7 +27,7 @@ use crate::error::{LossError, kind_name};
 use crate::output::LossOutput;
 use crate::taper::taper_from_clamped;
 use crate::topr_config::{TieRule, ToprConfig, branch_clamp};
-use crate::validate::{self, FiniteCheck};
+use crate::validate::{self, FiniteCheck, LogProbCheck};
 use tch::{Kind, Tensor};
 
 /// `−R' · T(exp(s); a±, b±)` per entry, the limits picked per entry by `positive`. One
@@ -118,11 +118,11 @@ pub(crate) fn check_sequence_inputs(
         return Ok(x);
     }
     let check = |clean, original, argument| FiniteCheck { clean, original, argument, valid: None, also: None };
-    validate::all_finite(&[
-        check(&x.logp, logp, "logp"),
-        check(&x.logp_mu, logp_mu, "logp_mu"),
-        check(&x.rewards, rewards, "rewards"),
-    ])?;
+    let log_prob = |t, argument| LogProbCheck { t, argument, valid: None };
+    validate::all_finite_sums_and_log_probs(
+        &[check(&x.logp, logp, "logp"), check(&x.logp_mu, logp_mu, "logp_mu"), check(&x.rewards, rewards, "rewards")],
+        &[log_prob(&x.logp, "logp"), log_prob(&x.logp_mu, "logp_mu")],
+    )?;
     Ok(x)
 }
 

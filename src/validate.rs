@@ -126,10 +126,38 @@ pub(crate) fn all_finite(items: &[FiniteCheck]) -> Result<(), LossError> {
 /// [`all_finite`], returning each `clean` tensor's sum (in f64): a finite sum also proves its
 /// masked entries finite when `clean` zeroed them by a product with the 0/1 mask.
 pub(crate) fn all_finite_sums(items: &[FiniteCheck]) -> Result<Vec<f64>, LossError> {
-    let sums =
+    all_finite_sums_and_log_probs(items, &[])
+}
+
+/// A log-probability argument, checked to lie at most [`crate::LOG_PROB_TOLERANCE`] above 0.
+pub(crate) struct LogProbCheck<'a> {
+    pub t: &'a Tensor,
+    pub argument: &'static str,
+    /// Where the entries are real (`None`: everywhere).
+    pub valid: Option<&'a Tensor>,
+}
+
+/// [`all_finite_sums`], and each of `log_probs` at most [`crate::LOG_PROB_TOLERANCE`] above 0
+/// where real ([`LossError::PositiveLogProb`]): the sums and the maxima are read back together,
+/// in one host read on the happy path.
+pub(crate) fn all_finite_sums_and_log_probs(
+    items: &[FiniteCheck],
+    log_probs: &[LogProbCheck],
+) -> Result<Vec<f64>, LossError> {
+    let mut reductions =
         items.iter().map(|c| c.clean.f_sum(None::<Kind>)?.f_to_kind(Kind::Double)).collect::<Result<Vec<_>, _>>()?;
-    let sums = read_vec(&Tensor::f_stack(&sums, 0)?)?;
-    for (c, s) in items.iter().zip(&sums) {
+    let real_or_below = |c: &LogProbCheck| -> Result<Tensor, LossError> {
+        Ok(match c.valid {
+            Some(v) => c.t.f_detach()?.f_masked_fill(&v.f_logical_not()?, f64::NEG_INFINITY)?,
+            None => c.t.f_detach()?,
+        })
+    };
+    for c in log_probs {
+        reductions.push(real_or_below(c)?.f_max()?.f_to_kind(Kind::Double)?);
+    }
+    let read = read_vec(&Tensor::f_stack(&reductions, 0)?)?;
+    let (sums, maxima) = read.split_at(items.len());
+    for (c, s) in items.iter().zip(sums) {
         if !s.is_finite() {
             finite(c.original, c.argument, c.valid)?;
             if let Some((original, argument)) = c.also {
@@ -137,7 +165,15 @@ pub(crate) fn all_finite_sums(items: &[FiniteCheck]) -> Result<Vec<f64>, LossErr
             }
         }
     }
-    Ok(sums)
+    for (c, &max) in log_probs.iter().zip(maxima) {
+        // Not NaN here: a NaN where real made a sum above non-finite, and that was refused.
+        if max > crate::LOG_PROB_TOLERANCE {
+            let idx = real_or_below(c)?.f_gt(crate::LOG_PROB_TOLERANCE)?.f_nonzero()?;
+            let first_index = read_vec(&idx.f_select(0, 0)?)?.into_iter().map(|v| v as i64).collect();
+            return Err(LossError::PositiveLogProb { argument: c.argument, max, first_index });
+        }
+    }
+    Ok(sums.to_vec())
 }
 
 /// Turns a mask (bool, integer or floating with values 0/1) into a bool tensor, checking that a

@@ -159,12 +159,34 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// The start time of process `pid` (field 22 of `/proc/PID/stat`), where there is a `/proc`.
-fn start_time(pid: u32) -> Option<u64> {
+/// The fields of `/proc/PID/stat` after the command name (field 3, the state, first), where
+/// there is a `/proc`.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces: count after its end.
     let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    Some(rest.split_whitespace().map(String::from).collect())
+}
+
+/// The start time of process `pid` (field 22 of `/proc/PID/stat`).
+fn start_time(pid: u32) -> Option<u64> {
+    stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+/// Whether process `pid` is ending: a zombie or dead (state `Z`, `X`), or with SIGKILL pending
+/// (killed, and releasing its memory before it becomes a zombie: it will not run again).
+fn is_ending(pid: u32) -> bool {
+    let state = stat_fields(pid).and_then(|f| f.first().cloned()).unwrap_or_default();
+    if state == "Z" || state == "X" {
+        return true;
+    }
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return false };
+    // SIGKILL is signal 9: bit 8 of the pending masks (per thread and shared), in hex.
+    status
+        .lines()
+        .filter(|l| l.starts_with("SigPnd:") || l.starts_with("ShdPnd:"))
+        .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(1)?, 16).ok())
+        .any(|mask| mask & (1 << 8) != 0)
 }
 
 impl Holder {
@@ -174,7 +196,8 @@ impl Holder {
     }
 
     /// Whether the holder is known to be gone: on this host, where `/proc` exists, no process
-    /// `pid` (or one started at another time). A holder on another host is never known gone.
+    /// `pid`, one started at another time, or one that is ending (killed, or a zombie: a rerun
+    /// right after a kill takes the lock over). A holder on another host is never known gone.
     fn is_gone(&self) -> bool {
         if self.host != host_name() || !Path::new("/proc/self").exists() {
             return false;
@@ -182,7 +205,7 @@ impl Holder {
         if !Path::new(&format!("/proc/{}", self.pid)).exists() {
             return true;
         }
-        matches!((self.start, start_time(self.pid)), (Some(a), Some(b)) if a != b)
+        matches!((self.start, start_time(self.pid)), (Some(a), Some(b)) if a != b) || is_ending(self.pid)
     }
 }
 
@@ -386,6 +409,19 @@ mod tests {
         child.wait().unwrap();
         let h = Holder { pid: gone, host: host_name(), start: None, command: "llama train".into() };
         std::fs::write(d.join("LOCK"), serde_json::to_string(&h).unwrap()).unwrap();
+        let taken = Lock::dir(&d).unwrap();
+        drop(taken);
+        // A killed holder that has not been reaped yet (a zombie) is gone too; a live one is not.
+        let mut child = std::process::Command::new("sleep").arg("100").spawn().unwrap();
+        let h = Holder { pid: child.id(), host: host_name(), start: start_time(child.id()), command: "llama train".into() };
+        std::fs::write(d.join("LOCK"), serde_json::to_string(&h).unwrap()).unwrap();
+        assert!(Lock::dir(&d).is_err(), "a live holder's lock was taken");
+        child.kill().unwrap();
+        let t0 = std::time::Instant::now();
+        while !is_ending(child.id()) && t0.elapsed().as_secs() < 10 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         let _taken = Lock::dir(&d).unwrap();
+        child.wait().unwrap();
     }
 }
