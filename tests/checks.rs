@@ -180,7 +180,8 @@ fn host_reads_per_call_under_full_checks() {
     };
     let topr = count(&|| topr_token_loss(&lp, &mu, &r, &m, &ToprTokenConfig::paper()));
     let ppo = count(&|| ppo_clip_loss(&lp, &mu, &r, &m, &PpoConfig::ppo()));
-    let dpo = count(&|| dpo_loss(&r, &r, &r, &r, &DpoConfig::dpo()));
+    let seq = Tensor::from_slice(&[-1.5f32, -2.5]); // sequence log-probs
+    let dpo = count(&|| dpo_loss(&seq, &seq, &seq, &seq, &DpoConfig::dpo()));
     // Input sums (1), the count the aggregation divides by (1), the finite result (1).
     assert_eq!((topr, ppo, dpo), (3, 3, 2));
     // Reading a LossOutput's diagnostics is one more.

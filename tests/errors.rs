@@ -400,9 +400,10 @@ fn advantage_value_and_kl_arguments_are_named() {
     assert!(matches!(e, LossError::InvalidConfig { field: "clip", .. }), "{e}");
     let e = value_loss(&r, &r, &Tensor::new(), &m, &ValueLossConfig::ppo()).unwrap_err();
     assert_eq!(e, LossError::UnsupportedTensor { argument: "returns", what: "undefined" });
-    let e = kl_penalty_corrected(&r, &Tensor::new(), &r, &m, &KlConfig::k3()).unwrap_err();
+    let lp = Tensor::from_slice2(&[[-1.0f64, 0.0]]); // log-probs
+    let e = kl_penalty_corrected(&lp, &Tensor::new(), &lp, &m, &KlConfig::k3()).unwrap_err();
     assert_eq!(e, LossError::UnsupportedTensor { argument: "logp_mu", what: "undefined" });
-    let e = kl_penalized_rewards(&r, &r, &Tensor::new(), &m, &KlConfig::k1()).unwrap_err();
+    let e = kl_penalized_rewards(&lp, &lp, &Tensor::new(), &m, &KlConfig::k1()).unwrap_err();
     assert_eq!(e, LossError::UnsupportedTensor { argument: "token_scores", what: "undefined" });
     let e = AdaptiveKlController::new(0.1, 0.1, 0.0).unwrap_err();
     assert!(matches!(e, LossError::InvalidArgument { argument: "horizon", .. }), "{e}");

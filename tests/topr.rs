@@ -50,7 +50,14 @@ fn batch() -> impl Strategy<Value = (Vec<f64>, Vec<f64>, Vec<f64>)> {
             prop::collection::vec(prop_oneof![Just(1.0f64), Just(-1.0), -2.0f64..2.0], n),
         )
             .prop_map(|(logp, delta, r)| {
-                let mu = logp.iter().zip(&delta).map(|(l, d)| l - d).collect();
+                let (logp, mu) = logp
+                    .iter()
+                    .zip(&delta)
+                    .map(|(l, d)| {
+                        let [l, m] = non_positive([*l, l - d]);
+                        (l, m)
+                    })
+                    .unzip();
                 (logp, mu, r)
             })
     })
@@ -86,7 +93,8 @@ proptest! {
     fn canonical_positive_branch_ignores_the_ratio((logp, mu, r) in batch(), shift in prop::collection::vec(-50.0f64..50.0, 24)) {
         let cfg = ToprConfig::canonical();
         let g1 = loss_and_grad(&logp, &mu, &r, &cfg).1;
-        let mu2: Vec<f64> = mu.iter().zip(&shift).map(|(m, s)| m + s).collect();
+        // μ moved anywhere at or below 0 (a log-probability), π kept: ratios from about e^{−40} to e^{+90}.
+        let mu2: Vec<f64> = mu.iter().zip(&shift).map(|(m, s)| (m + s).min(0.0)).collect();
         let g2 = loss_and_grad(&logp, &mu2, &r, &cfg).1;
         let n = logp.len() as f64;
         for i in 0..logp.len() {

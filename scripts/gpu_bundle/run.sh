@@ -14,6 +14,9 @@ set -uo pipefail
 
 usage() { echo "usage: $0 OUT_DIR [--device cuda|cpu] [--size full|tiny]" >&2; exit 2; }
 die() { echo "run.sh: $*" >&2; exit 2; }
+# limited SECONDS COMMAND...: COMMAND under a time limit, killed 10 s after its SIGTERM if it
+# ignores it (exit 124 on the limit, 137 when it had to be killed). Every step runs under one.
+limited() { local limit=$1; shift; timeout -k 10 "$limit" "$@"; }
 
 [ $# -ge 1 ] || usage
 out=$1; shift
@@ -36,9 +39,9 @@ PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null || die "$PY not found (set PYTHON to a python with torch)"
 
 # libtorch: the torch package of python3, which must be the version the binary was built against.
-torch_dir=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) \
+torch_dir=$(limited 120 "$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) \
     || die "$PY cannot import torch"
-torch_version=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_version=$(limited 120 "$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
 want=$(cat "$here/TORCH_VERSION")
 [ "$torch_version" = "$want" ] || die "the bundle was built for torch $want, $PY has torch $torch_version"
 export LD_LIBRARY_PATH="$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -84,35 +87,45 @@ dev=(--device "$device")
 [ "$device" = cpu ] && half=(--dtype f32) || half=(--dtype bf16)
 failed=0
 
+# The background memory poller of the running stage, stopped however the run ends.
+poll=""
+stop_poll() { [ -n "$poll" ] && { kill "$poll" 2>/dev/null; wait "$poll" 2>/dev/null; }; poll=""; }
+trap 'stop_poll' EXIT
+trap 'stop_poll; exit 130' INT TERM
+
+# A TCP port free on the loopback now, for a launched group's rendezvous.
+free_port() { limited 20 "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
 # stage NAME LIMIT_S COMMAND...: runs COMMAND with its stdout and stderr in logs/, under a time
 # limit, polling the GPU's used memory every 100 ms, and appends one line to stages.jsonl.
 stage() {
     local name=$1 limit=$2; shift 2
-    local poll="" t0 t1 rc peak="null"
+    local t0 t1 rc peak="null"
     if [ "$device" != cpu ] && command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$out/logs/$name.mem" 2>/dev/null &
         poll=$!
     fi
     echo "[$(( $(date +%s) - start )) s] $name" >&2
-    t0=$(date +%s.%N)
-    timeout "$limit" "$@" > "$out/logs/$name.out" 2> "$out/logs/$name.err"
+    t0=$(date +%s.%N); local began=$(date +%s)
+    limited "$limit" "$@" > "$out/logs/$name.out" 2> "$out/logs/$name.err"
     rc=$?
     t1=$(date +%s.%N)
     if [ -n "$poll" ]; then
-        kill "$poll" 2>/dev/null; wait "$poll" 2>/dev/null
+        stop_poll
         peak=$(sort -n "$out/logs/$name.mem" | tail -1); peak=${peak:-null}
     fi
     local status=ok
     [ $rc -eq 0 ] || { status=failed; failed=1; }
-    [ $rc -eq 124 ] && status=timeout
+    # 124: stopped at the limit; 137 after the limit: killed for ignoring the stop.
+    if [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ $(( $(date +%s) - began )) -ge "$limit" ]; }; then status=timeout; fi
     printf '{"stage":"%s","status":"%s","exit":%d,"seconds":%s,"peak_mib":%s}\n' \
-        "$name" "$status" "$rc" "$("$PY" -c "print(round($t1 - $t0, 2))")" "$peak" >> "$out/stages.jsonl"
+        "$name" "$status" "$rc" "$(limited 20 "$PY" -c "print(round($t1 - $t0, 2))")" "$peak" >> "$out/stages.jsonl"
     [ $rc -eq 0 ] || echo "  $name: $status (exit $rc): $(tail -2 "$out/logs/$name.err" | tr '\n' ' ')" >&2
     return $rc
 }
 
 # The machine, for the report.
-"$PY" - "$device" > "$out/machine.json" <<'PY'
+limited 60 "$PY" - "$device" > "$out/machine.json" <<'PY'
 import json, platform, sys, torch
 d = sys.argv[1]
 info = {"torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
@@ -131,7 +144,7 @@ stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
 stage bench 300 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}" --cuda-graphs
 # transformers on the same model, sizes and dtype, where python3 has it (the GPU machine's image
 # does; CI's torch-only venv does not, and the stage is then left out of the report).
-if "$PY" -c 'import transformers' 2>/dev/null; then
+if limited 120 "$PY" -c 'import transformers' 2>/dev/null; then
     stage bench-transformers 240 "$PY" "$here/bench_hf.py" "$W/big" "${bench_hf[@]}" --device "${device/cuda:*/cuda}" \
         --dtype "${half[1]}"
     # Its fastest decoding (static cache + torch.compile, CUDA graphs), on the GPU only: on the CPU
@@ -154,7 +167,7 @@ stage losses-pytorch 120 env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHO
 task=(--task synthetic --difficulty 1 --max-new-tokens 24)
 if stage sample 120 "$bin" sample --model "$W/small" "${dev[@]}" "${half[@]}" "${task[@]}" --synthetic-n "$problems" \
         --samples-per-prompt 4 --batch-prompts 16 --out "$W/samples.jsonl"; then
-    "$PY" - "$W/samples.jsonl" "$W/mixed.jsonl" <<'PY'
+    limited 60 "$PY" - "$W/samples.jsonl" "$W/mixed.jsonl" <<'PY'
 import json, sys
 with open(sys.argv[1]) as f, open(sys.argv[2], "w") as out:
     for line in f:
@@ -168,11 +181,11 @@ PY
     # to device, where the build has NCCL) runs on the device; then the same with Gloo staging the
     # gradients through the host (TOPR_DIST_BACKEND=gloo). Their times beside train-topr-adamw's
     # are their overheads. On the CPU both are Gloo.
-    stage train-topr-dp1 60 env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 "$bin" train \
+    stage train-topr-dp1 60 env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" "$bin" train \
         --model "$W/small" "${dev[@]}" "${half[@]}" --data "$W/mixed.jsonl" --out "$W/train-topr-dp1" \
         --objective topr --optimizer adamw --lr 1e-5 --batch-size 32 --micro-batch-size 16 --save-every 0
     stage train-topr-dp1-gloo 60 env TOPR_DIST_BACKEND=gloo RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
-        MASTER_PORT=29534 "$bin" train --model "$W/small" "${dev[@]}" "${half[@]}" --data "$W/mixed.jsonl" \
+        MASTER_PORT="$(free_port)" "$bin" train --model "$W/small" "${dev[@]}" "${half[@]}" --data "$W/mixed.jsonl" \
         --out "$W/train-topr-dp1-gloo" --objective topr --optimizer adamw --lr 1e-5 --batch-size 32 \
         --micro-batch-size 16 --save-every 0
     for objective in topr tis sft reinforce is ppo grpo dpo; do
@@ -195,6 +208,6 @@ stage demo "$demo_limit" "$bin" demo --work "$W/demo" "${dev[@]}" "${demo[@]}" -
 cp "$W"/demo/topr/*.png "$W"/demo/warm-up/*.png "$out/plots/" 2>/dev/null
 cp "$W/demo/topr/iterations.jsonl" "$out/demo-iterations.jsonl" 2>/dev/null
 
-"$PY" "$here/report.py" "$out" || failed=1
+limited 120 "$PY" "$here/report.py" "$out" || failed=1
 echo "[$(( $(date +%s) - start )) s] done: $out/table.md" >&2
 exit $failed

@@ -149,8 +149,26 @@ impl TokenBatch {
     }
 }
 
+/// Log-probabilities that a loss sees only through their differences (`log π − log μ`, a policy
+/// and its reference, chosen and rejected), shifted by one common amount so that none lies above 0,
+/// as a log-probability must (full checks refuse more than `LOG_PROB_TOLERANCE` above it): the
+/// largest becomes `min(largest, 0)`, every difference is kept.
+pub fn non_positive<const N: usize>(xs: [f64; N]) -> [f64; N] {
+    let s = xs.iter().fold(0.0f64, |s, x| s.max(*x));
+    xs.map(|x| x - s)
+}
+
+/// [`non_positive`] on each pair of entries of two tables of the same shape, in place.
+pub fn non_positive_rows(a: &mut [Vec<f64>], b: &mut [Vec<f64>]) {
+    for (ra, rb) in a.iter_mut().zip(b.iter_mut()) {
+        for (x, y) in ra.iter_mut().zip(rb.iter_mut()) {
+            [*x, *y] = non_positive([*x, *y]);
+        }
+    }
+}
+
 /// Random batches of 1–5 sequences of 1–6 tokens, log-ratios in `±max_delta`, at least one real
-/// token, weights drawn from `weights`.
+/// token, weights drawn from `weights`. Both log-probs are at most 0 ([`non_positive`]).
 pub fn token_batch(max_delta: f64, weights: BoxedStrategy<f64>) -> impl Strategy<Value = TokenBatch> {
     (1usize..6, 1usize..7).prop_flat_map(move |(b, t)| {
         (
@@ -159,10 +177,11 @@ pub fn token_batch(max_delta: f64, weights: BoxedStrategy<f64>) -> impl Strategy
             prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.8), t), b),
             prop::collection::vec(weights.clone(), b),
         )
-            .prop_map(|(logp, delta, mut mask, weights)| {
+            .prop_map(|(mut logp, delta, mut mask, weights)| {
                 mask[0][0] = true;
-                let other =
+                let mut other: Vec<Vec<f64>> =
                     logp.iter().zip(&delta).map(|(l, d)| l.iter().zip(d).map(|(l, d)| l - d).collect()).collect();
+                non_positive_rows(&mut logp, &mut other);
                 TokenBatch { logp, other, mask, weights }
             })
     })
