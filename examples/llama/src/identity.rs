@@ -212,7 +212,12 @@ impl Numerics {
 
     /// The numerics of a loaded model.
     pub fn of_model(m: &crate::model::Llama) -> Self {
-        Self::of(crate::checkpoint::Placement { device: m.device(), kind: m.kind(), kernels: m.kernels(), cuda_graphs: false })
+        Self::of(crate::checkpoint::Placement {
+            device: m.device(),
+            kind: m.kind(),
+            kernels: m.kernels(),
+            cuda_graphs: false,
+        })
     }
 
     /// `f32 on cpu (onednn kernels)`, as tables show it.

@@ -413,7 +413,8 @@ mod tests {
         drop(taken);
         // A killed holder that has not been reaped yet (a zombie) is gone too; a live one is not.
         let mut child = std::process::Command::new("sleep").arg("100").spawn().unwrap();
-        let h = Holder { pid: child.id(), host: host_name(), start: start_time(child.id()), command: "llama train".into() };
+        let h =
+            Holder { pid: child.id(), host: host_name(), start: start_time(child.id()), command: "llama train".into() };
         std::fs::write(d.join("LOCK"), serde_json::to_string(&h).unwrap()).unwrap();
         assert!(Lock::dir(&d).is_err(), "a live holder's lock was taken");
         child.kill().unwrap();

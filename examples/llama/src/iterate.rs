@@ -285,7 +285,8 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
     s.curate.check()?;
     // The inputs first: a bad data file or model is reported before anything is written.
     let lp = Loop::new(at, group, s, model)?;
-    let run = IterateRun { model: ModelId::of(model)?, numerics: crate::identity::Numerics::of(at), settings: s.clone() };
+    let run =
+        IterateRun { model: ModelId::of(model)?, numerics: crate::identity::Numerics::of(at), settings: s.clone() };
     parallel::agree(group, "iterate", &run, &["model.path"])?;
     let _lock = parallel::on_main(group, || {
         std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;

@@ -104,8 +104,7 @@ pub fn agree<T: serde::Serialize>(
         return Ok(());
     }
     let records = gather_bytes(group, &serde_json::to_vec(record)?)?;
-    let parsed: Vec<serde_json::Value> =
-        records.iter().map(|r| serde_json::from_slice(r)).collect::<Result<_, _>>()?;
+    let parsed: Vec<serde_json::Value> = records.iter().map(|r| serde_json::from_slice(r)).collect::<Result<_, _>>()?;
     let mut disagreements = vec![];
     for (rank, r) in parsed.iter().enumerate().skip(1) {
         let d = crate::identity::differences(&parsed[0], r, may_differ);

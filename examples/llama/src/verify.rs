@@ -194,19 +194,31 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         bail!("the number of solutions per question must be >= 1");
     }
     crate::io::refuse_overlap(model, &s.work, "work directory")?;
-    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     let (problems, style) = s.task.load()?;
     let held = task::held_out(&s.task, s.eval_data.as_deref(), s.eval_n, s.train.skip_bad_records)?;
+    let cfg = crate::config::LlamaConfig::load(model)?;
+    let tok = Tokenizer::load(model, &cfg)?;
+    let verdicts = [tok.encode("The answer is 0.", false)?, tok.encode("The answer is 1.", false)?];
+    let answer_tokens = verdicts.iter().map(Vec::len).max().unwrap_or(0) as i64;
+    // Every question's judge prompt must fit with no solution shown, before anything is sampled.
+    for p in problems.iter().chain(&held) {
+        let empty = Problem { question: judge_question(&p.question, ""), ..p.clone() };
+        let n = prompt_ids(&tok, &PromptStyle::Chat, &empty)?.len() as i64;
+        if n + answer_tokens > cfg.max_position_embeddings {
+            bail!(
+                "{}: the judge's prompt without the solution ({n} tokens) and its verdict ({answer_tokens}) exceed the model's context of {}: the judge cannot read this question",
+                p.id,
+                cfg.max_position_embeddings
+            );
+        }
+    }
+    std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     // 1–2. The solver's graded solutions.
     let layout = VerifyDir::new(&s.work);
     let (solutions, held_solutions) = layout.solutions();
     solve(model, at, s, &style, [(&solutions, &problems, s.seed), (&held_solutions, &held, s.seed.wrapping_add(1))])?;
     // 3. The judge problems (solutions too long for the judge's context shown by their end).
     let held_samples = dataset::read_dataset(&held_solutions, false)?.0;
-    let cfg = crate::config::LlamaConfig::load(model)?;
-    let tok = Tokenizer::load(model, &cfg)?;
-    let verdicts = [tok.encode("The answer is 0.", false)?, tok.encode("The answer is 1.", false)?];
-    let answer_tokens = verdicts.iter().map(Vec::len).max().unwrap_or(0) as i64;
     let fit = |samples: &[Sample]| judge_problems(&tok, samples, cfg.max_position_embeddings, answer_tokens);
     let (train_problems, cut_train) = fit(&dataset::read_dataset(&solutions, false)?.0)?;
     let (held_problems, cut_held) = fit(&held_samples)?;

@@ -893,7 +893,10 @@ fn a_training_run_resumed_with_other_settings_is_refused_listing_them() {
     let mut a = train(&["--lr", "1e-3", "--resume", "--objective", "sft"]);
     a[4] = s(&other).to_string();
     refused(&strs(&a), &["data.path", "records.hash"]);
-    refused(&strs(&train(&["--lr", "1e-3", "--resume", "--objective", "sft", "--dtype", "bf16"])), &["numerics.dtype f32 → bf16"]);
+    refused(
+        &strs(&train(&["--lr", "1e-3", "--resume", "--objective", "sft", "--dtype", "bf16"])),
+        &["numerics.dtype f32 → bf16"],
+    );
     assert!(out.join("state").exists(), "a refused resume removed the state");
 }
 

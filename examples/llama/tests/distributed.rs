@@ -399,7 +399,10 @@ fn ranks_started_differently_are_refused_before_a_step() {
             let err = String::from_utf8_lossy(&o.stderr);
             let last = err.lines().last().unwrap_or_default();
             assert_eq!(o.status.code(), Some(1), "{name}, rank {rank}: {}", text(o));
-            assert!(last.starts_with("error: ") && last.contains("rank 1: ") && last.contains(wanted), "{name}, rank {rank}: {err}");
+            assert!(
+                last.starts_with("error: ") && last.contains("rank 1: ") && last.contains(wanted),
+                "{name}, rank {rank}: {err}"
+            );
         }
         assert!(!out.join("LOCK").exists(), "{name}: the lock is left behind");
         assert!(!out.join("model.safetensors").exists(), "{name}: a model was saved");

@@ -144,3 +144,31 @@ fn verify_trains_a_judge_and_picks_among_k() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--eval-data"));
 }
+
+/// A model whose context holds the solver's prompts but not the judge's (the question with the
+/// judge's wording around it) is refused before any solution is sampled, naming the question;
+/// the work directory is not created.
+#[test]
+fn a_judge_prompt_beyond_the_context_is_refused_before_sampling() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("verify_judge_context");
+    let _ = std::fs::remove_dir_all(&dir);
+    let m0 = dir.join("m0");
+    let size = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
+    let o = llama(&[&["init", "--out", s(&m0), "--max-positions", "240"][..], &size].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let task = ["--task", "synthetic", "--synthetic-n", "2", "--difficulty", "1", "--max-new-tokens", "8"];
+    // The solver's prompts fit.
+    let sampled = dir.join("s.jsonl");
+    let o =
+        llama(&[&["sample", "--model", s(&m0), "--out", s(&sampled), "--samples-per-prompt", "1"][..], &task].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let work = dir.join("work");
+    let o = llama(
+        &[&["verify", "--model", s(&m0), "--work", s(&work), "--samples", "1", "--eval-n", "2"][..], &task].concat(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: synthetic:0: the judge's prompt") && last.contains("context of 240"), "{err}");
+    assert!(!work.exists(), "the refused run wrote {}", work.display());
+}

@@ -83,7 +83,9 @@ pub fn run(s: &StudySettings) -> Result<()> {
     let record = StudyRecord::of(s);
     let file = StudyDir::new(&s.work).record();
     match file.exists() {
-        true => crate::stage::check(&crate::stage::read_record(&file)?, &record, &[], &s.work, crate::Resumable::Study)?,
+        true => {
+            crate::stage::check(&crate::stage::read_record(&file)?, &record, &[], &s.work, crate::Resumable::Study)?
+        }
         false => crate::stage::write_record(&file, &record)?,
     }
     let t0 = std::time::Instant::now();
