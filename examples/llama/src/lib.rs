@@ -51,6 +51,7 @@ pub mod init;
 pub mod io;
 pub mod iterate;
 pub mod layout;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod onednn;

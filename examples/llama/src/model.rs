@@ -355,6 +355,17 @@ impl Llama {
     /// `S` empty decoding slots of `capacity` positions each (with [`Llama::packs_for_generation`],
     /// holding the packed weights).
     pub fn new_slots(&self, slots: i64, capacity: i64) -> Result<SlotCache> {
+        // Keys and values of every layer, slot and position.
+        let per_position = 2 * self.cfg.num_hidden_layers * self.cfg.num_kv_heads() * self.cfg.head_dim();
+        let bytes = (slots.max(0) as u64)
+            * (capacity.max(0) as u64)
+            * (per_position as u64)
+            * self.kind.elt_size_in_bytes() as u64;
+        crate::memory::fits(
+            self.device(),
+            bytes,
+            &format!("the KV cache of {slots} slot(s) × {capacity} positions ({} layers)", self.cfg.num_hidden_layers),
+        )?;
         let cache = self.empty_cache(slots, capacity, self.packed_weights()?);
         Ok(SlotCache { k: cache.k, v: cache.v, packed: cache.packed })
     }

@@ -105,6 +105,28 @@ fn sizes_beyond_the_memory_are_refused_naming_them() {
         assert!(err.contains(needle), "{needle:?} not in {err}");
     }
     assert!(out.stdout.is_empty());
+    // Sampling whose KV cache (4096 slots × 7232 positions × 256 layers, about 1 TB) the memory
+    // cannot hold: refused naming it, before any prefill.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("check_deep");
+    let _ = std::fs::remove_dir_all(&dir);
+    let size = ["--layers", "256", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
+    let m = dir.join("deep");
+    let out = llama(&[&["init", "--out", m.to_str().unwrap(), "--max-positions", "8192"][..], &size[..]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let data = dir.join("d.jsonl");
+    let task = ["--task", "synthetic", "--synthetic-n", "4096", "--samples-per-prompt", "4", "--batch-prompts", "1024"];
+    let out = llama(
+        &[
+            &["sample", "--model", m.to_str().unwrap(), "--out", data.to_str().unwrap()][..],
+            &task,
+            &["--max-new-tokens", "7000"],
+        ]
+        .concat(),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.lines().last().unwrap_or_default();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(last.starts_with("error: the KV cache of 4096 slot(s) × 7232 positions (256 layers) would take"), "{err}");
 }
 
 #[test]

@@ -88,7 +88,8 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     assert!(!work.join("study.md").exists(), "a refused report wrote study.md");
     let out = report(&[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(std::fs::read_to_string(work.join("study.md")).unwrap().contains("6 held-out problems a seed"));
+    let md = std::fs::read_to_string(work.join("study.md")).unwrap();
+    assert!(md.contains("6 held-out problems a seed") && md.contains("f32 on cpu (onednn kernels)"), "{md}");
     assert_eq!(std::fs::read(work.join("study.jsonl")).unwrap(), before);
     assert!(std::fs::read_to_string(work.join("study.md")).unwrap().contains("| topr-p0.5 | 2 |"));
     assert_eq!(std::fs::metadata(work.join("seed-1/warm-up/model.safetensors")).unwrap().modified().unwrap(), warm);

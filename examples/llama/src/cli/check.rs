@@ -16,6 +16,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use topr_llama::checkpoint::{self, Placement};
 use topr_llama::generate::{self, Sampling};
+use topr_llama::memory::{fits, gb};
 use topr_loss::{Checks, DpoConfig, PpoConfig, SequenceReduce, ToprConfig, ToprTokenConfig, host_reads};
 
 /// One measurement line of `check`.
@@ -159,35 +160,8 @@ pub fn matmul_tflops(device: Device, kind: Kind, n: i64) -> Result<f64> {
     run().map_err(|e| anyhow::anyhow!("{what} ({}) on {device:?}: {}", gb(bytes), first_line(&e.to_string())))
 }
 
-/// `bytes` as `12.9 GB`.
-fn gb(bytes: u64) -> String {
-    format!("{:.1} GB", bytes as f64 / 1e9)
-}
-
 fn first_line(text: &str) -> &str {
     text.lines().next().unwrap_or_default()
-}
-
-/// The memory the kernel says is available to a new allocation (Linux: `MemAvailable`), if known.
-fn available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
-/// Refuses, before allocating, `bytes` of CPU tensors for `what` that the machine's available
-/// memory cannot hold (an allocation that succeeds on overcommitted memory and is then filled
-/// ends in the kernel's out-of-memory kill, not in an error). On a GPU, libtorch's own
-/// out-of-memory error is returned as an error naming the size.
-fn fits(device: Device, bytes: u64, what: &str) -> Result<()> {
-    if device == Device::Cpu
-        && let Some(available) = available_memory()
-        && bytes > available
-    {
-        bail!("{what} need {}, and {} of memory is available: use smaller sizes", gb(bytes), gb(available));
-    }
-    Ok(())
 }
 
 /// `check peak`: TFLOP/s of an `n × n` bf16 matrix product.

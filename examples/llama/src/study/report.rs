@@ -309,20 +309,27 @@ pub fn report(s: &StudySettings) -> Result<()> {
         crate::io::write_file(&dir.sampled_table(), &jsonl(&sampled)?)?;
     }
     let mut md = String::new();
+    // What the runs were made in, from the study's record (the settings' when it has none yet).
+    let numerics = match super::StudyRecord::read(&s.work)? {
+        Some(r) => r.numerics,
+        None => crate::identity::Numerics::of(s.at),
+    };
     if s.claims.iter().all(|c| c.is_real()) {
         writeln!(
             md,
-            "# Study on a real model: {} seed(s), {} held-out problems a seed\n",
+            "# Study on a real model: {} seed(s), {} held-out problems a seed, {}\n",
             s.seeds.len(),
-            Scale::real().eval_n
+            Scale::real().eval_n,
+            numerics.describe()
         )?;
     } else {
         writeln!(
             md,
-            "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own\n",
+            "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own, {}\n",
             s.seeds.len(),
             s.scale.eval_n,
-            s.scale.iterations
+            s.scale.iterations,
+            numerics.describe()
         )?;
     }
     let own = if s.claims.iter().all(|c| c.is_real()) {
