@@ -381,16 +381,16 @@ fn ranks_started_differently_are_refused_before_a_step() {
         a[at + 1] = value.into();
         a
     };
-    let cases: Vec<(&str, Box<dyn Fn(&Path) -> Vec<String>>, &str)> = vec![
-        ("lr", Box::new(|o: &Path| with(o, "--lr", "1e-3")), "lr 3e-3 → 1e-3"),
-        ("objective", Box::new(|o: &Path| with(o, "--objective", "ppo")), "objective topr → ppo"),
-        ("data", Box::new(|o: &Path| with(o, "--data", s(&other_data))), "data.bytes"),
-        ("weights", Box::new(|o: &Path| with(o, "--model", s(&other_weights))), "model.content"),
-        ("shape", Box::new(|o: &Path| with(o, "--model", s(&other_shape))), "model.config"),
+    let cases = [
+        ("lr", "--lr", "1e-3", "lr 3e-3 → 1e-3"),
+        ("objective", "--objective", "ppo", "objective topr → ppo"),
+        ("data", "--data", s(&other_data), "data.bytes"),
+        ("weights", "--model", s(&other_weights), "model.content"),
+        ("shape", "--model", s(&other_shape), "model.config"),
     ];
-    for (name, other, wanted) in cases {
+    for (name, flag, value, wanted) in cases {
         let out = dir.join(format!("out-{name}"));
-        let args = [base(&out), other(&out)];
+        let args = [base(&out), with(&out, flag, value)];
         let outs: Vec<Output> = spawn_ranks(&[strs(&args[0]), strs(&args[1])], &[])
             .into_iter()
             .map(|c| c.wait_with_output().unwrap())
