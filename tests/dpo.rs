@@ -364,7 +364,8 @@ proptest! {
         prop_assert!(vec1(&out.terms).iter().all(|&t| t >= -1e-12), "KL ≥ 0: {:?}", vec1(&out.terms));
         // zero exactly where σ(h) = 1 − ε
         let h = ((1.0 - eps) / eps).ln();
-        let at = dpo_loss(&t1(&[h / beta]), &t1(&[0.0]), &t1(&[0.0]), &t1(&[0.0]), &cfg).unwrap();
+        let [c, r] = non_positive([h / beta, 0.0]); // the margin h / β, both log-probs ≤ 0
+        let at = dpo_loss(&t1(&[c]), &t1(&[r]), &t1(&[0.0]), &t1(&[0.0]), &cfg).unwrap();
         prop_assert!(scalar(&at).abs() < 1e-12, "{}", scalar(&at));
     }
 
@@ -489,10 +490,13 @@ fn discopop_is_finite_where_the_plain_exponential_overflows() {
     // NaN in TRL 1.16's form. exp(log σ(h/τ) − h) has the same value where that is finite.
     for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16] {
         for delta in [-1.0e4, -2.0e3, -900.0, -100.0, 100.0, 1.0e4] {
-            let c = Tensor::from_slice(&[delta]).to_kind(kind).set_requires_grad(true);
+            // the margin Δ = chosen − rejected, both log-probs ≤ 0 (rejected = 0 for Δ < 0)
+            let [chosen, rejected] = non_positive([delta, 0.0]);
+            let c = Tensor::from_slice(&[chosen]).to_kind(kind).set_requires_grad(true);
+            let r = Tensor::from_slice(&[rejected]).to_kind(kind);
             let z = Tensor::from_slice(&[0.0f64]).to_kind(kind);
             let cfg = DpoConfig::discopop().with_beta(1.0);
-            let loss = dpo_loss(&c, &z, &z, &z, &cfg).unwrap();
+            let loss = dpo_loss(&c, &r, &z, &z, &cfg).unwrap();
             loss.backward();
             let v = scalar(&loss);
             assert!(v.is_finite() && scalar(&c.grad()).is_finite(), "{kind:?} Δ = {delta}: {v}");
@@ -506,7 +510,8 @@ fn discopop_is_finite_where_the_plain_exponential_overflows() {
     // Where both are finite, the two forms agree.
     for h in [-30.0f64, -3.0, -0.1, 0.0, 0.2, 5.0, 40.0] {
         let cfg = DpoConfig::discopop().with_beta(1.0);
-        let got = scalar(&dpo_loss(&t1(&[h]), &t1(&[0.0]), &t1(&[0.0]), &t1(&[0.0]), &cfg).unwrap());
+        let [c, r] = non_positive([h, 0.0]);
+        let got = scalar(&dpo_loss(&t1(&[c]), &t1(&[r]), &t1(&[0.0]), &t1(&[0.0]), &cfg).unwrap());
         let m = sigmoid(h / 0.05);
         let want = -log_sigmoid(h) * (1.0 - m) + (-h).exp() * m;
         assert_close(&[got], &[want], 1e-13, &format!("h = {h}"));

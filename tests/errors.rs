@@ -227,6 +227,103 @@ fn token_level_errors() {
     assert!(matches!(e, LossError::InvalidConfig { field: "Normalizer::tokens", .. }), "{e}");
 }
 
+// ---- log-probabilities above 0 (`LossError::PositiveLogProb`) ----
+
+#[test]
+fn positive_log_probs_are_refused_by_the_sequence_loss() {
+    // 0.01 lies beyond the tolerance (1e-3), 1e-6 within it.
+    let r = t1(&[1.0, -1.0, 0.5]);
+    let ok = t1(&[-1.0, -2.0, -0.5]);
+    let above = t1(&[-1.0, 0.01, -0.5]);
+    let cfg = ToprConfig::canonical();
+    let e = topr_loss(&above, &ok, &r, &cfg).unwrap_err();
+    assert_eq!(e, LossError::PositiveLogProb { argument: "logp", max: 0.01, first_index: vec![1] });
+    assert!(e.to_string().contains("`logp` holds log-probabilities above 0"), "{e}");
+    let e = topr_loss(&ok, &above, &r, &cfg).unwrap_err();
+    assert_eq!(e, LossError::PositiveLogProb { argument: "logp_mu", max: 0.01, first_index: vec![1] });
+    // `max` is the largest entry, `first_index` the first one beyond the tolerance.
+    let e = topr_loss(&t1(&[-1.0, 0.01, 3.5]), &ok, &r, &cfg).unwrap_err();
+    assert_eq!(e, LossError::PositiveLogProb { argument: "logp", max: 3.5, first_index: vec![1] });
+    let e = topr_loss_output(&above, &ok, &r, &cfg, &Normalizer::sequences(3.0)).unwrap_err();
+    assert!(matches!(e, LossError::PositiveLogProb { argument: "logp", .. }), "{e}");
+    // Rounding within the tolerance, and 0 itself, are accepted.
+    for x in [1e-6, 0.0, LOG_PROB_TOLERANCE] {
+        let rounded = t1(&[-1.0, x, -0.5]);
+        assert!(topr_loss(&rounded, &ok, &r, &cfg).is_ok(), "{x}");
+        assert!(topr_loss(&ok, &rounded, &r, &cfg).is_ok(), "{x}");
+    }
+    // Shape checks refuse nothing: the loss is the one of the same log-ratios, both shifted ≤ 0.
+    let fast = topr_loss(&above, &ok, &r, &cfg.with_checks(Checks::Shapes)).unwrap();
+    let full = topr_loss(&(&above - 0.01), &(&ok - 0.01), &r, &cfg).unwrap();
+    assert_close(&[scalar(&fast)], &[scalar(&full)], 1e-12, "shape checks");
+}
+
+/// A token-level loss of `(logp, other, mask)` at a checks level, `other` being the argument named
+/// with it.
+type TokenCall = fn(&Tensor, &Tensor, &Tensor, Checks) -> Result<Tensor, LossError>;
+
+#[test]
+fn positive_log_probs_are_refused_by_token_losses_where_real() {
+    let calls: [(&str, &str, TokenCall); 4] = [
+        ("ppo_clip_loss", "logp_mu", |lp, o, m, c| {
+            ppo_clip_loss(lp, o, &t1(&[1.0, -1.0]), m, &PpoConfig::ppo().with_checks(c))
+        }),
+        ("topr_token_loss", "logp_mu", |lp, o, m, c| {
+            let cfg = ToprTokenConfig::paper().with_topr(ToprConfig::canonical().with_checks(c));
+            topr_token_loss(lp, o, &t1(&[1.0, -1.0]), m, &cfg)
+        }),
+        ("kl_penalty", "logp_ref", |lp, o, m, c| kl_penalty(lp, o, m, &KlConfig::k3().with_checks(c))),
+        ("rollout_weights", "logp_rollout", |lp, o, m, c| {
+            rollout_weights(lp, o, m, &RolloutCorrection::token_tis(2.0).with_checks(c)).map(|w| w.weights)
+        }),
+    ];
+    let ok = vec![vec![-1.0, -2.0, -0.5], vec![-0.3, -1.5, -2.5]];
+    let with = |i: usize, t: usize, x: f64| {
+        let mut v = ok.clone();
+        v[i][t] = x;
+        t2(&v)
+    };
+    let mask = Tensor::from_slice2(&[[true, true, true], [true, true, false]]);
+    let (ok_t, above, rounded) = (t2(&ok), with(1, 1, 0.01), with(0, 0, 1e-6));
+    for (name, other, f) in calls {
+        let e = f(&above, &ok_t, &mask, Checks::Full).unwrap_err();
+        assert_eq!(e, LossError::PositiveLogProb { argument: "logp", max: 0.01, first_index: vec![1, 1] }, "{name}");
+        let e = f(&ok_t, &above, &mask, Checks::Full).unwrap_err();
+        assert_eq!(e, LossError::PositiveLogProb { argument: other, max: 0.01, first_index: vec![1, 1] }, "{name}");
+        assert!(f(&rounded, &ok_t, &mask, Checks::Full).is_ok(), "{name}: rounding in logp");
+        assert!(f(&ok_t, &rounded, &mask, Checks::Full).is_ok(), "{name}: rounding in {other}");
+        // Padding may hold anything, a positive value included: the result is the one without it.
+        let padded = f(&with(1, 2, 5.0), &with(1, 2, 7.0), &mask, Checks::Full).unwrap();
+        assert_eq!(vec1(&padded), vec1(&f(&ok_t, &ok_t, &mask, Checks::Full).unwrap()), "{name}: padding");
+        // Shape checks refuse nothing.
+        assert!(f(&above, &above, &mask, Checks::Shapes).is_ok(), "{name}: shape checks");
+    }
+}
+
+#[test]
+fn positive_log_probs_are_refused_by_dpo() {
+    let ok = t1(&[-10.0, -12.0]);
+    let (above, rounded) = (t1(&[-10.0, 0.01]), t1(&[1e-6, -12.0]));
+    let cfg = DpoConfig::dpo();
+    let names = ["logp_chosen", "logp_rejected", "logp_ref_chosen", "logp_ref_rejected"];
+    for (k, name) in names.into_iter().enumerate() {
+        // The four arguments, `x` in the k-th place.
+        let args = |x: &Tensor| -> Vec<Tensor> {
+            (0..4).map(|j| if j == k { x.shallow_clone() } else { ok.shallow_clone() }).collect()
+        };
+        let a = args(&above);
+        let e = dpo_loss(&a[0], &a[1], &a[2], &a[3], &cfg).unwrap_err();
+        assert_eq!(e, LossError::PositiveLogProb { argument: name, max: 0.01, first_index: vec![1] });
+        let e = dpo_mix_loss(&a[0], &a[1], &a[2], &a[3], &DpoMix::of(cfg, 1.0)).unwrap_err();
+        assert!(matches!(e, LossError::PositiveLogProb { argument, .. } if argument == name), "mix: {e}");
+        assert!(dpo_loss(&a[0], &a[1], &a[2], &a[3], &cfg.with_checks(Checks::Shapes)).is_ok(), "{name}");
+        let r = args(&rounded);
+        assert!(dpo_loss(&r[0], &r[1], &r[2], &r[3], &cfg).is_ok(), "{name}: rounding");
+    }
+    // Reference-free, the reference arguments are neither used nor checked.
+    assert!(dpo_loss(&ok, &ok, &above, &above, &cfg.with_reference_free(true)).is_ok());
+}
+
 #[test]
 fn libtorch_errors_keep_their_source() {
     use std::error::Error;

@@ -23,8 +23,9 @@ proptest! {
     fn matches_formula_token_mean(rows in (1usize..5, 1usize..6).prop_flat_map(|(b, t)| prop::collection::vec(prop::collection::vec((-3.0f64..-0.1, -1.0f64..1.0, prop::bool::weighted(0.8)), t), b)), coef in 0.0f64..2.0) {
         let mut rows = rows;
         rows[0][0].2 = true;
-        let lp: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|x| x.0).collect()).collect();
-        let lr: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|x| x.0 - x.1).collect()).collect();
+        let mut lp: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|x| x.0).collect()).collect();
+        let mut lr: Vec<Vec<f64>> = rows.iter().map(|r| r.iter().map(|x| x.0 - x.1).collect()).collect();
+        non_positive_rows(&mut lp, &mut lr);
         let m: Vec<Tensor> = rows.iter().map(|r| Tensor::from_slice(&r.iter().map(|x| x.2).collect::<Vec<_>>())).collect();
         let mask = Tensor::stack(&m, 0);
         let n = rows.iter().flatten().filter(|x| x.2).count() as f64;
@@ -165,8 +166,12 @@ proptest! {
 
     #[test]
     fn corrected_matches_its_formula(b in token_batch(2.0, Just(0.0).boxed()), shift in prop::collection::vec(-1.5f64..1.5, 30), mode in prop::sample::select(ALL_MODES.to_vec())) {
-        // log μ = log π − s: the weight is e^{s}.
-        let mu: Vec<Vec<f64>> = b.logp.iter().enumerate().map(|(i, r)| r.iter().enumerate().map(|(t, x)| x - shift[(i * 6 + t) % 30]).collect()).collect();
+        // log μ = log π − s: the weight is e^{s}; π, π_ref and μ shifted together to stay ≤ 0.
+        let mut b = b;
+        let mut mu: Vec<Vec<f64>> = b.logp.iter().enumerate().map(|(i, r)| r.iter().enumerate().map(|(t, x)| x - shift[(i * 6 + t) % 30]).collect()).collect();
+        for ((l, o), m) in b.logp.iter_mut().flatten().zip(b.other.iter_mut().flatten()).zip(mu.iter_mut().flatten()) {
+            [*l, *o, *m] = non_positive([*l, *o, *m]);
+        }
         let (lp, lr, _, mask) = b.tensors(f64::NAN);
         let mu_t = t2(&mu.iter().zip(&b.mask).map(|(r, m)| r.iter().zip(m).map(|(x, m)| if *m { *x } else { f64::INFINITY }).collect()).collect::<Vec<Vec<f64>>>());
         let alpha = ref_alpha(&b.mask, mode, None);
@@ -237,9 +242,10 @@ fn variants_are_finite_at_extremes_and_in_every_dtype() {
                     .with_coef(1.0)
                     .with_straight_through(st)
                     .with_max_estimate(Some(10.0));
-                let p = Tensor::from_slice2(&[[-1.0e4f64, 0.0, -3.0]]).to_kind(kind).set_requires_grad(true);
-                let r = Tensor::from_slice2(&[[0.0f64, -1.0e4, -3.0]]).to_kind(kind);
-                let mu = Tensor::from_slice2(&[[1.0e4f64, -1.0e4, 0.0]]).to_kind(kind);
+                // log-ratios to the reference −1e4, 1e4, 0 and to μ −2e4, 1e4, −3, every log-prob ≤ 0
+                let p = Tensor::from_slice2(&[[-2.0e4f64, 0.0, -3.0]]).to_kind(kind).set_requires_grad(true);
+                let r = Tensor::from_slice2(&[[-1.0e4f64, -1.0e4, -3.0]]).to_kind(kind);
+                let mu = Tensor::from_slice2(&[[0.0f64, -1.0e4, 0.0]]).to_kind(kind);
                 let m = Tensor::from_slice2(&[[1i64, 1, 1]]);
                 let loss = kl_penalty_corrected(&p, &mu, &r, &m, &cfg).unwrap();
                 let want = if kind == Kind::Double { Kind::Double } else { Kind::Float };
@@ -274,10 +280,11 @@ fn variant_errors_name_the_field_or_argument() {
 
 #[test]
 fn variants_match_verl_and_trl() {
-    let logp = vec![vec![-0.3, -1.7, -2.2, -0.9, -4.0], vec![-1.1, -0.2, -3.5, -0.6, -2.0]];
-    // d spans both signs and, at −3.5 and +3.0, K3 values above 10 (verl clamps them).
-    let logp_ref = vec![vec![-0.5, -1.2, 1.3, -0.1, -7.0], vec![-1.1, -0.9, -3.1, -0.4, -1.5]];
-    let logp_mu = vec![vec![-0.2, -1.9, -2.0, -1.3, -3.6], vec![-1.0, -0.5, -3.0, -0.6, -2.4]];
+    // d spans both signs and, at −3.5 and +3.0, K3 values above 10 (verl clamps them); every
+    // log-prob is at most 0.
+    let logp = vec![vec![-0.3, -1.7, -3.5, -0.9, -4.0], vec![-1.1, -0.2, -3.5, -0.6, -2.0]];
+    let logp_ref = vec![vec![-0.5, -1.2, 0.0, -0.1, -7.0], vec![-1.1, -0.9, -3.1, -0.4, -1.5]];
+    let logp_mu = vec![vec![-0.2, -1.9, -3.3, -1.3, -3.6], vec![-1.0, -0.5, -3.0, -0.6, -2.4]];
     let mask = vec![vec![1.0, 1.0, 1.0, 1.0, 0.0], vec![1.0, 1.0, 1.0, 1.0, 1.0]];
     let variants: [(&str, KlConfig); 8] = [
         ("abs", KlConfig::abs()),

@@ -417,6 +417,9 @@ fn peer_batch() -> PeerBatch {
         for j in 0..t {
             logp[i][j] = -0.05 - 3.0 * next();
             rollout[i][j] = logp[i][j] - (next() - 0.5) * if i % 2 == 0 { 0.6 } else { 3.0 };
+            // Every log-prob at most 0, the policy's new log-probs (up to 0.15 above these) included.
+            let [l, r, _] = non_positive([logp[i][j], rollout[i][j], logp[i][j] + 0.15]);
+            (logp[i][j], rollout[i][j]) = (l, r);
             mask[i][j] = if j < len { 1.0 } else { 0.0 };
         }
     }

@@ -232,8 +232,10 @@ pub fn peer_batches() -> Vec<Batch> {
     (0..8)
         .map(|k| {
             let (b, t) = (2 + k % 4, 3 + k % 5);
-            let logp: Vec<Vec<f64>> = (0..b).map(|_| (0..t).map(|_| -4.0 * next() - 0.01).collect()).collect();
-            let other = logp.iter().map(|r| r.iter().map(|x| x - (2.0 * next() - 1.0) * 1.2).collect()).collect();
+            let mut logp: Vec<Vec<f64>> = (0..b).map(|_| (0..t).map(|_| -4.0 * next() - 0.01).collect()).collect();
+            let mut other: Vec<Vec<f64>> =
+                logp.iter().map(|r| r.iter().map(|x| x - (2.0 * next() - 1.0) * 1.2).collect()).collect();
+            non_positive_rows(&mut logp, &mut other);
             let mut mask: Vec<Vec<bool>> = (0..b).map(|_| (0..t).map(|_| next() < 0.8).collect()).collect();
             for row in &mut mask {
                 row[0] = true; // every row has a token: verl and TRL average over all rows
