@@ -9,8 +9,8 @@ use topr_loss::{
     Normalizer, PpoConfig, Rejection, RejectionScope, RolloutCorrection, SapoConfig, ToprConfig, ToprTokenConfig,
     ValueLossConfig, apply_token_weights, cispo_loss, clip_cov_loss, dpo_loss, dpo_mix_loss, entropy_loss,
     gae_advantages, gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty, kl_penalty_corrected, ppo_clip_loss,
-    ppo_clip_loss_output, reinforce_pp_advantages, rollout_rejection_mask, rollout_weights, sapo_loss,
-    top_entropy_mask, topr_loss, topr_token_loss, value_loss,
+    ppo_clip_loss_output, reinforce_pp_advantages, rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights,
+    sapo_loss, top_entropy_mask, topr_loss, topr_token_loss, value_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -145,7 +145,7 @@ fn issue_11_objectives(c: &mut Criterion) {
             loss.backward();
             black_box(loss)
         };
-        let cases: [(&str, &dyn Fn() -> Tensor); 14] = [
+        let cases: [(&str, &dyn Fn() -> Tensor); 15] = [
             ("sapo", &|| backward(&|| sapo_loss(&logp, &old, &adv, &mask, &SapoConfig::sapo()).unwrap())),
             ("gmpo", &|| backward(&|| gmpo_loss(&logp, &old, &adv, &mask, &GmpoConfig::gmpo()).unwrap())),
             ("clip_cov", &|| {
@@ -169,6 +169,11 @@ fn issue_11_objectives(c: &mut Criterion) {
             }),
             ("rejection_seq_max_k3", &|| {
                 rollout_rejection_mask(&logp, &old, &mask, &Rejection::k3(RejectionScope::SequenceMax, 0.01)).unwrap()
+            }),
+            ("rejection_token_k2_and_seq_max_k3", &|| {
+                let rules =
+                    [Rejection::k2(RejectionScope::Token, 0.1), Rejection::k3(RejectionScope::SequenceMax, 0.01)];
+                rollout_rejection_mask_all(&logp, &old, &mask, &rules).unwrap()
             }),
             ("ppo_with_token_tis", &|| {
                 backward(&|| {

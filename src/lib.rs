@@ -274,7 +274,7 @@ pub use ppo::{
 pub use rollout_correction::{
     CorrectionLevel, Divergence, Rejection, RejectionScope, RolloutCorrection, RolloutDiagnostics, RolloutWeights,
     WeightRule, apply_token_weights, effective_sample_size, off_policy_sequence_mask, rollout_rejection_mask,
-    rollout_weights,
+    rollout_rejection_mask_all, rollout_weights,
 };
 pub use sapo::{SapoConfig, sapo_loss, sapo_loss_output};
 pub use taper::{taper, taper_scalar, truncated_weight};

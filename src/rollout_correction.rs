@@ -697,10 +697,12 @@ impl Rejection {
 /// ```
 ///
 /// Pass `mask'` as the mask of the loss call (so that token means count the kept tokens only) and
-/// to [`Normalizer::from_masks`] for global counts; chain several rules by calling again with
-/// `mask'` (every rule must pass, as verl's comma-separated `rollout_rs`).
+/// to [`Normalizer::from_masks`] for global counts. For several rules use
+/// [`rollout_rejection_mask_all`], which computes each on the original mask as verl's
+/// comma-separated `rollout_rs` does; calling this again with `mask'` is another method (a
+/// sequence rule then sees only the tokens the first rule kept).
 ///
-/// Reference: verl `compute_rollout_rejection_mask` (its values, tested).
+/// Reference: verl `compute_rollout_rejection_mask` with one option (its values, tested).
 ///
 /// # Errors
 /// [`LossError::InvalidConfig`] for a bad rule; the tensor checks of [`LossError`].
@@ -722,8 +724,74 @@ pub fn rollout_rejection_mask(
     mask: &Tensor,
     rule: &Rejection,
 ) -> Result<Tensor, LossError> {
-    rule.validate()?;
+    rollout_rejection_mask_all(logp, logp_rollout, mask, std::slice::from_ref(rule))
+}
+
+/// The padding mask with what any of several rejection rules drops set to false: every rule is
+/// computed on the original `mask` and the kept sets are intersected.
+///
+/// ```text
+/// mask' = mask ∧ keep_1 ∧ … ∧ keep_n        (keep_r: rule r's test of rollout_rejection_mask,
+///                                           its statistic taken over the tokens of `mask`)
+/// ```
+///
+/// This is verl's comma-separated `rollout_rs` (e.g. `"token_k2,seq_max_k3"` with thresholds
+/// `"0.1,0.2"`). It differs from passing the mask of one rule to the next when a token rule comes
+/// before a sequence rule: chained, a sequence statistic is taken over the tokens the token rule
+/// kept, so a sequence whose worst token the token rule dropped can pass the sequence rule; here
+/// it does not.
+///
+/// Reference: verl `compute_rollout_rejection_mask` (its values, tested with several options).
+///
+/// # Errors
+/// [`LossError::InvalidConfig`] naming `rules` when it is empty, or the field of a bad rule; the
+/// tensor checks of [`LossError`].
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{rollout_rejection_mask, rollout_rejection_mask_all, Rejection, RejectionScope};
+/// let logp = Tensor::from_slice2(&[[-1.0f64, -1.0, -1.0]]);
+/// let logp_rollout = Tensor::from_slice2(&[[-1.0f64, -1.1, -2.0]]); // the last token far off
+/// let mask = Tensor::from_slice2(&[[true, true, true]]);
+/// let token = Rejection::k2(RejectionScope::Token, 0.1);
+/// let seq = Rejection::k3(RejectionScope::SequenceMax, 0.2);
+/// // verl's combination: the sequence's worst token fails the sequence rule, the row goes.
+/// let both = rollout_rejection_mask_all(&logp, &logp_rollout, &mask, &[token, seq])?;
+/// assert_eq!(Vec::<bool>::try_from(&both.flatten(0, -1))?, vec![false, false, false]);
+/// // Chained, the sequence rule no longer sees the token the first rule dropped.
+/// let first = rollout_rejection_mask(&logp, &logp_rollout, &mask, &token)?;
+/// let chained = rollout_rejection_mask(&logp, &logp_rollout, &first, &seq)?;
+/// assert_eq!(Vec::<bool>::try_from(&chained.flatten(0, -1))?, vec![true, true, false]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn rollout_rejection_mask_all(
+    logp: &Tensor,
+    logp_rollout: &Tensor,
+    mask: &Tensor,
+    rules: &[Rejection],
+) -> Result<Tensor, LossError> {
+    if rules.is_empty() {
+        return Err(LossError::InvalidConfig {
+            field: "rules",
+            value: 0.0,
+            reason: "at least one rejection rule is needed".into(),
+        });
+    }
+    for rule in rules {
+        rule.validate()?;
+    }
     let x = check(&logp.f_detach()?, logp_rollout, mask, Checks::Full)?;
+    let mut kept = x.mask.shallow_clone();
+    for rule in rules {
+        kept = kept.f_logical_and(&rule_keeps(&x, rule)?)?;
+    }
+    Ok(kept)
+}
+
+/// What one rule keeps (broadcast over the tokens for a sequence rule), its statistic over the
+/// tokens of `x`'s mask.
+fn rule_keeps(x: &TokenInputs, rule: &Rejection) -> Result<Tensor, LossError> {
     let d = x.delta.f_clamp(-rule.max_log_ratio, rule.max_log_ratio)?;
     let s = match rule.divergence {
         Divergence::K1 => d.f_neg()?,
@@ -741,11 +809,10 @@ pub fn rollout_rejection_mask(
         // max over its tokens (0 for an empty row, as verl).
         RejectionScope::SequenceMax => s.f_amax(&[1i64][..], true)?,
     };
-    let keep = match rule.divergence {
+    Ok(match rule.divergence {
         Divergence::K1 => stat.f_ge(rule.min.ln())?.f_logical_and(&stat.f_le(rule.max.ln())?)?,
         Divergence::K2 | Divergence::K3 => stat.f_le(rule.max)?,
-    };
-    Ok(x.mask.f_logical_and(&keep)?)
+    })
 }
 
 /// DeepSeek-V3.2's off-policy sequence mask: drop a sequence with a negative advantage whose

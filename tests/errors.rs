@@ -159,6 +159,10 @@ proptest! {
         for rule in [Rejection::k1(RejectionScope::SequenceSum, p, q), Rejection::k2(RejectionScope::SequenceMax, q), Rejection::k3(RejectionScope::Token, p)] {
             let _ = no_panic("rollout_rejection_mask", || rollout_rejection_mask(&a, &b, &m, &rule));
         }
+        let rules = [Rejection::k2(RejectionScope::Token, q), Rejection::k3(RejectionScope::SequenceMax, p)];
+        let _ = no_panic("rollout_rejection_mask_all", || rollout_rejection_mask_all(&a, &b, &m, &rules));
+        let none = rollout_rejection_mask_all(&a, &b, &m, &[]);
+        prop_assert!(matches!(none, Err(LossError::InvalidConfig { field: "rules", .. })), "{:?}", none.map(|_| ()));
         let _ = no_panic("off_policy_sequence_mask", || off_policy_sequence_mask(&a, &b, &c, &m, p));
         let _ = no_panic("effective_sample_size", || effective_sample_size(&a, &m));
         let _ = no_panic("apply_token_weights", || apply_token_weights(&a, &c, &m, AggregationMode::SeqMeanTokenMean, &Normalizer::local()));

@@ -11,7 +11,7 @@ use topr_loss::{
     AggregationMode, CorrectionLevel, Divergence, KlConfig, LossError, Normalizer, PpoConfig, Rejection,
     RejectionScope, RolloutCorrection, ToprTokenConfig, WeightRule, apply_token_weights, cispo_loss_output,
     effective_sample_size, gspo_loss_output, kl_penalty_output, off_policy_sequence_mask, ppo_clip_loss_output,
-    rollout_rejection_mask, rollout_weights, topr_token_loss_output,
+    rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights, topr_token_loss_output,
 };
 
 fn batch() -> impl Strategy<Value = TokenBatch> {
@@ -210,6 +210,23 @@ proptest! {
             let kept = rollout_rejection_mask(&lp, &lr, &m, &rule).unwrap();
             prop_assert_eq!(bools(&kept), ref_rejection(&b, &rule).concat(), "{:?}", rule);
         }
+    }
+
+    /// Several rules at once: each scalar rule on the original mask, intersected (verl's
+    /// combination), whatever the order of the rules.
+    #[test]
+    fn several_rules_match_the_intersection_of_each_on_the_original_mask(b in batch(), picks in prop::collection::vec(0usize..14, 1..4)) {
+        let (lp, lr, _, m) = b.tensors(f64::NAN);
+        let all = rules();
+        let chosen: Vec<Rejection> = picks.iter().map(|&i| all[i % all.len()]).collect();
+        let want: Vec<bool> = chosen
+            .iter()
+            .map(|r| ref_rejection(&b, r).concat())
+            .fold(b.mask.concat(), |acc, k| acc.iter().zip(&k).map(|(a, b)| *a && *b).collect());
+        let kept = rollout_rejection_mask_all(&lp, &lr, &m, &chosen).unwrap();
+        prop_assert_eq!(bools(&kept), want.clone());
+        let reversed: Vec<Rejection> = chosen.iter().rev().copied().collect();
+        prop_assert_eq!(bools(&rollout_rejection_mask_all(&lp, &lr, &m, &reversed).unwrap()), want);
     }
 
     #[test]
@@ -489,6 +506,15 @@ fn matches_verl_and_trl() {
     for (_, opt, thr) in &rs_cases {
         calls.push(json!({"fn": "verl.rejection_mask", "args": {"logp": logp, "logp_rollout": rollout, "mask": mask, "options": opt, "threshold": thr}}));
     }
+    // Several options at once (verl: each on the original mask, intersected), a token rule first.
+    let combos: Vec<(Vec<usize>, &str, &str)> = vec![
+        (vec![1, 10], "token_k2,seq_max_k3", "0.1,0.2"),
+        (vec![0, 4, 7], "token_k1,seq_sum_k2,seq_mean_k2", "0.6_1.5,0.5,0.05"),
+        (vec![2, 5], "token_k3,seq_sum_k3", "0.1,0.4"),
+    ];
+    for (_, opt, thr) in &combos {
+        calls.push(json!({"fn": "verl.rejection_mask", "args": {"logp": logp, "logp_rollout": rollout, "mask": mask, "options": opt, "threshold": thr}}));
+    }
     for (_, mode, lo, hi) in &trl_cases {
         calls.push(json!({"fn": "trl.importance_sampling_ratio", "args": {"logp": logp, "logp_rollout": rollout, "mask": mask, "mode": mode, "clip_min": lo, "clip_max": hi}}));
     }
@@ -540,6 +566,18 @@ fn matches_verl_and_trl() {
             "{opt} rejects nothing: a weak case"
         );
     }
+    let mut chained_differs = false;
+    for (picks, opt, _) in &combos {
+        let r = it.next().unwrap();
+        let chosen: Vec<Rejection> = picks.iter().map(|&i| rs_cases[i].0).collect();
+        let kept = rollout_rejection_mask_all(&lp, &lr, &m, &chosen).unwrap();
+        let want: Vec<bool> = json_f64(&r["mask"]).iter().map(|x| *x != 0.0).collect();
+        assert_eq!(bools(&kept), want, "verl rejection {opt}");
+        let chained =
+            chosen.iter().fold(m.shallow_clone(), |mk, rule| rollout_rejection_mask(&lp, &lr, &mk, rule).unwrap());
+        chained_differs |= bools(&chained) != want;
+    }
+    assert!(chained_differs, "no combination where chaining differs from verl: a weak case");
     for (cfg, mode, _, _) in &trl_cases {
         let r = it.next().unwrap();
         let w = rollout_weights(&lp, &lr, &m, cfg).unwrap();
