@@ -84,6 +84,8 @@
 //!   coefficient (`src/kl_control.rs`).
 //! - [`sapo_loss`] with [`SapoConfig`] — SAPO's smooth, asymmetric gate in place of the clip
 //!   (`src/sapo.rs`).
+//! - [`dppo_loss`] with [`DppoConfig`] — DPPO's trust region on the token's probability (binary
+//!   total variation or KL) in place of the ratio clip (`src/dppo.rs`).
 //! - [`gmpo_loss`] with [`GmpoConfig`] — GMPO's geometric mean of sign-clipped token ratios
 //!   (`src/gmpo.rs`).
 //! - [`clip_cov_loss`] with [`ClipCovConfig`], [`kl_cov_loss`] with [`KlCovConfig`] — Clip-Cov and
@@ -136,6 +138,7 @@
 //! | importance-corrected KL | `kl_penalty_corrected(logp, logp_mu, logp_ref, mask, cfg)` | [`kl_penalty_corrected_output`]`(.., cfg, norm)` | [`KlConfig`] as above | [`KlDiagnostics`] |
 //! | clipped value loss | `value_loss(values, values_old, returns, mask, cfg)` | [`value_loss_output`]`(.., cfg, norm)` | [`ValueLossConfig`]`::{ppo, verl}` | [`ValueDiagnostics`] |
 //! | SAPO | `sapo_loss(logp, logp_mu, advantages, mask, cfg)` | [`sapo_loss_output`]`(.., cfg, norm)` | [`SapoConfig::sapo`] | [`PpoDiagnostics`] |
+//! | DPPO | `dppo_loss(logp, logp_mu, advantages, mask, cfg)` | [`dppo_loss_output`]`(.., cfg, norm)` | [`DppoConfig::tv`], [`DppoConfig::binary_kl`] | [`PpoDiagnostics`] |
 //! | GMPO | `gmpo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gmpo_loss_output`]`(.., cfg, norm)` | [`GmpoConfig::gmpo`] | [`PpoDiagnostics`] |
 //! | Clip-Cov | `clip_cov_loss(logp, logp_mu, advantages, mask, keys, cfg)` | [`clip_cov_loss_output`]`(.., cfg, norm)` | [`ClipCovConfig::clip_cov`] | [`PpoDiagnostics`] |
 //! | KL-Cov | `kl_cov_loss(logp, logp_mu, advantages, mask, cfg)` | [`kl_cov_loss_output`]`(.., cfg, norm)` | [`KlCovConfig::kl_cov`] | [`PpoDiagnostics`] |
@@ -215,6 +218,7 @@ mod dpo;
 mod dpo_config;
 mod dpo_mix;
 mod dpo_pairs;
+mod dppo;
 mod entropy;
 mod error;
 mod gae;
@@ -252,6 +256,7 @@ pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoDiagnostics, DpoRewards, dpo_loss, dpo_loss_output, dpo_rewards};
 pub use dpo_config::{DpoConfig, DpoVariant};
 pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
+pub use dppo::{DppoConfig, DppoDivergence, dppo_loss, dppo_loss_output};
 pub use entropy::{EntropyConfig, EntropyDiagnostics, entropy_loss, entropy_loss_output, top_entropy_mask};
 pub use error::{LossError, TorchError};
 pub use gae::gae_advantages;

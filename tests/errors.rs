@@ -525,6 +525,13 @@ proptest! {
                 let _ = no_panic("sapo_loss_output", || sapo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
             }
         }
+        for cfg in [DppoConfig::tv(), DppoConfig::binary_kl().with_deltas(p, q).with_max_weight(q).with_max_log_ratio(p)] {
+            let r = no_panic("dppo_loss", || dppo_loss(&a, &b, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("dppo_loss_output", || dppo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
         for cfg in [GmpoConfig::gmpo(), GmpoConfig::gmpo().with_clip(p, q).with_max_log_ratio(q)] {
             let r = no_panic("gmpo_loss", || gmpo_loss(&a, &b, &c, &m, &cfg));
             prop_assert!(finite(&r));

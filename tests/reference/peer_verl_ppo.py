@@ -1,4 +1,4 @@
-"""verl 0.9.1's research policy losses (`verl.trainer.ppo.core_algos`): SAPO, GMPO (`geo_mean`),
+"""verl 0.9.1's research policy losses (`verl.trainer.ppo.core_algos`): SAPO, GMPO (`geo_mean`), DPPO,
 Clip-Cov and KL-Cov, value and gradient; and the entropy bonus as verl's actor adds it.
 
 Each function builds the `ActorConfig` dataclass verl's loss reads (with a `PolicyLossConfig` for the
@@ -100,3 +100,14 @@ def entropy_from_logits(logits):
     from verl.utils.torch_functional import entropy_from_logits as ent
 
     return out(value=ent(tensor(logits)))
+
+
+@peer("verl.dppo")
+def dppo(logp, logp_mu, advantages, mask, divergence, clip_low, clip_high, clip_c, loss_agg_mode):
+    """`compute_policy_loss_dppo_tv` or `compute_policy_loss_dppo_kl` (`divergence`: "tv" or "kl"),
+    with `clip_ratio_low/high` as the trust region's bounds and `clip_ratio_c` as the truncation."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv
+
+    fn = compute_policy_loss_dppo_tv if divergence == "tv" else compute_policy_loss_dppo_kl
+    cfg = _config(clip_ratio=clip_low, clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=clip_c)
+    return _run(fn, logp, logp_mu, advantages, mask, loss_agg_mode, cfg)
