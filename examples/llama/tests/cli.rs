@@ -134,7 +134,7 @@ fn a_ci_sized_run_of_every_command() {
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
     // Every objective, with the rollout corrections, advantage estimators, KL and entropy terms.
-    let extra: [(&str, &str, &str, &[&str]); 13] = [
+    let extra: [(&str, &str, &str, &[&str]); 15] = [
         ("ppo", "adamw", "none", &["--rejection", "k1-token:0.5:2", "--off-policy-mask", "0.2"]),
         ("grpo", "adamw", "token-tis:2", &["--advantage", "rloo", "--kl-coef", "0.01", "--kl-estimator", "k3-plus"]),
         ("dpo", "adafactor", "none", &["--dpo-loss", "robust", "--dpo-label-smoothing", "0.1"]),
@@ -145,6 +145,8 @@ fn a_ci_sized_run_of_every_command() {
         ("gmpo", "adamw", "none", &["--advantage", "opo", "--rejection", "k3-seq-max:0.5"]),
         ("clip-cov", "adamw", "none", &["--advantage", "reinforce-pp-baseline", "--off-policy-mask", "0.1"]),
         ("kl-cov", "adamw", "token-tis:2", &["--advantage", "dr-grpo", "--top-entropy", "0.2"]),
+        ("dppo-tv", "adamw", "none", &["--advantage", "rloo"]),
+        ("dppo-kl", "adafactor", "token-tis:2", &["--rejection", "k2-token:0.5"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),
         ("dpo", "adafactor", "none", &["--dpo-mix", "sigmoid:0.8,bco-pair:0.2"]),
@@ -183,7 +185,9 @@ fn a_ci_sized_run_of_every_command() {
         match objective {
             "dpo" => assert!(last["stats"]["dpo_accuracy"].is_number(), "{last}"),
             "ppo" | "grpo" | "gspo" | "cispo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
-            "sapo" | "gmpo" | "clip-cov" | "kl-cov" => assert!(last["stats"]["clip_fraction"].is_null(), "{last}"),
+            "sapo" | "gmpo" | "clip-cov" | "kl-cov" | "dppo-tv" | "dppo-kl" => {
+                assert!(last["stats"]["clip_fraction"].is_null(), "{last}")
+            }
             _ => assert!(last["stats"]["topr"]["truncated_fraction_neg"].is_number(), "{last}"),
         }
         assert!(out.join("model.safetensors").exists() && !out.join("state").exists());

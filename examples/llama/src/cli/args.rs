@@ -302,7 +302,7 @@ pub struct ObjectiveArgs {
     /// `token-tis:2`, `sequence-tis:2`, `token-mis:0.5:2`, `sequence-mis:0.5:2`, or `none`.
     #[arg(long, default_value = "none", value_parser = parse_rollout_correction)]
     pub rollout_correction: CorrectionArg,
-    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov and kl-cov compute advantages from each
+    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv and dppo-kl compute advantages from each
     /// question's rewards.
     #[arg(long, value_enum, default_value_t = Advantage::Grpo)]
     pub advantage: Advantage,

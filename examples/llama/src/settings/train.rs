@@ -154,16 +154,31 @@ pub enum Objective {
     ClipCov,
     /// KL-Cov (PPO without clipping plus a KL term on the top-covariance tokens).
     KlCov,
+    /// DPPO with the binary total-variation trust region (δ = 0.15) and group advantages.
+    DppoTv,
+    /// DPPO with the binary KL trust region (δ = 0.05) and group advantages.
+    DppoKl,
 }
 
 impl Objective {
     /// Whether the objective weighs completions by group advantages (`--advantage`).
     pub fn uses_group_advantages(self) -> bool {
-        matches!(self, Self::Grpo | Self::Gspo | Self::Cispo | Self::Sapo | Self::Gmpo | Self::ClipCov | Self::KlCov)
+        matches!(
+            self,
+            Self::Grpo
+                | Self::Gspo
+                | Self::Cispo
+                | Self::Sapo
+                | Self::Gmpo
+                | Self::ClipCov
+                | Self::KlCov
+                | Self::DppoTv
+                | Self::DppoKl
+        )
     }
 }
 
-/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov` turn each question's rewards into
+/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl` turn each question's rewards into
 /// advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -312,7 +327,7 @@ impl TrainSettings {
         if self.advantage != Advantage::default() && !self.objective.uses_group_advantages() {
             return Err(SettingError::new(
                 &["advantage"],
-                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov)",
+                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl)",
             ));
         }
         Ok(())

@@ -8,13 +8,13 @@ use crate::settings::{Baseline, Objective};
 use anyhow::Result;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, DpoMix, EntropyConfig, GmpoConfig, KlConfig,
-    KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection, SapoConfig, SequenceReduce,
-    TokenLogProbs, ToprDiagnostics, ToprTokenConfig, apply_token_weights, baseline_for_effective_proportion,
-    cispo_loss_output, clip_cov_loss_output, dpo_loss_output, dpo_mix_loss_output, entropy_loss_output,
-    gmpo_loss_output, gspo_loss_output, kl_cov_loss_output, kl_penalty_output, off_policy_sequence_mask,
-    ppo_clip_loss_output, rollout_rejection_mask, rollout_weights, sapo_loss_output, sequence_logprobs,
-    top_entropy_mask, topr_token_loss_output,
+    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, DpoMix, DppoConfig, EntropyConfig, GmpoConfig,
+    KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection, SapoConfig,
+    SequenceReduce, TokenLogProbs, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
+    baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output, dpo_mix_loss_output,
+    dppo_loss_output, entropy_loss_output, gmpo_loss_output, gspo_loss_output, kl_cov_loss_output, kl_penalty_output,
+    off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask, rollout_weights, sapo_loss_output,
+    sequence_logprobs, top_entropy_mask, topr_token_loss_output,
 };
 
 /// The baseline `c` and the data set's share of positives `p`: `c` given, or derived from `p`
@@ -69,6 +69,8 @@ pub enum Loss {
     ClipCov(ClipCovConfig),
     /// KL-Cov on per-sequence advantages.
     KlCov(KlCovConfig),
+    /// DPPO on per-sequence advantages.
+    Dppo(DppoConfig),
     /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
     Dpo(DpoConfig, SequenceReduce),
     /// A weighted sum of DPO-family losses on the same pairs (TRL's `loss_weights`).
@@ -102,6 +104,8 @@ impl Loss {
             Objective::Gmpo => Loss::Gmpo(GmpoConfig::gmpo().with_checks(fast)),
             Objective::ClipCov => Loss::ClipCov(ClipCovConfig::clip_cov().with_checks(fast)),
             Objective::KlCov => Loss::KlCov(KlCovConfig::kl_cov().with_checks(fast)),
+            Objective::DppoTv => Loss::Dppo(DppoConfig::tv().with_checks(fast)),
+            Objective::DppoKl => Loss::Dppo(DppoConfig::binary_kl().with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
@@ -162,6 +166,10 @@ impl Loss {
             }
             Loss::KlCov(cfg) => {
                 let out = kl_cov_loss_output(logp, mu, adv, mask, cfg, norm)?;
+                (out.loss, out.terms, cfg.aggregation)
+            }
+            Loss::Dppo(cfg) => {
+                let out = dppo_loss_output(logp, mu, adv, mask, cfg, norm)?;
                 (out.loss, out.terms, cfg.aggregation)
             }
             Loss::Dpo(cfg, reduce) => {
