@@ -84,18 +84,7 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
         let prev = work.iteration(i - 1);
         (prev.model(), prev.eval())
     };
-    let numerics = Numerics::of(s.at);
-    if numerics != rec.numerics {
-        bail!(
-            "--dtype, --device, --kernels: the run in {} was made in {}; its arms must be too (this comparison asks for {})",
-            s.run.display(),
-            rec.numerics.describe(),
-            numerics.describe()
-        );
-    }
-    if i == 1 && ModelId::of(&mu_dir)? != rec.model {
-        bail!("the run's initial model {} has changed since the run started: its μ is gone", mu_dir.display());
-    }
+    check_inputs(s, &rec, &mu_dir)?;
     let mut names: Vec<&str> = s.arms.iter().map(|a| a.name.as_str()).collect();
     names.sort();
     names.dedup();
@@ -135,6 +124,24 @@ pub fn run(s: &CompareSettings) -> Result<Vec<CompareRow>> {
     crate::io::write_file(&out.join("compare.md"), &md)?;
     print!("{md}");
     Ok(rows)
+}
+
+/// Refuses a comparison whose arms would be made in other numerics than the run's model (the
+/// table would mix precisions), or whose μ is no longer the run's initial model.
+fn check_inputs(s: &CompareSettings, rec: &iterate::IterateRun, mu_dir: &Path) -> Result<()> {
+    let numerics = Numerics::of(s.at);
+    if numerics != rec.numerics {
+        bail!(
+            "--dtype, --device, --kernels: the run in {} was made in {}; its arms must be too (this comparison asks for {})",
+            s.run.display(),
+            rec.numerics.describe(),
+            numerics.describe()
+        );
+    }
+    if s.iteration == 1 && ModelId::of(mu_dir)? != rec.model {
+        bail!("the run's initial model {} has changed since the run started: its μ is gone", mu_dir.display());
+    }
+    Ok(())
 }
 
 /// Whether each held-out question was answered correctly (greedy), in question order.

@@ -42,6 +42,17 @@ pub fn accumulate(
     parallel::sum(group, &mut counts)?;
     let normalizer = Normalizer::global(BatchCounts { tokens: counts[0], sequences: counts[1] });
     let pairs_in_step = counts[2];
+    // The logits of the largest micro-batch, their log-softmax and their gradient (f32): a lower
+    // bound of what the step holds, refused when even that cannot fit.
+    if let Some(p) = parts.iter().max_by_key(|p| p.ids.numel()) {
+        let (n, l) = (p.ids.size()[0], p.ids.size()[1]);
+        let bytes = (p.ids.numel() as u64) * (model.cfg.vocab_size as u64) * 12;
+        crate::memory::fits(
+            model.device(),
+            bytes,
+            &format!("the logits of a micro-batch of {n} completion(s) × {l} tokens × {} ids", model.cfg.vocab_size),
+        )?;
+    }
     let lp_cfg = LogProbConfig::default().with_entropy(extras.needs_entropy());
     let mut tally = Tally::default();
     let (mut values, mut tokens) = (vec![], vec![]);

@@ -151,27 +151,15 @@ impl Loss {
                 };
                 (out.loss, out.terms, cfg.aggregation)
             }
-            Loss::Sapo(cfg) => {
-                let out = sapo_loss_output(logp, mu, adv, mask, cfg, norm)?;
-                (out.loss, out.terms, cfg.aggregation)
-            }
-            Loss::Gmpo(cfg) => {
-                let out = gmpo_loss_output(logp, mu, adv, mask, cfg, norm)?;
-                (out.loss, out.terms, cfg.aggregation)
-            }
+            Loss::Sapo(cfg) => value_and_terms(sapo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
+            Loss::Gmpo(cfg) => value_and_terms(gmpo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::ClipCov(cfg) => {
                 let keys = clip_cov_keys(&mask.size(), keys_seed, logp.device());
                 let out = clip_cov_loss_output(logp, mu, adv, mask, &keys, cfg, norm)?;
                 (out.loss, out.terms, cfg.aggregation)
             }
-            Loss::KlCov(cfg) => {
-                let out = kl_cov_loss_output(logp, mu, adv, mask, cfg, norm)?;
-                (out.loss, out.terms, cfg.aggregation)
-            }
-            Loss::Dppo(cfg) => {
-                let out = dppo_loss_output(logp, mu, adv, mask, cfg, norm)?;
-                (out.loss, out.terms, cfg.aggregation)
-            }
+            Loss::KlCov(cfg) => value_and_terms(kl_cov_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
+            Loss::Dppo(cfg) => value_and_terms(dppo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::Dpo(cfg, reduce) => {
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
                 let (pw, pl, rw, rl, n) = dpo_pairs(lp, p, *reduce)?;
@@ -188,6 +176,11 @@ impl Loss {
         };
         extras.apply(loss, &terms, mode, lp, p, norm)
     }
+}
+
+/// A token-level loss's value, its per-token terms and their aggregation.
+fn value_and_terms<D>(out: topr_loss::LossOutput<D>, mode: AggregationMode) -> (Tensor, Tensor, AggregationMode) {
+    (out.loss, out.terms, mode)
 }
 
 /// A DPO micro-batch's sequence log-probs of π and μ for its chosen (first half) and rejected
