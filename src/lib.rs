@@ -86,6 +86,8 @@
 //!   (`src/sapo.rs`).
 //! - [`dppo_loss`] with [`DppoConfig`] — DPPO's trust region on the token's probability (binary
 //!   total variation or KL) in place of the ratio clip (`src/dppo.rs`).
+//! - [`dro_loss`] with [`DroConfig`] — REINFORCE with a quadratic log-ratio penalty, verl's `dro`
+//!   (`src/dro.rs`).
 //! - [`gmpo_loss`] with [`GmpoConfig`] — GMPO's geometric mean of sign-clipped token ratios
 //!   (`src/gmpo.rs`).
 //! - [`clip_cov_loss`] with [`ClipCovConfig`], [`kl_cov_loss`] with [`KlCovConfig`] — Clip-Cov and
@@ -139,6 +141,7 @@
 //! | clipped value loss | `value_loss(values, values_old, returns, mask, cfg)` | [`value_loss_output`]`(.., cfg, norm)` | [`ValueLossConfig`]`::{ppo, verl}` | [`ValueDiagnostics`] |
 //! | SAPO | `sapo_loss(logp, logp_mu, advantages, mask, cfg)` | [`sapo_loss_output`]`(.., cfg, norm)` | [`SapoConfig::sapo`] | [`PpoDiagnostics`] |
 //! | DPPO | `dppo_loss(logp, logp_mu, advantages, mask, cfg)` | [`dppo_loss_output`]`(.., cfg, norm)` | [`DppoConfig::tv`], [`DppoConfig::binary_kl`] | [`PpoDiagnostics`] |
+//! | DRO | `dro_loss(logp, logp_mu, advantages, mask, cfg)` | [`dro_loss_output`]`(.., cfg, norm)` | [`DroConfig::new`] | [`PpoDiagnostics`] |
 //! | GMPO | `gmpo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gmpo_loss_output`]`(.., cfg, norm)` | [`GmpoConfig::gmpo`] | [`PpoDiagnostics`] |
 //! | Clip-Cov | `clip_cov_loss(logp, logp_mu, advantages, mask, keys, cfg)` | [`clip_cov_loss_output`]`(.., cfg, norm)` | [`ClipCovConfig::clip_cov`] | [`PpoDiagnostics`] |
 //! | KL-Cov | `kl_cov_loss(logp, logp_mu, advantages, mask, cfg)` | [`kl_cov_loss_output`]`(.., cfg, norm)` | [`KlCovConfig::kl_cov`] | [`PpoDiagnostics`] |
@@ -219,6 +222,7 @@ mod dpo_config;
 mod dpo_mix;
 mod dpo_pairs;
 mod dppo;
+mod dro;
 mod entropy;
 mod error;
 mod gae;
@@ -257,6 +261,7 @@ pub use dpo::{DpoDiagnostics, DpoRewards, dpo_loss, dpo_loss_output, dpo_rewards
 pub use dpo_config::{DpoConfig, DpoVariant};
 pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
 pub use dppo::{DppoConfig, DppoDivergence, dppo_loss, dppo_loss_output};
+pub use dro::{DroConfig, dro_loss, dro_loss_output};
 pub use entropy::{EntropyConfig, EntropyDiagnostics, entropy_loss, entropy_loss_output, top_entropy_mask};
 pub use error::{LossError, TorchError};
 pub use gae::gae_advantages;

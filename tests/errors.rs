@@ -532,6 +532,13 @@ proptest! {
                 let _ = no_panic("dppo_loss_output", || dppo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
             }
         }
+        for cfg in [DroConfig::default(), DroConfig::new(p).with_aggregation(AggregationMode::DrGrpo { length: q })] {
+            let r = no_panic("dro_loss", || dro_loss(&a, &b, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("dro_loss_output", || dro_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
         for cfg in [GmpoConfig::gmpo(), GmpoConfig::gmpo().with_clip(p, q).with_max_log_ratio(q)] {
             let r = no_panic("gmpo_loss", || gmpo_loss(&a, &b, &c, &m, &cfg));
             prop_assert!(finite(&r));

@@ -44,6 +44,7 @@ fn every_preset_round_trips() {
     round_trip(ValueLossConfig::verl());
     round_trip(SapoConfig::sapo());
     round_trip(DppoConfig::tv());
+    round_trip(DroConfig::new(0.3));
     round_trip(DppoConfig::binary_kl().with_max_weight(f64::INFINITY));
     round_trip(GmpoConfig::gmpo());
     round_trip(ClipCovConfig::clip_cov());

@@ -111,3 +111,12 @@ def dppo(logp, logp_mu, advantages, mask, divergence, clip_low, clip_high, clip_
     fn = compute_policy_loss_dppo_tv if divergence == "tv" else compute_policy_loss_dppo_kl
     cfg = _config(clip_ratio=clip_low, clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=clip_c)
     return _run(fn, logp, logp_mu, advantages, mask, loss_agg_mode, cfg)
+
+
+@peer("verl.dro")
+def dro(logp, logp_mu, advantages, mask, beta, loss_agg_mode):
+    """`compute_policy_loss_dro` with `policy_loss.dro_beta`."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_dro
+
+    cfg = _config(policy_loss=dict(dro_beta=beta))
+    return _run(compute_policy_loss_dro, logp, logp_mu, advantages, mask, loss_agg_mode, cfg)

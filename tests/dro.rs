@@ -1,0 +1,200 @@
+//! The DRO policy loss against a scalar reference of its formula, finite differences (nothing is
+//! stopped but μ), padding and split invariance, on-policy equality with REINFORCE, extremes and
+//! half precision, and verl's own `dro` (values and gradients).
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use serde_json::json;
+use tch::{Kind, Tensor};
+use topr_loss::{
+    AggregationMode, DroConfig, LossError, Normalizer, PpoConfig, dro_loss, dro_loss_output, ppo_clip_loss,
+};
+
+type Batch = TokenBatch;
+
+fn batch() -> impl Strategy<Value = Batch> {
+    token_batch(1.5, (-2.0f64..2.0).boxed())
+}
+
+fn ref_loss(b: &Batch, cfg: &DroConfig, global: Option<(f64, f64)>) -> (f64, Vec<f64>) {
+    let al = ref_alpha(&b.mask, cfg.aggregation, global);
+    let mut value = 0.0;
+    let mut grad = vec![vec![0.0; b.mask[0].len()]; b.mask.len()];
+    for (i, row) in b.mask.iter().enumerate() {
+        for (t, _) in row.iter().enumerate().filter(|(_, m)| **m) {
+            let (lp, a) = (b.logp[i][t], b.weights[i]);
+            let d = lp - b.other[i][t];
+            value += al[i] * -(a * lp - 0.5 * cfg.beta * d * d);
+            grad[i][t] = al[i] * (-a + cfg.beta * d);
+        }
+    }
+    (value, grad.concat())
+}
+
+fn configs() -> Vec<DroConfig> {
+    vec![
+        DroConfig::default(),
+        DroConfig::new(1.0).with_aggregation(AggregationMode::SeqMeanTokenMean),
+        DroConfig::new(0.02).with_aggregation(AggregationMode::SeqMeanTokenSum),
+        DroConfig::new(3.0).with_aggregation(AggregationMode::DrGrpo { length: 9.0 }),
+    ]
+}
+
+fn run(b: &Batch, cfg: &DroConfig, padding: f64) -> (f64, Vec<f64>) {
+    let (lp, old, adv, m) = b.tensors(padding);
+    let lp = leaf(&lp);
+    let loss = dro_loss(&lp, &old, &adv, &m, cfg).unwrap();
+    loss.backward();
+    (scalar(&loss), vec1(&lp.grad()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn dro_matches_scalar_reference_with_nan_padding(b in batch()) {
+        for cfg in configs() {
+            let (v, g) = run(&b, &cfg, f64::NAN);
+            let (rv, rg) = ref_loss(&b, &cfg, None);
+            assert_close(&[v], &[rv], 1e-10, &format!("{cfg:?} value"));
+            assert_close(&g, &rg, 1e-10, &format!("{cfg:?} grad"));
+            for (k, m) in b.mask.concat().iter().enumerate() {
+                if !m { prop_assert!(g[k] == 0.0, "padding gradient {} (exactly zero, either sign)", g[k]); }
+            }
+        }
+    }
+
+    #[test]
+    fn dro_on_policy_is_the_policy_gradient(b in batch(), beta in 0.01f64..5.0) {
+        // δ = 0: the penalty and its gradient vanish, leaving REINFORCE's (PPO's on-policy) gradient.
+        let on = Batch { other: b.logp.clone(), ..b.clone() };
+        let mode = AggregationMode::SeqMeanTokenMean;
+        let (_, g) = run(&on, &DroConfig::new(beta).with_aggregation(mode), 0.0);
+        let (lp, old, adv, m) = on.tensors(0.0);
+        let lp = leaf(&lp);
+        ppo_clip_loss(&lp, &old, &adv, &m, &PpoConfig::ppo().with_aggregation(mode)).unwrap().backward();
+        assert_close(&g, &vec1(&lp.grad()), 1e-12, "on-policy DRO vs PPO");
+    }
+
+    #[test]
+    fn dro_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
+        prop_assume!(b.mask.len() > 1);
+        let s = split.min(b.mask.len() - 1) as i64;
+        let n = b.mask.len() as i64;
+        let (lp, old, adv, m) = b.tensors(f64::NAN);
+        let norm = Normalizer::from_masks(&[&m]).unwrap();
+        for mode in ALL_MODES {
+            let cfg = DroConfig::new(0.7).with_aggregation(mode);
+            let full_lp = leaf(&lp);
+            let full = dro_loss_output(&full_lp, &old, &adv, &m, &cfg, &norm).unwrap().loss;
+            let local = dro_loss(&full_lp, &old, &adv, &m, &cfg).unwrap();
+            assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{mode:?} output vs plain"));
+            full.backward();
+            let parts_lp = leaf(&lp);
+            let part = |o: i64, k: i64| dro_loss_output(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss);
+            let total = match (part(0, s), part(s, n - s)) {
+                (Ok(a), Ok(b)) => a + b,
+                (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
+                other => panic!("{other:?}"),
+            };
+            total.backward();
+            assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{mode:?} split value"));
+            assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{mode:?} split grad"));
+        }
+    }
+}
+
+fn fixed_batch() -> Batch {
+    Batch {
+        logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
+        other: vec![vec![-0.9, -0.05, -0.6], vec![-1.7, -0.45, -2.3], vec![-0.2, -0.9, -0.3]],
+        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
+        weights: vec![1.0, -1.0, -0.5],
+    }
+}
+
+#[test]
+fn dro_gradient_matches_finite_differences() {
+    let b = fixed_batch();
+    for cfg in configs() {
+        let (_, g) = run(&b, &cfg, 0.0);
+        let fd = finite_difference(&b.logp.concat(), 1e-6, |x| {
+            let bb = Batch { logp: x.chunks(3).map(|c| c.to_vec()).collect(), ..b.clone() };
+            let (lp, old, adv, m) = bb.tensors(0.0);
+            scalar(&dro_loss(&lp, &old, &adv, &m, &cfg).unwrap())
+        });
+        assert_close(&g, &fd, 1e-6, &format!("{cfg:?} finite differences"));
+    }
+}
+
+#[test]
+fn extreme_and_half_precision_inputs_compute_in_f32() {
+    for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16] {
+        let lp = Tensor::from_slice2(&[[-300.0f64, 0.0, -3.0]]).to_kind(kind).set_requires_grad(true);
+        let lq = Tensor::from_slice2(&[[0.0f64, -300.0, -3.0]]).to_kind(kind);
+        let m = Tensor::from_slice2(&[[1i64, 1, 1]]);
+        let loss = dro_loss(&lp, &lq, &Tensor::from_slice(&[1.0f64]).to_kind(kind), &m, &DroConfig::new(0.1)).unwrap();
+        let want = if kind == Kind::Double { Kind::Double } else { Kind::Float };
+        assert_eq!(loss.kind(), want, "{kind:?}");
+        loss.backward();
+        assert!(scalar(&loss).is_finite(), "{kind:?}");
+        assert!(vec1(&lp.grad().to_kind(Kind::Double)).iter().all(|g| g.is_finite()), "{kind:?}");
+    }
+}
+
+#[test]
+fn bad_configs_are_errors_naming_beta() {
+    let lp = Tensor::from_slice2(&[[-1.0f64, -2.0]]);
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let a = Tensor::from_slice(&[1.0f64]);
+    for beta in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let r = dro_loss(&lp, &lp, &a, &m, &DroConfig::new(beta));
+        assert!(matches!(r, Err(LossError::InvalidConfig { field: "beta", .. })), "{beta}: {r:?}");
+    }
+}
+
+#[test]
+fn dro_matches_verl() {
+    let mut seed = 0xd20_u64;
+    let mut next = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut calls = Vec::new();
+    let mut batches = Vec::new();
+    let cases = [
+        (0.1, "token-mean", AggregationMode::TokenMean),
+        (2.0, "seq-mean-token-sum", AggregationMode::SeqMeanTokenSum),
+    ];
+    for k in 0..4 {
+        let (b, t) = (2 + k % 3, 3 + k % 4);
+        let mut logp: Vec<Vec<f64>> = (0..b).map(|_| (0..t).map(|_| -3.0 * next()).collect()).collect();
+        let mut other: Vec<Vec<f64>> =
+            logp.iter().map(|r| r.iter().map(|x| x - (2.0 * next() - 1.0)).collect()).collect();
+        non_positive_rows(&mut logp, &mut other);
+        let mut mask: Vec<Vec<bool>> = (0..b).map(|_| (0..t).map(|_| next() < 0.8).collect()).collect();
+        for row in &mut mask {
+            row[0] = true;
+        }
+        let weights: Vec<f64> = (0..b).map(|_| 4.0 * next() - 2.0).collect();
+        let bt = Batch { logp, other, mask, weights };
+        let adv: Vec<Vec<f64>> = bt.weights.iter().zip(&bt.mask).map(|(a, r)| vec![*a; r.len()]).collect();
+        let m01: Vec<Vec<f64>> = bt.mask.iter().map(|r| r.iter().map(|m| f64::from(u8::from(*m))).collect()).collect();
+        for (beta, agg, _) in &cases {
+            calls.push(json!({"fn": "verl.dro", "args": {"logp": bt.logp, "logp_mu": bt.other, "advantages": adv, "mask": m01, "beta": beta, "loss_agg_mode": agg}}));
+        }
+        batches.push(bt);
+    }
+    let Some(results) = peer(&calls) else { return };
+    let mut results = results.into_iter();
+    for b in &batches {
+        for (beta, agg, mode) in &cases {
+            let r = results.next().unwrap();
+            let (v, g) = run(b, &DroConfig::new(*beta).with_aggregation(*mode), 0.0);
+            assert_close(&[v], &json_f64(&r["value"]), 1e-12, &format!("β = {beta} {agg} value"));
+            assert_close(&g, &json_f64(&r["grad"]), 1e-12, &format!("β = {beta} {agg} grad"));
+        }
+    }
+}
