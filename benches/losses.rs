@@ -9,8 +9,9 @@ use topr_loss::{
     KlConfig, KlCovConfig, Normalizer, PpoConfig, Rejection, RejectionScope, RolloutCorrection, SapoConfig, ToprConfig,
     ToprTokenConfig, ValueLossConfig, apply_token_weights, cispo_loss, clip_cov_loss, dpo_loss, dpo_mix_loss,
     dppo_loss, dro_loss, entropy_loss, gae_advantages, gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty,
-    kl_penalty_corrected, ppo_clip_loss, ppo_clip_loss_output, reinforce_pp_advantages, rollout_rejection_mask,
-    rollout_rejection_mask_all, rollout_weights, sapo_loss, top_entropy_mask, topr_loss, topr_token_loss, value_loss,
+    kl_penalty_corrected, passk_advantages, ppo_clip_loss, ppo_clip_loss_output, reinforce_pp_advantages,
+    rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights, sapo_loss, top_entropy_mask, topr_loss,
+    topr_token_loss, value_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -145,10 +146,11 @@ fn issue_11_objectives(c: &mut Criterion) {
             loss.backward();
             black_box(loss)
         };
-        let cases: [(&str, &dyn Fn() -> Tensor); 17] = [
+        let cases: [(&str, &dyn Fn() -> Tensor); 18] = [
             ("sapo", &|| backward(&|| sapo_loss(&logp, &old, &adv, &mask, &SapoConfig::sapo()).unwrap())),
             ("dppo_tv", &|| backward(&|| dppo_loss(&logp, &old, &adv, &mask, &DppoConfig::tv()).unwrap())),
             ("dro", &|| backward(&|| dro_loss(&logp, &old, &adv, &mask, &DroConfig::default()).unwrap())),
+            ("passk_advantages", &|| passk_advantages(&adv.reshape([1, -1]), true, 1e-6).unwrap()),
             ("gmpo", &|| backward(&|| gmpo_loss(&logp, &old, &adv, &mask, &GmpoConfig::gmpo()).unwrap())),
             ("clip_cov", &|| {
                 backward(&|| clip_cov_loss(&logp, &old, &adv, &mask, &keys, &ClipCovConfig::clip_cov()).unwrap())

@@ -240,6 +240,70 @@ pub fn group_advantages_with(
     Ok(out)
 }
 
+/// Pass@k advantages: in each group only the best completion gets an advantage, the margin of
+/// its reward over the second best; every other completion gets 0.
+///
+/// ```text
+/// k* = argmax_k R_{g,k}
+/// A_{g,k*} = (R_(1) − R_(2)) / (std_g(R) + ε)      (/ (std + ε) only with `normalize`)
+/// A_{g,k}  = 0 for k ≠ k*
+/// ```
+///
+/// `R_(1) ≥ R_(2)` are the group's two largest rewards and `std_g` its unbiased standard
+/// deviation. With a tie for the best there is no margin and every advantage of the group is 0
+/// (which completion is "best" then does not matter). A REINFORCE-style objective on these
+/// advantages raises the probability that the best of the group's samples is solved, the pass@k
+/// of the group, rather than each sample's pass@1.
+///
+/// Reference: verl 0.9.1 `compute_grpo_passk_outcome_advantage` (`algorithm.adv_estimator=grpo_passk`,
+/// `norm_adv_by_std_in_grpo` for `normalize`, ε = 1e-6 by default; it cites arXiv 2503.19595);
+/// tested against it.
+///
+/// # Arguments
+/// * `rewards` — `[G, K]`, floating, `K ≥ 2`.
+/// * `normalize` — divide the margin by the group's standard deviation plus `eps`.
+/// * `eps` — finite, `≥ 0`.
+///
+/// # Errors
+/// The tensor checks of [`group_advantages`]; [`LossError::InvalidArgument`] naming `rewards`
+/// for groups of fewer than 2 completions (verl raises too), or `eps`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::passk_advantages;
+///
+/// let r = Tensor::from_slice2(&[[0.0f64, 1.0, 0.5, 1.0], [0.2, 0.9, 0.1, 0.0]]);
+/// let a = passk_advantages(&r, false, 1e-6)?;
+/// // A tie for the best in the first group: no margin. In the second, 0.9 − 0.2 for the best.
+/// let a = Vec::<f64>::try_from(&a.flatten(0, -1))?;
+/// assert_eq!(&a[..4], &[0.0; 4]);
+/// assert!((a[5] - 0.7).abs() < 1e-12 && a[4] == 0.0 && a[6] == 0.0 && a[7] == 0.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn passk_advantages(rewards: &Tensor, normalize: bool, eps: f64) -> Result<Tensor, LossError> {
+    check_eps(eps)?;
+    let kind = validate::compute_kind(&[validate::float_tensor(rewards, "rewards")?]);
+    let shape = validate::rank(rewards, "rewards", 2, "[G, K]: G prompts, K completions each")?;
+    validate::non_empty(&shape, "rewards", "completion")?;
+    if shape[1] < 2 {
+        return Err(bad("rewards", shape[1] as f64, "pass@k advantages need at least 2 completions per group"));
+    }
+    validate::finite(rewards, "rewards", None)?;
+    let r = rewards.f_detach()?.f_to_kind(kind)?;
+    let (top, at) = r.f_topk(2, 1, true, true)?; // [G, 2] each
+    let mut margin = top.f_select(1, 0)?.f_sub(&top.f_select(1, 1)?)?; // [G]
+    let mut spread = None;
+    if normalize {
+        let std = r.f_std_dim(&[1i64][..], true, false)?;
+        margin = margin.f_div(&std.f_add_scalar(eps)?)?;
+        spread = Some(std);
+    }
+    let out = r.f_zeros_like()?.f_scatter(1, &at.f_narrow(1, 0, 1)?, &margin.f_unsqueeze(1)?)?;
+    refuse_overflow(rewards, &out, spread.as_ref())?;
+    Ok(out)
+}
+
 /// Refuses advantages that overflowed the compute dtype although every reward is finite: a
 /// group's mean, or the variance a method divides by, beyond its range (the division by an
 /// infinite standard deviation would otherwise return all zeros). One host read.

@@ -246,7 +246,9 @@ mod topr_token;
 mod validate;
 mod value;
 
-pub use advantages::{GroupAdvantage, SingletonGroup, group_advantages, group_advantages_with, opo_advantages, whiten};
+pub use advantages::{
+    GroupAdvantage, SingletonGroup, group_advantages, group_advantages_with, opo_advantages, passk_advantages, whiten,
+};
 pub use aggregate::{AggregationMode, BatchCounts, Normalizer, aggregate, sequence_weights};
 pub use baseline::{
     baseline_for_effective_proportion, baseline_for_rewards, effective_positive_proportion,

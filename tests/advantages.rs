@@ -94,7 +94,7 @@ fn bad_inputs_are_errors() {
 // ---- Batch-std scaling, OPO and groups of one (issue #11) ----
 
 use serde_json::json;
-use topr_loss::{SingletonGroup, group_advantages_with, opo_advantages};
+use topr_loss::{SingletonGroup, group_advantages_with, opo_advantages, passk_advantages};
 
 /// Unbiased standard deviation of `x` (0 for fewer than two values).
 fn ref_std(x: &[f64]) -> f64 {
@@ -163,6 +163,27 @@ proptest! {
         let dr = vec1(&group_advantages(&t2(&rows), GroupAdvantage::DrGrpo).unwrap());
         let scale = ref_std(&all) + eps;
         assert_close(&got, &dr.iter().map(|a| a / scale).collect::<Vec<_>>(), 1e-10, "batch std as a rescaled Dr. GRPO");
+    }
+
+    /// Pass@k: the margin of the best over the second best, at the best (the first of several
+    /// equal bests gets a margin of 0, like the others), divided by the unbiased standard
+    /// deviation plus ε when asked.
+    #[test]
+    fn passk_matches_its_definition(rows in groups(), normalize in any::<bool>(), eps in 0.0f64..0.1) {
+        prop_assume!(rows[0].len() >= 2);
+        let got = vec1(&passk_advantages(&t2(&rows), normalize, eps).unwrap());
+        let mut want = vec![];
+        for r in &rows {
+            let mut sorted = r.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let margin = sorted[0] - sorted[1];
+            let best = r.iter().position(|x| *x == sorted[0]).unwrap();
+            let scale = if normalize { ref_std(r) + eps } else { 1.0 };
+            prop_assume!(scale > 1e-9);
+            want.extend((0..r.len()).map(|k| if k == best { margin / scale } else { 0.0 }));
+        }
+        assert_close(&got, &want, 1e-10, "pass@k");
+        prop_assert!(got.iter().all(|a| *a >= 0.0), "pass@k advantages are never negative");
     }
 
     #[test]
@@ -313,6 +334,17 @@ fn group_advantages_match_verl_and_trl() {
             .push(json!({"fn": "verl.opo_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index}}));
         calls.push(json!({"fn": "trl.batch_std_advantage", "args": {"rewards": flat, "num_generations": k}}));
     }
+    // Pass@k needs two completions a group (verl raises otherwise; so does the crate).
+    let passk_cases: Vec<&(usize, usize, u64)> = cases.iter().filter(|c| c.1 >= 2).collect();
+    for &&(g, k, seed) in &passk_cases {
+        let (rows, mask) = fixed_groups(g, k, seed);
+        let flat: Vec<f64> = rows.iter().flatten().copied().collect();
+        let tokens = outcome_tokens(&flat, &mask);
+        let index: Vec<usize> = (0..g * k).map(|i| i / k).collect();
+        for norm in [true, false] {
+            calls.push(json!({"fn": "verl.passk_advantage", "args": {"token_rewards": tokens, "mask": mask, "index": index, "epsilon": 1e-6, "norm_by_std": norm}}));
+        }
+    }
     let Some(res) = peer(&calls) else { return };
     for (c, &(g, k, seed)) in cases.iter().enumerate() {
         let (rows, mask) = fixed_groups(g, k, seed);
@@ -335,6 +367,23 @@ fn group_advantages_match_verl_and_trl() {
         let ours = vec1(&group_advantages(&r, GroupAdvantage::batch_std()).unwrap());
         assert_close(&ours, &p(4, "advantages"), 1e-10, &format!("batch std {g}x{k}"));
     }
+    let mut at = cases.len() * 5;
+    for &&(g, k, seed) in &passk_cases {
+        let (rows, mask) = fixed_groups(g, k, seed);
+        for norm in [true, false] {
+            let ours = vec1(&passk_advantages(&t2(&rows), norm, 1e-6).unwrap());
+            compare_on_tokens(
+                &ours,
+                &json_f64(&res[at]["advantages"]),
+                &mask,
+                1e-10,
+                &format!("pass@k {g}x{k} {norm}"),
+            );
+            at += 1;
+        }
+    }
+    let one = passk_advantages(&Tensor::from_slice2(&[[1.0f64], [0.0]]), true, 1e-6);
+    assert!(matches!(one, Err(LossError::InvalidArgument { argument: "rewards", .. })), "{one:?}");
 }
 
 /// Finite rewards so large that a group's variance overflows the compute dtype are refused, not

@@ -92,3 +92,18 @@ def value_loss(values, values_old, returns, mask, clip, agg):
     loss, clipfrac = compute_value_loss(v, tensor(returns), tensor(values_old), tensor(mask), clip, loss_agg_mode=agg)
     loss.backward()
     return out(value=loss, grad=v.grad, clip_fraction=clipfrac)
+
+
+@peer("verl.passk_advantage")
+def passk_advantage(token_rewards, mask, index, epsilon, norm_by_std):
+    """`compute_grpo_passk_outcome_advantage` (`norm_adv_by_std_in_grpo` read from its config)."""
+    from verl.trainer.ppo.core_algos import compute_grpo_passk_outcome_advantage
+
+    adv, _ = compute_grpo_passk_outcome_advantage(
+        tensor(token_rewards),
+        tensor(mask),
+        _index(index),
+        epsilon=epsilon,
+        config={"norm_adv_by_std_in_grpo": norm_by_std},
+    )
+    return out(advantages=adv)

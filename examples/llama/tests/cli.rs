@@ -145,7 +145,7 @@ fn a_ci_sized_run_of_every_command() {
         ("gmpo", "adamw", "none", &["--advantage", "opo", "--rejection", "k3-seq-max:0.5"]),
         ("clip-cov", "adamw", "none", &["--advantage", "reinforce-pp-baseline", "--off-policy-mask", "0.1"]),
         ("kl-cov", "adamw", "token-tis:2", &["--advantage", "dr-grpo", "--top-entropy", "0.2"]),
-        ("dppo-tv", "adamw", "none", &["--advantage", "rloo"]),
+        ("dppo-tv", "adamw", "none", &["--advantage", "passk"]),
         ("dppo-kl", "adafactor", "token-tis:2", &["--rejection", "k2-token:0.5"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),

@@ -198,6 +198,9 @@ pub enum Advantage {
     ReinforcePp,
     /// REINFORCE++-baseline: `R − mean_g`, whitened over all tokens.
     ReinforcePpBaseline,
+    /// Pass@k: the best completion of each question gets its margin over the second best,
+    /// divided by the group's std + 1e-6; the others 0 (verl's `grpo_passk`).
+    Passk,
 }
 
 impl Objective {

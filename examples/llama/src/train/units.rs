@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    GroupAdvantage, SingletonGroup, group_advantages, opo_advantages, reinforce_pp_advantages,
+    GroupAdvantage, SingletonGroup, group_advantages, opo_advantages, passk_advantages, reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
 };
 
@@ -87,6 +87,17 @@ fn group_units(samples: &[Sample], advantage: Advantage) -> Result<Vec<Unit<'_>>
         Advantage::Grpo => per_group(GroupAdvantage::grpo())?,
         Advantage::DrGrpo => per_group(GroupAdvantage::DrGrpo)?,
         Advantage::Rloo => per_group(GroupAdvantage::Rloo)?,
+        Advantage::Passk => {
+            let mut out = vec![];
+            for g in &groups {
+                if g.len() < 2 {
+                    bail!("--advantage passk needs at least 2 completions a question ({} has 1)", g[0].id);
+                }
+                let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
+                out.extend(Vec::<f64>::try_from(passk_advantages(&r, true, 1e-6)?.flatten(0, -1))?);
+            }
+            out
+        }
         other => {
             // The batch-level estimators need the data set as one [G, K] table.
             let k = groups[0].len();
