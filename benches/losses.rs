@@ -6,12 +6,12 @@ use std::hint::black_box;
 use tch::{Device, Kind, Tensor};
 use topr_loss::{
     AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoMix, DppoConfig, DroConfig, EntropyConfig, GmpoConfig,
-    KlConfig, KlCovConfig, Normalizer, PpoConfig, Rejection, RejectionScope, RolloutCorrection, SapoConfig, ToprConfig,
-    ToprTokenConfig, ValueLossConfig, apply_token_weights, cispo_loss, clip_cov_loss, dpo_loss, dpo_mix_loss,
-    dppo_loss, dro_loss, entropy_loss, gae_advantages, gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty,
-    kl_penalty_corrected, passk_advantages, ppo_clip_loss, ppo_clip_loss_output, reinforce_pp_advantages,
-    rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights, sapo_loss, top_entropy_mask, topr_loss,
-    topr_token_loss, value_loss,
+    GroupAdvantage, KlConfig, KlCovConfig, Normalizer, PpoConfig, Rejection, RejectionScope, RolloutCorrection,
+    SapoConfig, SingletonGroup, ToprConfig, ToprTokenConfig, ValueLossConfig, apply_token_weights, cispo_loss,
+    clip_cov_loss, dpo_loss, dpo_mix_loss, dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages,
+    gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty, kl_penalty_corrected, passk_advantages, ppo_clip_loss,
+    ppo_clip_loss_output, reinforce_pp_advantages, rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights,
+    sapo_loss, top_entropy_mask, topr_loss, topr_token_loss, value_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -146,11 +146,16 @@ fn issue_11_objectives(c: &mut Criterion) {
             loss.backward();
             black_box(loss)
         };
-        let cases: [(&str, &dyn Fn() -> Tensor); 18] = [
+        let cases: [(&str, &dyn Fn() -> Tensor); 19] = [
             ("sapo", &|| backward(&|| sapo_loss(&logp, &old, &adv, &mask, &SapoConfig::sapo()).unwrap())),
             ("dppo_tv", &|| backward(&|| dppo_loss(&logp, &old, &adv, &mask, &DppoConfig::tv()).unwrap())),
             ("dro", &|| backward(&|| dro_loss(&logp, &old, &adv, &mask, &DroConfig::default()).unwrap())),
             ("passk_advantages", &|| passk_advantages(&adv.reshape([1, -1]), true, 1e-6).unwrap()),
+            ("gdpo_advantages", &|| {
+                let r = adv.reshape([1, -1, 1]).repeat([1, 1, 2]);
+                let m = mask.narrow(0, 0, 1).repeat([adv.size()[0], 1]);
+                gdpo_advantages(&r, &[1.0, 0.5], &m, GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd).unwrap()
+            }),
             ("gmpo", &|| backward(&|| gmpo_loss(&logp, &old, &adv, &mask, &GmpoConfig::gmpo()).unwrap())),
             ("clip_cov", &|| {
                 backward(&|| clip_cov_loss(&logp, &old, &adv, &mask, &keys, &ClipCovConfig::clip_cov()).unwrap())

@@ -240,6 +240,94 @@ pub fn group_advantages_with(
     Ok(out)
 }
 
+/// GDPO's advantages for several reward dimensions: each dimension normalised within its groups
+/// on its own, the results summed with `weights`, then whitened over every real token of the
+/// batch.
+///
+/// ```text
+/// A_{g,k,d} = group_advantages(R_{·,·,d}, method)            (each dimension alone)
+/// S_{g,k}   = Σ_d w_d A_{g,k,d}
+/// Â_{i,t}   = whiten(S_i broadcast over the tokens of completion i, mask, 1e-8)   (i = g·K + k)
+/// ```
+///
+/// Summing the rewards first (GRPO on `Σ_d R_d`) lets a dimension of large spread drown the
+/// others; normalising each dimension first gives each the same scale inside a group. The
+/// whitening is over tokens, so a completion counts as many times as it has tokens (verl's
+/// `masked_whiten` over the response mask).
+///
+/// Reference: GDPO, *Group reward-Decoupled Normalization Policy Optimization*, arXiv 2601.05242
+/// (as verl cites it); verl 0.9.1 `compute_gdpo_outcome_advantage` (`adv_estimator=gdpo`,
+/// `gdpo_reward_keys`, `gdpo_reward_weights`), tested against it.
+///
+/// # Arguments
+/// * `rewards` — `[G, K, D]`, floating: `D` reward dimensions of `K` completions of `G` prompts.
+/// * `weights` — `D` finite weights (verl: 1 each by default).
+/// * `mask` — `[G·K, T]`, the completions' token masks (row `g·K + k`), at least 2 real tokens.
+/// * `method`, `singleton` — the per-dimension normalisation (verl: [`GroupAdvantage::grpo`], or
+///   [`GroupAdvantage::DrGrpo`] without `norm_adv_by_std_in_grpo`; [`SingletonGroup::ZeroMeanUnitStd`]).
+///
+/// # Errors
+/// As [`group_advantages_with`] and [`whiten`]; [`LossError::InvalidArgument`] naming `weights`
+/// for a count other than `D` or a non-finite weight; the tensor checks for `mask`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{gdpo_advantages, GroupAdvantage, SingletonGroup};
+///
+/// // One prompt, three completions, two reward dimensions (say, correctness and a style score).
+/// let r = Tensor::from_slice(&[1.0f64, 0.0, 0.0, 3.0, 1.0, 6.0]).view([1, 3, 2]);
+/// let mask = Tensor::from_slice2(&[[true, true], [true, false], [true, true]]);
+/// let (grpo, keep) = (GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd);
+/// let a = gdpo_advantages(&r, &[1.0, 1.0], &mask, grpo, keep)?;
+/// // A dimension's scale does not matter: the style score ×100 gives the same advantages.
+/// let scaled = &r * Tensor::from_slice(&[1.0f64, 100.0]);
+/// let b = gdpo_advantages(&scaled, &[1.0, 1.0], &mask, grpo, keep)?;
+/// let (a, b) = (Vec::<f64>::try_from(&a.flatten(0, -1))?, Vec::<f64>::try_from(&b.flatten(0, -1))?);
+/// assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5));
+/// assert_eq!(a[3], 0.0); // padding
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn gdpo_advantages(
+    rewards: &Tensor,
+    weights: &[f64],
+    mask: &Tensor,
+    method: GroupAdvantage,
+    singleton: SingletonGroup,
+) -> Result<Tensor, LossError> {
+    validate::float_tensor(rewards, "rewards")?;
+    let shape = validate::rank(rewards, "rewards", 3, "[G, K, D]: G prompts, K completions, D reward dimensions")?;
+    validate::non_empty(&shape, "rewards", "reward")?;
+    let (g, k, d) = (shape[0], shape[1], shape[2]);
+    if weights.len() as i64 != d {
+        return Err(bad("weights", weights.len() as f64, &format!("one weight per reward dimension ({d}) is needed")));
+    }
+    if let Some(w) = weights.iter().find(|w| !w.is_finite()) {
+        return Err(bad("weights", *w, "a weight must be finite"));
+    }
+    validate::rank(mask, "mask", 2, "[G·K, T]: each completion's token mask")?;
+    validate::same_device(mask, "mask", rewards.device(), "rewards")?;
+    if mask.size()[0] != g * k {
+        return Err(LossError::ShapeMismatch {
+            argument: "mask",
+            found: mask.size(),
+            expected: vec![g * k, mask.size()[1]],
+            reason: "one row per completion, G·K rows",
+        });
+    }
+    let mut sum: Option<Tensor> = None;
+    for (i, w) in weights.iter().enumerate() {
+        let a = group_advantages_with(&rewards.f_select(2, i as i64)?, method, singleton)?.f_mul_scalar(*w)?;
+        sum = Some(match sum {
+            Some(s) => s.f_add(&a)?,
+            None => a,
+        });
+    }
+    let sum = sum.ok_or_else(|| bad("weights", 0.0, "at least one reward dimension is needed"))?;
+    let per_token = sum.f_reshape([g * k, 1])?.f_expand([g * k, mask.size()[1]], false)?;
+    whiten(&per_token, Some(mask), 1e-8)
+}
+
 /// Pass@k advantages: in each group only the best completion gets an advantage, the margin of
 /// its reward over the second best; every other completion gets 0.
 ///

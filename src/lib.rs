@@ -247,7 +247,8 @@ mod validate;
 mod value;
 
 pub use advantages::{
-    GroupAdvantage, SingletonGroup, group_advantages, group_advantages_with, opo_advantages, passk_advantages, whiten,
+    GroupAdvantage, SingletonGroup, gdpo_advantages, group_advantages, group_advantages_with, opo_advantages,
+    passk_advantages, whiten,
 };
 pub use aggregate::{AggregationMode, BatchCounts, Normalizer, aggregate, sequence_weights};
 pub use baseline::{

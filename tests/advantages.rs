@@ -94,7 +94,7 @@ fn bad_inputs_are_errors() {
 // ---- Batch-std scaling, OPO and groups of one (issue #11) ----
 
 use serde_json::json;
-use topr_loss::{SingletonGroup, group_advantages_with, opo_advantages, passk_advantages};
+use topr_loss::{SingletonGroup, gdpo_advantages, group_advantages_with, opo_advantages, passk_advantages};
 
 /// Unbiased standard deviation of `x` (0 for fewer than two values).
 fn ref_std(x: &[f64]) -> f64 {
@@ -408,5 +408,83 @@ fn advantages_that_overflow_are_refused_naming_the_rewards() {
         let scaled = &r / largest;
         let a = vec1(&group_advantages(&scaled, GroupAdvantage::grpo()).unwrap());
         assert!(a.iter().all(|x| (x.abs() - 0.866).abs() < 1e-3), "{a:?}");
+    }
+}
+
+/// GDPO by its definition: GRPO per dimension, the weighted sum, whitened over the real tokens
+/// (each completion counted once per token, unbiased variance, 1e-8 added); rescaling one
+/// dimension changes nothing (up to GRPO's ε).
+#[test]
+fn gdpo_matches_its_definition_and_ignores_each_dimensions_scale() {
+    let (g, k) = (3usize, 4usize);
+    let dims = [
+        vec![1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25, 0.75, 0.0],
+        (0..12).map(|i| (i * 7 % 5) as f64).collect::<Vec<_>>(),
+    ];
+    let weights = [1.0, 0.5];
+    let (_, mask) = fixed_groups(g, k, 9);
+    let mut flat = vec![];
+    for i in 0..g * k {
+        flat.extend(dims.iter().map(|d| d[i]));
+    }
+    let r = Tensor::from_slice(&flat).view([g as i64, k as i64, 2]);
+    let m = t2(&mask);
+    let got =
+        vec1(&gdpo_advantages(&r, &weights, &m, GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd).unwrap());
+    let mut sum = vec![0.0; g * k];
+    for (d, w) in dims.iter().zip(weights) {
+        let rows: Vec<Vec<f64>> = d.chunks(k).map(<[f64]>::to_vec).collect();
+        for (gi, row) in rows.iter().enumerate() {
+            let mean = row.iter().sum::<f64>() / k as f64;
+            for (j, x) in row.iter().enumerate() {
+                sum[gi * k + j] += w * (x - mean) / (ref_std(row) + 1e-6);
+            }
+        }
+    }
+    let tokens: Vec<f64> =
+        mask.iter().zip(&sum).flat_map(|(m, s)| m.iter().filter(|x| **x > 0.0).map(move |_| *s)).collect();
+    let n = tokens.len() as f64;
+    let mean = tokens.iter().sum::<f64>() / n;
+    let var = tokens.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    let want: Vec<f64> =
+        mask.iter().zip(&sum).flat_map(|(m, s)| m.iter().map(move |x| x * (s - mean) / (var + 1e-8).sqrt())).collect();
+    assert_close(&got, &want, 1e-10, "GDPO");
+    let scaled = &r * Tensor::from_slice(&[1.0f64, 1000.0]);
+    let again =
+        vec1(&gdpo_advantages(&scaled, &weights, &m, GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd).unwrap());
+    assert_close(&again, &got, 1e-5, "GDPO with a rescaled dimension");
+    let e = gdpo_advantages(&r, &[1.0], &m, GroupAdvantage::grpo(), SingletonGroup::OwnMean).unwrap_err();
+    assert!(matches!(e, LossError::InvalidArgument { argument: "weights", .. }), "{e:?}");
+    let e =
+        gdpo_advantages(&r, &weights, &m.narrow(0, 0, 5), GroupAdvantage::grpo(), SingletonGroup::OwnMean).unwrap_err();
+    assert!(matches!(e, LossError::ShapeMismatch { argument: "mask", .. }), "{e:?}");
+}
+
+#[test]
+fn gdpo_matches_verl() {
+    let (g, k) = (3usize, 4usize);
+    // Values exact in f32, which verl reads them in.
+    let dims = [
+        vec![1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25, 0.75, 0.0],
+        (0..12).map(|i| (i * 7 % 5) as f64).collect::<Vec<_>>(),
+    ];
+    let (_, mask) = fixed_groups(g, k, 11);
+    let index: Vec<usize> = (0..g * k).map(|i| i / k).collect();
+    let mut flat = vec![];
+    for i in 0..g * k {
+        flat.extend(dims.iter().map(|d| d[i]));
+    }
+    let r = Tensor::from_slice(&flat).view([g as i64, k as i64, 2]);
+    let cases = [([1.0, 1.0], true), ([2.0, 0.5], true), ([1.0, 3.0], false)];
+    let calls: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|(w, norm)| json!({"fn": "verl.gdpo_advantage", "args": {"scores": dims, "weights": w, "mask": mask, "index": index, "epsilon": 1e-6, "norm_by_std": norm}}))
+        .collect();
+    let Some(res) = peer(&calls) else { return };
+    for ((w, norm), r_peer) in cases.iter().zip(&res) {
+        let method = if *norm { GroupAdvantage::grpo() } else { GroupAdvantage::DrGrpo };
+        let ours = vec1(&gdpo_advantages(&r, w, &t2(&mask), method, SingletonGroup::ZeroMeanUnitStd).unwrap());
+        // verl computes in float32.
+        assert_close(&ours, &json_f64(&r_peer["advantages"]), 1e-5, &format!("GDPO {w:?} {norm}"));
     }
 }

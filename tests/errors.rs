@@ -451,6 +451,8 @@ proptest! {
     #[test]
     fn no_advantage_or_kl_function_panics(a in arbitrary_tensor(), b in arbitrary_tensor(), c in arbitrary_tensor(), m in arbitrary_tensor(), p in arbitrary_limit(), q in arbitrary_limit(), n in prop_oneof![Just(0u64), Just(1), Just(u64::MAX), 0u64..100000]) {
         let _ = no_panic("passk_advantages", || passk_advantages(&make(&a), p > 0.0, q));
+        let _ = no_panic("gdpo_advantages", || gdpo_advantages(&make(&a), &[p, q], &make(&m), GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd));
+        let _ = no_panic("gdpo_advantages", || gdpo_advantages(&make(&a).f_unsqueeze(-1).unwrap_or_else(|_| Tensor::new()), &[p], &make(&m), GroupAdvantage::DrGrpo, SingletonGroup::OwnMean));
         let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
         for singleton in [SingletonGroup::OwnMean, SingletonGroup::ZeroMeanUnitStd] {
             for method in [GroupAdvantage::BatchStd { eps: p }, GroupAdvantage::Grpo { eps: q }, GroupAdvantage::Rloo, GroupAdvantage::AsymRe { shift: p }] {

@@ -107,3 +107,29 @@ def passk_advantage(token_rewards, mask, index, epsilon, norm_by_std):
         config={"norm_adv_by_std_in_grpo": norm_by_std},
     )
     return out(advantages=adv)
+
+
+@peer("verl.gdpo_advantage")
+def gdpo_advantage(scores, weights, mask, index, epsilon, norm_by_std):
+    """`compute_gdpo_outcome_advantage` with one reward key per dimension (`scores[d]`, one value
+    per row, which verl reads in float32 and places on each response's last token) and
+    `gdpo_reward_weights`."""
+    import torch
+    from verl.trainer.ppo.core_algos import compute_gdpo_outcome_advantage
+
+    m = tensor(mask)
+    keys = [f"r{d}" for d in range(len(scores))]
+    non_tensor = {key: np.array(s, dtype=np.float32) for key, s in zip(keys, scores)}
+    ones = torch.ones(m.shape[0], 1, dtype=torch.int64)
+    batch = {"prompts": torch.zeros_like(ones), "attention_mask": torch.cat([ones, m.to(torch.int64)], 1)}
+    adv, _ = compute_gdpo_outcome_advantage(
+        torch.zeros_like(m),
+        m,
+        _index(index),
+        epsilon=epsilon,
+        norm_adv_by_std_in_grpo=norm_by_std,
+        config={"gdpo_reward_keys": keys, "gdpo_reward_weights": weights},
+        non_tensor_batch=non_tensor,
+        batch=batch,
+    )
+    return out(advantages=adv)
