@@ -606,3 +606,54 @@ fn matches_verl_and_trl() {
         assert_close(&vec1(&x.grad()), &json_f64(&r["grad"]), 1e-8, &format!("verl {loss} grad"));
     }
 }
+
+/// verl's bypass mode (the rollout's log-probs serve as the old policy) is a composition of this
+/// crate's calls, tested against verl's own `compute_policy_loss_bypass_mode`:
+/// - `loss_type="reinforce"` with token TIS at `C` and rejection rules: CISPO with no lower clip
+///   and an upper clip at `C − 1` (its weight is `sg(min(r, C))`, the token-TIS weight of
+///   `π / μ`) on the mask the rules keep;
+/// - `loss_type="ppo_clip"`: PPO-clip of π against the rollout's log-probs on that mask.
+#[test]
+fn verls_bypass_mode_is_cispo_or_ppo_on_the_rejection_mask() {
+    let (logp, rollout, mask, adv) = peer_batch();
+    // The current policy a little away from the old one, so that the weights and the rules bite.
+    let logp_new: Vec<Vec<f64>> = logp
+        .iter()
+        .map(|r| r.iter().enumerate().map(|(j, x)| (x + 0.15 * ((j % 3) as f64 - 1.0)).min(0.0)).collect())
+        .collect();
+    let per_token: Vec<Vec<f64>> = adv.iter().zip(&mask).map(|(a, r)| vec![*a; r.len()]).collect();
+    let (lr, m, a) = (t2(&rollout), t2(&mask), t1(&adv));
+    let rules = [Rejection::k2(RejectionScope::Token, 0.3), Rejection::k3(RejectionScope::SequenceMax, 0.5)];
+    let cases = [
+        ("reinforce", "token-mean", AggregationMode::TokenMean),
+        ("reinforce", "seq-mean-token-mean", AggregationMode::SeqMeanTokenMean),
+        ("ppo_clip", "token-mean", AggregationMode::TokenMean),
+    ];
+    let calls: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|(ty, agg, _)| json!({"fn": "verl.bypass_mode", "args": {"logp": logp_new, "logp_rollout": rollout, "advantages": per_token, "mask": mask, "loss_type": ty, "rollout_is": "token", "is_threshold": 2.0, "rs": "token_k2,seq_max_k3", "rs_threshold": "0.3,0.5", "clip_low": 0.2, "clip_high": 0.28, "loss_agg_mode": agg}}))
+        .collect();
+    let Some(res) = peer(&calls) else { return };
+    let mut rejected = 0;
+    for ((ty, agg, mode), r) in cases.iter().zip(&res) {
+        let x = leaf(&t2(&logp_new));
+        let kept = rollout_rejection_mask_all(&x, &lr, &m, &rules).unwrap();
+        rejected = bools(&kept).iter().filter(|k| !**k).count() - mask.concat().iter().filter(|v| **v == 0.0).count();
+        let cfg = match *ty {
+            "reinforce" => PpoConfig::cispo().with_clip(f64::INFINITY, 1.0),
+            _ => PpoConfig::ppo().with_clip(0.2, 0.28).with_dual_clip(None),
+        }
+        .with_aggregation(*mode);
+        let loss = match *ty {
+            "reinforce" => cispo_loss_output(&x, &lr, &a, &kept, &cfg, &Normalizer::local()).unwrap().loss,
+            _ => ppo_clip_loss_output(&x, &lr, &a, &kept, &cfg, &Normalizer::local()).unwrap().loss,
+        };
+        loss.backward();
+        let what = format!("bypass {ty} {agg}");
+        // verl's seq-mean-token-mean divides by L_i + 1e-8.
+        let tol = if *agg == "token-mean" { 1e-12 } else { 1e-7 };
+        assert_close(&[scalar(&loss)], &json_f64(&r["value"]), tol, &format!("{what} value"));
+        assert_close(&vec1(&x.grad()), &json_f64(&r["grad"]), tol, &format!("{what} grad"));
+    }
+    assert!(rejected > 0, "the rules reject nothing: a weak case");
+}

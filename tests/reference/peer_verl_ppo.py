@@ -120,3 +120,40 @@ def dro(logp, logp_mu, advantages, mask, beta, loss_agg_mode):
 
     cfg = _config(policy_loss=dict(dro_beta=beta))
     return _run(compute_policy_loss_dro, logp, logp_mu, advantages, mask, loss_agg_mode, cfg)
+
+
+@peer("verl.bypass_mode")
+def bypass_mode(logp, logp_rollout, advantages, mask, loss_type, rollout_is, is_threshold, rs, rs_threshold,
+                clip_low, clip_high, loss_agg_mode):
+    """`compute_policy_loss_bypass_mode`: the rollout's log-probs as the old policy, with
+    `rollout_correction` (`loss_type` "reinforce" or "ppo_clip", `rollout_is`, `rollout_rs`).
+
+    verl hands the IS weights from its helper to the loss in a `DataProto`, whose check fails with
+    the tensordict version installed beside verl here (`batch_size` of an empty TensorDict); the
+    container is replaced by a plain holder of the same tensor, and everything verl computes (the
+    weights, the rejection mask, the dispatch, the loss) is its own code."""
+    from types import SimpleNamespace
+
+    import verl.trainer.ppo.rollout_corr_helper as helper
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.core_algos import compute_policy_loss_bypass_mode
+
+    class _Holder:
+        @staticmethod
+        def from_dict(tensors):
+            return SimpleNamespace(batch=dict(tensors))
+
+    helper.DataProto = _Holder
+
+    rc = RolloutCorrectionConfig(
+        rollout_is=rollout_is,
+        rollout_is_threshold=is_threshold,
+        rollout_rs=rs,
+        rollout_rs_threshold=rs_threshold,
+        bypass_mode=True,
+        loss_type=loss_type,
+    )
+    cfg = _config(
+        clip_ratio=clip_low, clip_ratio_low=clip_low, clip_ratio_high=clip_high, policy_loss=dict(rollout_correction=rc)
+    )
+    return _run(compute_policy_loss_bypass_mode, logp, logp_rollout, advantages, mask, loss_agg_mode, cfg)
