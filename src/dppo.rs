@@ -249,9 +249,13 @@ fn dppo_terms(
 }
 
 /// DPPO: REINFORCE with a truncated stop-gradient importance weight, inside a trust region on
-/// the sampled token's probability (total variation or binary KL; see the [module](self) docs).
+/// the sampled token's probability `p_t = π(y_t)` against the sampler's `q_t = μ(y_t)`.
 ///
 /// ```text
+/// TV:  keep_t = p_t − q_t ≤ δ_high (A_t > 0),   p_t − q_t ≥ −δ_low (A_t ≤ 0)
+/// KL:  D_t = q log(q/p) + (1 − q) log((1 − q + ε)/(1 − p + ε)),  ε = 1e-8
+///      keep_t = D_t ≤ δ_high ∨ p_t ≤ q_t (A_t > 0),   D_t ≤ δ_low ∨ p_t ≥ q_t (A_t ≤ 0)
+/// r_t  = exp(clamp(log π_t − log μ_t, ±M))
 /// ℓ_t  = −A_t · sg(min(r_t, C)) · log π_t · sg(keep_t)
 /// loss = aggregate(ℓ, mask)                     (TokenMean by default)
 /// ∂ℓ_t/∂log π_t = −A_t · min(r_t, C) · keep_t
