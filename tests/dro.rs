@@ -8,9 +8,7 @@ use common::*;
 use proptest::prelude::*;
 use serde_json::json;
 use tch::{Kind, Tensor};
-use topr_loss::{
-    AggregationMode, DroConfig, LossError, Normalizer, PpoConfig, dro_loss, dro_loss_output, ppo_clip_loss,
-};
+use topr_loss::{AggregationMode, DroConfig, LossError, PpoConfig, dro_loss, dro_loss_output, ppo_clip_loss};
 
 type Batch = TokenBatch;
 
@@ -43,11 +41,7 @@ fn configs() -> Vec<DroConfig> {
 }
 
 fn run(b: &Batch, cfg: &DroConfig, padding: f64) -> (f64, Vec<f64>) {
-    let (lp, old, adv, m) = b.tensors(padding);
-    let lp = leaf(&lp);
-    let loss = dro_loss(&lp, &old, &adv, &m, cfg).unwrap();
-    loss.backward();
-    (scalar(&loss), vec1(&lp.grad()))
+    value_and_grad(b, padding, &|lp, old, adv, m| dro_loss(lp, old, adv, m, cfg).unwrap())
 }
 
 proptest! {
@@ -56,13 +50,7 @@ proptest! {
     #[test]
     fn dro_matches_scalar_reference_with_nan_padding(b in batch()) {
         for cfg in configs() {
-            let (v, g) = run(&b, &cfg, f64::NAN);
-            let (rv, rg) = ref_loss(&b, &cfg, None);
-            assert_close(&[v], &[rv], 1e-10, &format!("{cfg:?} value"));
-            assert_close(&g, &rg, 1e-10, &format!("{cfg:?} grad"));
-            for (k, m) in b.mask.concat().iter().enumerate() {
-                if !m { prop_assert!(g[k] == 0.0, "padding gradient {} (exactly zero, either sign)", g[k]); }
-            }
+            assert_matches_reference(&b, &run(&b, &cfg, f64::NAN), &ref_loss(&b, &cfg, None), &format!("{cfg:?}"));
         }
     }
 
@@ -80,29 +68,13 @@ proptest! {
 
     #[test]
     fn dro_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
-        prop_assume!(b.mask.len() > 1);
-        let s = split.min(b.mask.len() - 1) as i64;
-        let n = b.mask.len() as i64;
-        let (lp, old, adv, m) = b.tensors(f64::NAN);
-        let norm = Normalizer::from_masks(&[&m]).unwrap();
-        for mode in ALL_MODES {
+        assert_split_invariant(&b, split, &|lp, old, adv, m, mode, norm| {
             let cfg = DroConfig::new(0.7).with_aggregation(mode);
-            let full_lp = leaf(&lp);
-            let full = dro_loss_output(&full_lp, &old, &adv, &m, &cfg, &norm).unwrap().loss;
-            let local = dro_loss(&full_lp, &old, &adv, &m, &cfg).unwrap();
-            assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{mode:?} output vs plain"));
-            full.backward();
-            let parts_lp = leaf(&lp);
-            let part = |o: i64, k: i64| dro_loss_output(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss);
-            let total = match (part(0, s), part(s, n - s)) {
-                (Ok(a), Ok(b)) => a + b,
-                (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
-                other => panic!("{other:?}"),
-            };
-            total.backward();
-            assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{mode:?} split value"));
-            assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{mode:?} split grad"));
-        }
+            match norm {
+                Some(n) => dro_loss_output(lp, old, adv, m, &cfg, n).map(|o| o.loss),
+                None => dro_loss(lp, old, adv, m, &cfg),
+            }
+        });
     }
 }
 

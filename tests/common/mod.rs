@@ -233,3 +233,78 @@ pub fn json_f64(v: &serde_json::Value) -> Vec<f64> {
 pub fn json2(v: &[Vec<f64>]) -> serde_json::Value {
     serde_json::json!(v)
 }
+
+/// A token-level loss call under test: `(logp, logp_mu, advantages, mask, aggregation, counts)`,
+/// `None` for the plain call (the batch's own counts).
+pub type TokenLossCall<'a> = dyn Fn(
+        &Tensor,
+        &Tensor,
+        &Tensor,
+        &Tensor,
+        AggregationMode,
+        Option<&topr_loss::Normalizer>,
+    ) -> Result<Tensor, topr_loss::LossError>
+    + 'a;
+
+/// For every aggregation: the `_output` call with the whole batch's counts equals the plain call,
+/// and the batch split at row `split` into two micro-batches, each called with the whole batch's
+/// counts, sums to the same value and gradient (an empty part is skipped). `b` has NaN padding.
+pub fn assert_split_invariant(b: &TokenBatch, split: usize, call: &TokenLossCall) {
+    use topr_loss::{LossError, Normalizer};
+    if b.mask.len() < 2 {
+        return;
+    }
+    let s = split.clamp(1, b.mask.len() - 1) as i64;
+    let n = b.mask.len() as i64;
+    let (lp, old, adv, m) = b.tensors(f64::NAN);
+    let norm = Normalizer::from_masks(&[&m]).unwrap();
+    for mode in ALL_MODES {
+        let full_lp = leaf(&lp);
+        let full = call(&full_lp, &old, &adv, &m, mode, Some(&norm)).unwrap();
+        let local = call(&full_lp, &old, &adv, &m, mode, None).unwrap();
+        assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{mode:?} output vs plain"));
+        full.backward();
+        let parts_lp = leaf(&lp);
+        let part = |o: i64, k: i64| {
+            call(
+                &parts_lp.narrow(0, o, k),
+                &old.narrow(0, o, k),
+                &adv.narrow(0, o, k),
+                &m.narrow(0, o, k),
+                mode,
+                Some(&norm),
+            )
+        };
+        let total = match (part(0, s), part(s, n - s)) {
+            (Ok(a), Ok(b)) => a + b,
+            (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
+            other => panic!("{other:?}"),
+        };
+        total.backward();
+        assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{mode:?} split value"));
+        assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{mode:?} split grad"));
+    }
+}
+
+/// The value and `d/dlogp` of a token-level loss on `b` (padding filled with `padding`).
+pub fn value_and_grad(
+    b: &TokenBatch,
+    padding: f64,
+    loss: &dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Tensor,
+) -> (f64, Vec<f64>) {
+    let (lp, old, adv, m) = b.tensors(padding);
+    let lp = leaf(&lp);
+    let l = loss(&lp, &old, &adv, &m);
+    l.backward();
+    (scalar(&l), vec1(&lp.grad()))
+}
+
+/// `got` (value, gradient) equals the scalar reference `want` to 1e-10, and every padded
+/// entry of the gradient is exactly zero.
+pub fn assert_matches_reference(b: &TokenBatch, got: &(f64, Vec<f64>), want: &(f64, Vec<f64>), what: &str) {
+    assert_close(&[got.0], &[want.0], 1e-10, &format!("{what} value"));
+    assert_close(&got.1, &want.1, 1e-10, &format!("{what} grad"));
+    for (k, m) in b.mask.concat().iter().enumerate() {
+        assert!(*m || got.1[k] == 0.0, "{what}: padding gradient {} (exactly zero, either sign)", got.1[k]);
+    }
+}
