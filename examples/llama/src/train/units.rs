@@ -72,6 +72,20 @@ pub fn units_with(samples: &[Sample], objective: Objective, c: f64, advantage: A
     })
 }
 
+/// Pass@k advantages of each question's completions (normalised by the group's std, as verl's
+/// default), in group order; a question with one completion is refused.
+fn passk_values(groups: &[Vec<&Sample>]) -> Result<Vec<f64>> {
+    let mut out = vec![];
+    for g in groups {
+        if g.len() < 2 {
+            bail!("--advantage passk needs at least 2 completions a question ({} has 1)", g[0].id);
+        }
+        let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
+        out.extend(Vec::<f64>::try_from(passk_advantages(&r, true, 1e-6)?.flatten(0, -1))?);
+    }
+    Ok(out)
+}
+
 /// Each completion with its group advantage under `advantage` (see [`Advantage`]).
 fn group_units(samples: &[Sample], advantage: Advantage) -> Result<Vec<Unit<'_>>> {
     let groups = groups(samples);
@@ -87,17 +101,7 @@ fn group_units(samples: &[Sample], advantage: Advantage) -> Result<Vec<Unit<'_>>
         Advantage::Grpo => per_group(GroupAdvantage::grpo())?,
         Advantage::DrGrpo => per_group(GroupAdvantage::DrGrpo)?,
         Advantage::Rloo => per_group(GroupAdvantage::Rloo)?,
-        Advantage::Passk => {
-            let mut out = vec![];
-            for g in &groups {
-                if g.len() < 2 {
-                    bail!("--advantage passk needs at least 2 completions a question ({} has 1)", g[0].id);
-                }
-                let r = Tensor::from_slice(&g.iter().map(|s| s.reward).collect::<Vec<_>>()).view([1, -1]);
-                out.extend(Vec::<f64>::try_from(passk_advantages(&r, true, 1e-6)?.flatten(0, -1))?);
-            }
-            out
-        }
+        Advantage::Passk => passk_values(&groups)?,
         other => {
             // The batch-level estimators need the data set as one [G, K] table.
             let k = groups[0].len();
