@@ -134,7 +134,7 @@ fn a_ci_sized_run_of_every_command() {
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
     // Every objective, with the rollout corrections, advantage estimators, KL and entropy terms.
-    let extra: [(&str, &str, &str, &[&str]); 15] = [
+    let extra: [(&str, &str, &str, &[&str]); 16] = [
         ("ppo", "adamw", "none", &["--rejection", "k1-token:0.5:2", "--off-policy-mask", "0.2"]),
         ("grpo", "adamw", "token-tis:2", &["--advantage", "rloo", "--kl-coef", "0.01", "--kl-estimator", "k3-plus"]),
         ("dpo", "adafactor", "none", &["--dpo-loss", "robust", "--dpo-label-smoothing", "0.1"]),
@@ -147,6 +147,7 @@ fn a_ci_sized_run_of_every_command() {
         ("kl-cov", "adamw", "token-tis:2", &["--advantage", "dr-grpo", "--top-entropy", "0.2"]),
         ("dppo-tv", "adamw", "none", &["--advantage", "passk"]),
         ("dppo-kl", "adafactor", "token-tis:2", &["--rejection", "k2-token:0.5"]),
+        ("grpo", "adamw", "none", &["--advantage", "gdpo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),
         ("dpo", "adafactor", "none", &["--dpo-mix", "sigmoid:0.8,bco-pair:0.2"]),

@@ -201,6 +201,10 @@ pub enum Advantage {
     /// Pass@k: the best completion of each question gets its margin over the second best,
     /// divided by the group's std + 1e-6; the others 0 (verl's `grpo_passk`).
     Passk,
+    /// GDPO over two reward dimensions, correctness (1 or 0) and a well-formed answer (1 when an
+    /// answer was found, else 0): each normalised within its question's group (GRPO), summed,
+    /// whitened over every token of the data set (verl's `gdpo`).
+    Gdpo,
 }
 
 impl Objective {

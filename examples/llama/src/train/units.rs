@@ -8,8 +8,8 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    GroupAdvantage, SingletonGroup, group_advantages, opo_advantages, passk_advantages, reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
+    GroupAdvantage, SingletonGroup, gdpo_advantages, group_advantages, opo_advantages, passk_advantages,
+    reinforce_pp_advantages, reinforce_pp_baseline_advantages,
 };
 
 /// A training unit: one completion with the value its loss weighs it by (the reward for the TOPR
@@ -102,49 +102,61 @@ fn group_units(samples: &[Sample], advantage: Advantage) -> Result<Vec<Unit<'_>>
         Advantage::DrGrpo => per_group(GroupAdvantage::DrGrpo)?,
         Advantage::Rloo => per_group(GroupAdvantage::Rloo)?,
         Advantage::Passk => passk_values(&groups)?,
-        other => {
-            // The batch-level estimators need the data set as one [G, K] table.
-            let k = groups[0].len();
-            if groups.iter().any(|g| g.len() != k) {
-                bail!(
-                    "--advantage {other:?} needs the same number of completions for every question \
-                     (sample with a fixed --samples-per-question)"
-                );
-            }
-            let g = groups.len() as i64;
-            let rewards: Vec<f64> = groups.iter().flatten().map(|s| s.reward).collect();
-            let r = Tensor::from_slice(&rewards).view([g, k as i64]);
-            let lens: Vec<i64> = groups.iter().flatten().map(|s| s.completion_ids.len() as i64).collect();
-            let t = lens.iter().copied().max().unwrap_or(1).max(1);
-            let lengths = Tensor::from_slice(&lens);
-            let mask = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0).lt_tensor(&lengths.unsqueeze(1));
-            // Token-level estimators give every token of a completion the same value here
-            // (outcome rewards, γ = 1): a completion's advantage is its first token's.
-            let first_token = |a: Tensor| -> Result<Vec<f64>> { Ok(Vec::<f64>::try_from(a.select(1, 0))?) };
-            match other {
-                Advantage::BatchStd => {
-                    Vec::<f64>::try_from(group_advantages(&r, GroupAdvantage::batch_std())?.flatten(0, -1))?
-                }
-                Advantage::Opo => Vec::<f64>::try_from(
-                    opo_advantages(&r, &lengths.view([g, k as i64]), SingletonGroup::OwnMean)?.flatten(0, -1),
-                )?,
-                Advantage::ReinforcePpBaseline => {
-                    first_token(reinforce_pp_baseline_advantages(&r, &mask, 1e-8, SingletonGroup::OwnMean)?)?
-                }
-                _ => {
-                    // REINFORCE++: the outcome reward on each completion's last token.
-                    let last = (&lengths - 1).clamp_min(0).unsqueeze(1);
-                    let tr = Tensor::zeros([g * k as i64, t], (Kind::Double, tch::Device::Cpu)).scatter(
-                        1,
-                        &last,
-                        &Tensor::from_slice(&rewards).unsqueeze(1),
-                    );
-                    first_token(reinforce_pp_advantages(&tr, &mask, 1.0, 1e-8)?.advantages)?
-                }
-            }
-        }
+        other => batch_values(&groups, other)?,
     };
     Ok(groups.iter().flatten().zip(values).map(|(s, a)| Unit::Single(s, a as f32)).collect())
+}
+
+/// The advantages of the estimators that need the data set as one `[G, K]` table (every
+/// question with the same number of completions), in group order.
+fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
+    // The batch-level estimators need the data set as one [G, K] table.
+    let k = groups[0].len();
+    if groups.iter().any(|g| g.len() != k) {
+        bail!(
+            "--advantage {other:?} needs the same number of completions for every question \
+             (sample with a fixed --samples-per-question)"
+        );
+    }
+    let g = groups.len() as i64;
+    let rewards: Vec<f64> = groups.iter().flatten().map(|s| s.reward).collect();
+    let r = Tensor::from_slice(&rewards).view([g, k as i64]);
+    let lens: Vec<i64> = groups.iter().flatten().map(|s| s.completion_ids.len() as i64).collect();
+    let t = lens.iter().copied().max().unwrap_or(1).max(1);
+    let lengths = Tensor::from_slice(&lens);
+    let mask = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0).lt_tensor(&lengths.unsqueeze(1));
+    // Token-level estimators give every token of a completion the same value here
+    // (outcome rewards, γ = 1): a completion's advantage is its first token's.
+    let first_token = |a: Tensor| -> Result<Vec<f64>> { Ok(Vec::<f64>::try_from(a.select(1, 0))?) };
+    Ok(match other {
+        Advantage::BatchStd => Vec::<f64>::try_from(group_advantages(&r, GroupAdvantage::batch_std())?.flatten(0, -1))?,
+        Advantage::Opo => Vec::<f64>::try_from(
+            opo_advantages(&r, &lengths.view([g, k as i64]), SingletonGroup::OwnMean)?.flatten(0, -1),
+        )?,
+        Advantage::Gdpo => {
+            let dims: Vec<f64> = groups
+                .iter()
+                .flatten()
+                .flat_map(|s| [f64::from(u8::from(s.correct)), f64::from(u8::from(!s.invalid))])
+                .collect();
+            let r = Tensor::from_slice(&dims).view([g, k as i64, 2]);
+            let grpo = GroupAdvantage::grpo();
+            first_token(gdpo_advantages(&r, &[1.0, 1.0], &mask, grpo, SingletonGroup::ZeroMeanUnitStd)?)?
+        }
+        Advantage::ReinforcePpBaseline => {
+            first_token(reinforce_pp_baseline_advantages(&r, &mask, 1e-8, SingletonGroup::OwnMean)?)?
+        }
+        _ => {
+            // REINFORCE++: the outcome reward on each completion's last token.
+            let last = (&lengths - 1).clamp_min(0).unsqueeze(1);
+            let tr = Tensor::zeros([g * k as i64, t], (Kind::Double, tch::Device::Cpu)).scatter(
+                1,
+                &last,
+                &Tensor::from_slice(&rewards).unsqueeze(1),
+            );
+            first_token(reinforce_pp_advantages(&tr, &mask, 1.0, 1e-8)?.advantages)?
+        }
+    })
 }
 
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
