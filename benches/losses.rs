@@ -119,11 +119,11 @@ fn other_objectives(c: &mut Criterion) {
     g.finish();
 }
 
-/// The objectives and terms added for issue #11, at B = 64, T = 256 and B = 512, T = 2048:
+/// The research objectives and the terms composed with them, at B = 64, T = 256 and B = 512, T = 2048:
 /// SAPO, GMPO, Clip-Cov, KL-Cov, the entropy bonus and top-entropy mask, the KL variants, the
 /// value loss, rollout correction (weights, a rejection rule, PPO re-weighted), token-level
-/// advantage estimators, and every DPO-family loss at B = 512.
-fn issue_11_objectives(c: &mut Criterion) {
+/// advantage estimators, DPPO, DRO, pass@k and GDPO advantages, and every DPO-family loss at B = 512.
+fn research_objectives(c: &mut Criterion) {
     let mut g = c.benchmark_group("issue_11");
     g.sample_size(10);
     for (b, t) in [(64i64, 256i64), (512, 2048)] {
@@ -244,6 +244,6 @@ fn issue_11_objectives(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().without_plots();
-    targets = sequence_level, token_level, other_objectives, issue_11_objectives
+    targets = sequence_level, token_level, other_objectives, research_objectives
 }
 criterion_main!(benches);

@@ -244,6 +244,7 @@ fn dppo_terms(
     let keep = up.f_where_self(&positive, &down)?;
     let weight = r.f_clamp_max(cfg.max_weight)?;
     let coef = weight.f_mul(&keep.f_to_kind(weight.kind())?)?.f_mul(&adv)?; // detached
+    // Zero on padding (`lp` is, and `coef` is finite there: r = 1): the sanitised reduction applies.
     let per_token = coef.f_mul(&lp)?.f_neg()?;
     Ok((x, r, keep, per_token))
 }
@@ -303,7 +304,7 @@ pub fn dppo_loss(
     cfg: &DppoConfig,
 ) -> Result<Tensor, LossError> {
     let (x, _, _, per_token) = dppo_terms(logp, logp_mu, advantages, mask, cfg)?;
-    validate::finite_loss(x.reduce_tokens(&per_token, cfg.aggregation, &Normalizer::local())?, cfg.checks)
+    x.sanitized_loss(&per_token, cfg.aggregation, &Normalizer::local())
 }
 
 /// [`dppo_loss`] with the counts of `norm`, its per-token terms (`[B, T]`, zero on padding) and
@@ -338,7 +339,7 @@ pub fn dppo_loss_output(
     norm: &Normalizer,
 ) -> Result<LossOutput<PpoDiagnostics>, LossError> {
     let (x, r, keep, per_token) = dppo_terms(logp, logp_mu, advantages, mask, cfg)?;
-    let loss = validate::finite_loss(x.reduce_tokens(&per_token, cfg.aggregation, norm)?, cfg.checks)?;
+    let loss = x.sanitized_loss(&per_token, cfg.aggregation, norm)?;
     let outside = keep.f_logical_not()?;
     let truncated = r.f_gt(cfg.max_weight)?.f_logical_and(&keep)?;
     let diagnostics = ppo_diagnostics(&r, &outside, &truncated, &x.mask)?;

@@ -18,7 +18,6 @@ use crate::error::LossError;
 use crate::output::LossOutput;
 use crate::ppo::{PpoDiagnostics, ppo_diagnostics};
 use crate::token_inputs::{self, TokenArgs, TokenInputs};
-use crate::validate;
 use tch::Tensor;
 
 /// The penalty and aggregation of [`dro_loss`].
@@ -126,6 +125,7 @@ fn dro_terms(
     })?;
     let adv = x.weights_per_token()?; // [B, 1] or [B, T]
     let penalty = x.delta.f_square()?.f_mul_scalar(0.5 * cfg.beta)?;
+    // Zero on padding (δ and `logp` are): the sanitised reduction applies.
     let per_token = penalty.f_sub(&x.logp()?.f_mul(&adv)?)?;
     Ok((x, per_token))
 }
@@ -175,7 +175,7 @@ pub fn dro_loss(
     cfg: &DroConfig,
 ) -> Result<Tensor, LossError> {
     let (x, per_token) = dro_terms(logp, logp_mu, advantages, mask, cfg)?;
-    validate::finite_loss(x.reduce_tokens(&per_token, cfg.aggregation, &Normalizer::local())?, cfg.checks)
+    x.sanitized_loss(&per_token, cfg.aggregation, &Normalizer::local())
 }
 
 /// [`dro_loss`] with the counts of `norm`, its per-token terms (`[B, T]`, zero on padding) and
@@ -210,7 +210,7 @@ pub fn dro_loss_output(
     norm: &Normalizer,
 ) -> Result<LossOutput<PpoDiagnostics>, LossError> {
     let (x, per_token) = dro_terms(logp, logp_mu, advantages, mask, cfg)?;
-    let loss = validate::finite_loss(x.reduce_tokens(&per_token, cfg.aggregation, norm)?, cfg.checks)?;
+    let loss = x.sanitized_loss(&per_token, cfg.aggregation, norm)?;
     let r = x.delta.f_detach()?.f_clamp(-20.0, 20.0)?.f_exp()?;
     let none = x.mask.f_zeros_like()?;
     let diagnostics = ppo_diagnostics(&r, &none, &none, &x.mask)?;

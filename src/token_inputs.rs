@@ -185,6 +185,18 @@ impl TokenInputs {
         weighted_sum(&per_token.f_mul(&self.mask_f)?, &self.sequence_weights(mode, norm)?)
     }
 
+    /// The loss of per-token terms computed from these sanitised inputs alone
+    /// ([`TokenInputs::reduce_sanitized_tokens`]), refused when it is not finite under full
+    /// checks ([`validate::finite_loss`]).
+    pub(crate) fn sanitized_loss(
+        &self,
+        per_token: &Tensor,
+        mode: AggregationMode,
+        norm: &Normalizer,
+    ) -> Result<Tensor, LossError> {
+        validate::finite_loss(self.reduce_sanitized_tokens(per_token, mode, norm)?, self.checks)
+    }
+
     /// `Σ_i α_i V_i` for per-sequence values `V [B]` (a sequence's total over its tokens).
     pub(crate) fn reduce_sequences(
         &self,

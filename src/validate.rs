@@ -94,11 +94,15 @@ pub(crate) fn finite(t: &Tensor, argument: &'static str, valid: Option<&Tensor>)
     }
     let count = read_i64(&bad.f_sum(Kind::Int64)?, &[])?;
     if count > 0 {
-        let idx = bad.f_nonzero()?; // [count, rank]
-        let first_index = read_vec(&idx.f_select(0, 0)?)?.into_iter().map(|v| v as i64).collect();
-        return Err(LossError::NonFinite { argument, count, first_index });
+        return Err(LossError::NonFinite { argument, count, first_index: first_index(&bad)? });
     }
     Ok(())
+}
+
+/// The multi-index of the first true entry of the bool tensor `bad` (which holds one).
+fn first_index(bad: &Tensor) -> Result<Vec<i64>, LossError> {
+    let idx = bad.f_nonzero()?; // [count, rank]
+    Ok(read_vec(&idx.f_select(0, 0)?)?.into_iter().map(|v| v as i64).collect())
 }
 
 /// One tensor argument to check for NaN and inf, see [`all_finite`].
@@ -168,8 +172,7 @@ pub(crate) fn all_finite_sums_and_log_probs(
     for (c, &max) in log_probs.iter().zip(maxima) {
         // Not NaN here: a NaN where real made a sum above non-finite, and that was refused.
         if max > crate::LOG_PROB_TOLERANCE {
-            let idx = real_or_below(c)?.f_gt(crate::LOG_PROB_TOLERANCE)?.f_nonzero()?;
-            let first_index = read_vec(&idx.f_select(0, 0)?)?.into_iter().map(|v| v as i64).collect();
+            let first_index = first_index(&real_or_below(c)?.f_gt(crate::LOG_PROB_TOLERANCE)?)?;
             return Err(LossError::PositiveLogProb { argument: c.argument, max, first_index });
         }
     }

@@ -127,32 +127,19 @@ proptest! {
     }
 }
 
-fn fixed_batch() -> Batch {
-    Batch {
-        logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
-        other: vec![vec![-0.9, -0.05, -0.6], vec![-1.7, -0.45, -2.3], vec![-0.2, -0.9, -0.3]],
-        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
-        weights: vec![1.0, -1.0, -0.5],
-    }
-}
-
 #[test]
 fn sapo_gradient_matches_finite_differences() {
-    let b = fixed_batch();
+    let b = fixed_token_batch();
     for cfg in configs() {
         let (_, g) = run(&b, &cfg, 0.0);
-        let fd = finite_difference(&b.logp.concat(), 1e-6, |x| {
-            let bb = Batch { logp: x.chunks(3).map(|c| c.to_vec()).collect(), ..b.clone() };
-            let (lp, old, adv, m) = bb.tensors(0.0);
-            scalar(&sapo_loss(&lp, &old, &adv, &m, &cfg).unwrap())
-        });
-        assert_close(&g, &fd, 1e-6, &format!("{cfg:?} finite differences"));
+        let loss = |lp: &Tensor, old: &Tensor, adv: &Tensor, m: &Tensor| sapo_loss(lp, old, adv, m, &cfg).unwrap();
+        assert_gradient_matches_finite_differences(&b, &g, &loss, &format!("{cfg:?}"));
     }
 }
 
 #[test]
 fn sapo_output_terms_and_diagnostics() {
-    let b = fixed_batch();
+    let b = fixed_token_batch();
     let (lp, old, adv, m) = b.tensors(f64::NAN);
     let cfg = SapoConfig::sapo();
     let out = sapo_loss_output(&lp, &old, &adv, &m, &cfg, &Normalizer::local()).unwrap();

@@ -1,6 +1,6 @@
 //! Data-parallel collectives for [`tch`] on PyTorch's own engine.
 //!
-//! tch exposes no `torch.distributed` (tch-rs issue #936). This crate reaches the engine behind
+//! tch exposes no `torch.distributed` (tch-rs's GitHub issue 936). This crate reaches the engine behind
 //! it, c10d, through a small C++ shim compiled against the libtorch that tch links: a `TCPStore`
 //! rendezvous and a Gloo process group, the pair `torch.distributed.init_process_group("gloo")`
 //! creates. No protocol of our own: the bytes on the wire are Gloo's, the rendezvous is the one

@@ -308,3 +308,31 @@ pub fn assert_matches_reference(b: &TokenBatch, got: &(f64, Vec<f64>), want: &(f
         assert!(*m || got.1[k] == 0.0, "{what}: padding gradient {} (exactly zero, either sign)", got.1[k]);
     }
 }
+
+/// A fixed `3 × 3` batch with padding, both advantage signs and log-ratios of up to about ±1.7:
+/// the finite-difference tests' point.
+pub fn fixed_token_batch() -> TokenBatch {
+    TokenBatch {
+        logp: vec![vec![-0.7, -1.2, -0.3], vec![-2.0, -0.4, -0.9], vec![-0.5, -0.6, -0.1]],
+        other: vec![vec![-0.9, -0.05, -0.6], vec![-1.7, -0.45, -2.3], vec![-0.2, -0.9, -0.3]],
+        mask: vec![vec![true, true, true], vec![true, true, false], vec![true, false, false]],
+        weights: vec![1.0, -1.0, -0.5],
+    }
+}
+
+/// The gradient `grad` of `loss` at `b`'s log-probs equals central finite differences of its
+/// value (step 1e-6, tolerance 1e-6), `b` without padding values (0).
+pub fn assert_gradient_matches_finite_differences(
+    b: &TokenBatch,
+    grad: &[f64],
+    loss: &dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Tensor,
+    what: &str,
+) {
+    let t = b.mask[0].len();
+    let fd = finite_difference(&b.logp.concat(), 1e-6, |x| {
+        let bb = TokenBatch { logp: x.chunks(t).map(<[f64]>::to_vec).collect(), ..b.clone() };
+        let (lp, old, adv, m) = bb.tensors(0.0);
+        scalar(&loss(&lp, &old, &adv, &m))
+    });
+    assert_close(grad, &fd, 1e-6, &format!("{what} finite differences"));
+}

@@ -63,17 +63,10 @@ pub struct Digest {
 impl Digest {
     /// Of the file at `path`, read in blocks.
     pub fn of_file(path: &Path) -> Result<Self> {
-        let ctx = || format!("reading {}", path.display());
-        let mut f = std::fs::File::open(path).with_context(ctx)?;
-        let (mut h, mut n, mut buf) = (Fnv::default(), 0u64, vec![0u8; 1 << 16]);
-        loop {
-            let k = f.read(&mut buf).with_context(ctx)?;
-            if k == 0 {
-                break;
-            }
-            h.bytes(&buf[..k]);
-            n += k as u64;
-        }
+        let mut h = Fnv::default();
+        let n = for_each_block(path, 1 << 16, |b| {
+            h.bytes(b);
+        })?;
         Ok(Self { bytes: n, hash: h.hex() })
     }
 
@@ -86,6 +79,29 @@ impl Digest {
             n += s.len() as u64 + 1;
         }
         Ok(Self { bytes: n, hash: h.hex() })
+    }
+}
+
+/// Feeds the file at `path` to `f` in blocks of `size` bytes, every block whole but the last
+/// (however the reads split); returns the file's size.
+fn for_each_block(path: &Path, size: usize, mut f: impl FnMut(&[u8])) -> Result<u64> {
+    let ctx = || format!("reading {}", path.display());
+    let mut file = std::fs::File::open(path).with_context(ctx)?;
+    let (mut buf, mut total) = (vec![0u8; size], 0u64);
+    loop {
+        let mut k = 0;
+        while k < size {
+            let n = file.read(&mut buf[k..]).with_context(ctx)?;
+            if n == 0 {
+                break;
+            }
+            k += n;
+        }
+        f(&buf[..k]);
+        total += k as u64;
+        if k < size {
+            return Ok(total);
+        }
     }
 }
 
@@ -134,24 +150,11 @@ fn content_of(path: &Path, meta: &std::fs::Metadata) -> Result<String> {
     if let Some(h) = content_cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
         return Ok(h);
     }
-    let ctx = || format!("reading {}", path.display());
-    let mut f = std::fs::File::open(path).with_context(ctx)?;
-    let (mut h, mut buf) = (Fnv::default(), vec![0u8; 1 << 20]);
-    loop {
-        // Whole blocks (a multiple of 8 bytes) but at the end, so that the hash is the file's.
-        let mut k = 0;
-        while k < buf.len() {
-            let n = f.read(&mut buf[k..]).with_context(ctx)?;
-            if n == 0 {
-                break;
-            }
-            k += n;
-        }
-        h.words(&buf[..k]);
-        if k < buf.len() {
-            break;
-        }
-    }
+    // Whole blocks of 1 MiB (a multiple of 8 bytes) but the last: the hash is the file's.
+    let mut h = Fnv::default();
+    for_each_block(path, 1 << 20, |b| {
+        h.words(b);
+    })?;
     let hex = h.hex();
     if let Ok(mut c) = content_cache().lock() {
         c.insert(key, hex.clone());

@@ -38,11 +38,11 @@ pub enum Claim {
     /// p̃ = 0.5 (the off-policy claim runs them with c = 0), so that what differs from TOPR's
     /// arm is the objective alone. The off-policy claim's setting.
     OffPolicyBaseline,
-    /// A better result in the same time (issue #13): the demo's TOPR iterations at other
+    /// A better result in the same time: the demo's TOPR iterations at other
     /// learning rates ([`LEARNING_RATES`]), the same steps, data and wall time, for the demo's
     /// [`SAME_TIME_ITERATIONS`] iterations.
     LearningRate,
-    /// A better result in the same time (issue #13): the same warm-up steps on twice the
+    /// A better result in the same time: the same warm-up steps on twice the
     /// problems for half the epochs ([`Recipe::SloppyFresh`]), then the demo's TOPR iterations.
     WarmUpData,
     /// On a real model (the study's `model`, SmolLM2-135M-Instruct: [`Recipe::Real`]), where the
