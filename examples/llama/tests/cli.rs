@@ -134,7 +134,7 @@ fn a_ci_sized_run_of_every_command() {
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
     // Every objective, with the rollout corrections, advantage estimators, KL and entropy terms.
-    let extra: [(&str, &str, &str, &[&str]); 16] = [
+    let extra: [(&str, &str, &str, &[&str]); 17] = [
         ("ppo", "adamw", "none", &["--rejection", "k1-token:0.5:2", "--off-policy-mask", "0.2"]),
         ("grpo", "adamw", "token-tis:2", &["--advantage", "rloo", "--kl-coef", "0.01", "--kl-estimator", "k3-plus"]),
         ("dpo", "adafactor", "none", &["--dpo-loss", "robust", "--dpo-label-smoothing", "0.1"]),
@@ -147,6 +147,7 @@ fn a_ci_sized_run_of_every_command() {
         ("kl-cov", "adamw", "token-tis:2", &["--advantage", "dr-grpo", "--top-entropy", "0.2"]),
         ("dppo-tv", "adamw", "none", &["--advantage", "passk"]),
         ("dppo-kl", "adafactor", "token-tis:2", &["--rejection", "k2-token:0.5"]),
+        ("dro", "adamw", "none", &["--dro-beta", "0.2", "--rejection", "k2-token:2,k3-seq-max:0.5"]),
         ("grpo", "adamw", "none", &["--advantage", "gdpo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),
@@ -186,7 +187,7 @@ fn a_ci_sized_run_of_every_command() {
         match objective {
             "dpo" => assert!(last["stats"]["dpo_accuracy"].is_number(), "{last}"),
             "ppo" | "grpo" | "gspo" | "cispo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
-            "sapo" | "gmpo" | "clip-cov" | "kl-cov" | "dppo-tv" | "dppo-kl" => {
+            "sapo" | "gmpo" | "clip-cov" | "kl-cov" | "dppo-tv" | "dppo-kl" | "dro" => {
                 assert!(last["stats"]["clip_fraction"].is_null(), "{last}")
             }
             _ => assert!(last["stats"]["topr"]["truncated_fraction_neg"].is_number(), "{last}"),
@@ -412,6 +413,10 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (train(&["--objective", "topr", "--dpo-mix", "sigmoid:1"]), "--dpo-mix"),
         (train(&["--rejection", "k3-token"]), "--rejection"),
         (train(&["--rejection", "k4-token:1"]), "--rejection"),
+        (train(&["--rejection", "k2-token:2,"]), "--rejection"),
+        (train(&["--rejection", "k2-token:2,none"]), "--rejection"),
+        (train(&["--objective", "dro", "--dro-beta", "0"]), "--dro-beta"),
+        (train(&["--objective", "topr", "--dro-beta", "0.2"]), "--dro-beta"),
         (train(&["--objective", "dpo", "--off-policy-mask", "0.1"]), "--off-policy-mask"),
         (train(&["--kl-coef", "-1"]), "--kl-coef"),
         (train(&["--entropy-coef", "nan"]), "--entropy-coef"),

@@ -142,19 +142,25 @@ pub fn parse_rollout_correction(s: &str) -> Result<CorrectionArg, String> {
     Ok(CorrectionArg(Some(c)))
 }
 
-/// `--rejection`: `k1-SCOPE:MIN:MAX` (bounds on the ratio μ/π) or `k2-SCOPE:MAX` / `k3-SCOPE:MAX`,
-/// SCOPE one of `token`, `seq-sum`, `seq-mean`, `seq-max` (not with k1), or `none`.
-#[derive(Clone, Copy, Debug)]
-pub struct RejectionArg(pub Option<topr_loss::Rejection>);
+/// `--rejection`: comma-separated rules (verl's `rollout_rs` list), each `k1-SCOPE:MIN:MAX`
+/// (bounds on the ratio μ/π) or `k2-SCOPE:MAX` / `k3-SCOPE:MAX`, SCOPE one of `token`, `seq-sum`,
+/// `seq-mean`, `seq-max` (not with k1); or `none`.
+#[derive(Clone, Debug)]
+pub struct RejectionArg(pub Vec<topr_loss::Rejection>);
 
 pub fn parse_rejection(s: &str) -> Result<RejectionArg, String> {
-    use topr_loss::{Rejection, RejectionScope as Sc};
-    let usage =
-        "expected none, k1-SCOPE:MIN:MAX, k2-SCOPE:MAX or k3-SCOPE:MAX with SCOPE token, seq-sum, seq-mean or seq-max";
     let s = s.trim();
     if s == "none" {
-        return Ok(RejectionArg(None));
+        return Ok(RejectionArg(vec![]));
     }
+    s.split(',').map(parse_rejection_rule).collect::<Result<_, _>>().map(RejectionArg)
+}
+
+/// One rule of `--rejection`.
+fn parse_rejection_rule(s: &str) -> Result<topr_loss::Rejection, String> {
+    use topr_loss::{Rejection, RejectionScope as Sc};
+    let usage = "expected none or comma-separated rules k1-SCOPE:MIN:MAX, k2-SCOPE:MAX or k3-SCOPE:MAX with SCOPE token, seq-sum, seq-mean or seq-max";
+    let s = s.trim();
     let parts: Vec<&str> = s.split(':').collect();
     let (stat, scope) = parts[0].split_once('-').ok_or_else(|| format!("{usage}, got {s:?}"))?;
     let scope = match scope {
@@ -171,7 +177,7 @@ pub fn parse_rejection(s: &str) -> Result<RejectionArg, String> {
         _ => return Err(format!("{usage}, got {s:?}")),
     };
     r.validate().map_err(|e| format!("{usage}: {e}"))?;
-    Ok(RejectionArg(Some(r)))
+    Ok(r)
 }
 
 /// `--dpo-mix`: `LOSS:WEIGHT[,LOSS:WEIGHT…]` (up to 4 terms), LOSS a `--dpo-loss` name.
@@ -285,6 +291,9 @@ pub struct ObjectiveArgs {
     /// DPO's β (strength of the implicit KL constraint to μ; > 0).
     #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = parse_positive)]
     pub dpo_beta: f64,
+    /// The dro objective's penalty β on the squared log-ratio (> 0; verl's dro_beta).
+    #[arg(long, default_value_t = topr_llama::settings::default_dro_beta(), allow_hyphen_values = true, value_parser = parse_positive)]
+    pub dro_beta: f64,
     /// Which loss of the DPO family (TRL's loss_type names).
     #[arg(long, value_enum, default_value_t = DpoLoss::Sigmoid)]
     pub dpo_loss: DpoLoss,
@@ -319,7 +328,9 @@ pub struct ObjectiveArgs {
     #[arg(long, allow_hyphen_values = true, value_parser = parse_unit_interval)]
     pub top_entropy: Option<f64>,
     /// Drop the tokens or completions whose k1/k2/k3 statistic of π against μ leaves the bounds
-    /// (verl's rollout_rs): `k3-seq-max:0.01`, `k1-token:0.5:2`, `k2-seq-mean:0.05`, or `none`.
+    /// (verl's rollout_rs): `k3-seq-max:0.01`, `k1-token:0.5:2`, `k2-seq-mean:0.05`, or `none`;
+    /// several rules comma-separated (`k2-token:2,k3-seq-max:0.01`), each computed on the
+    /// original mask and a token kept only if every rule keeps it, as verl combines them.
     #[arg(long, default_value = "none", value_parser = parse_rejection)]
     pub rejection: RejectionArg,
     /// DeepSeek-V3.2's off-policy sequence mask: drop a negative completion whose mean
@@ -422,6 +433,7 @@ impl TrainArgs {
             lr_decay: opt.lr_decay,
             seed: batches.train_seed,
             dpo_beta: obj.dpo_beta,
+            dro_beta: obj.dro_beta,
             dpo_loss: obj.dpo_loss,
             dpo_label_smoothing: obj.dpo_label_smoothing,
             dpo_mix: obj.dpo_mix.0.clone(),
@@ -430,7 +442,7 @@ impl TrainArgs {
             kl_estimator: obj.kl_estimator,
             entropy_coef: obj.entropy_coef,
             top_entropy: obj.top_entropy,
-            rejection: obj.rejection.0,
+            rejection: obj.rejection.0.clone(),
             off_policy_mask: obj.off_policy_mask,
             rollout_correction: obj.rollout_correction.0,
             skip_bad_records: run.skip_bad_records,

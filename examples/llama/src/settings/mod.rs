@@ -13,4 +13,6 @@ mod iterate;
 mod train;
 
 pub use iterate::{Curation, IterateSettings};
-pub use train::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, SettingError, TrainSettings};
+pub use train::{
+    Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, SettingError, TrainSettings, default_dro_beta,
+};

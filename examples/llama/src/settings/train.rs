@@ -39,6 +39,9 @@ pub struct TrainSettings {
     pub seed: u64,
     /// DPO's β.
     pub dpo_beta: f64,
+    /// The `dro` objective's penalty β (absent from older records: 0.1, the default).
+    #[serde(default = "default_dro_beta")]
+    pub dro_beta: f64,
     /// Which DPO-family loss (absent from older run records: sigmoid).
     #[serde(default)]
     pub dpo_loss: DpoLoss,
@@ -65,9 +68,11 @@ pub struct TrainSettings {
     /// older records: all tokens).
     #[serde(default)]
     pub top_entropy: Option<f64>,
-    /// Drop what a divergence rule of π against μ rejects (absent from older records: none).
-    #[serde(default)]
-    pub rejection: Option<topr_loss::Rejection>,
+    /// Drop what any of these divergence rules of π against μ rejects, each rule computed on the
+    /// original mask and the results intersected (verl's comma-separated `rollout_rs`). Empty:
+    /// none. Older records wrote one rule or `null`; they read as a list of it or as none.
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub rejection: Vec<topr_loss::Rejection>,
     /// DeepSeek-V3.2's off-policy sequence mask threshold (absent from older records: none).
     #[serde(default)]
     pub off_policy_mask: Option<f64>,
@@ -158,6 +163,9 @@ pub enum Objective {
     DppoTv,
     /// DPPO with the binary KL trust region (δ = 0.05) and group advantages.
     DppoKl,
+    /// REINFORCE with verl's `dro` quadratic log-ratio penalty `(β/2) δ²` (`--dro-beta`) and
+    /// group advantages.
+    Dro,
 }
 
 impl Objective {
@@ -174,11 +182,12 @@ impl Objective {
                 | Self::KlCov
                 | Self::DppoTv
                 | Self::DppoKl
+                | Self::Dro
         )
     }
 }
 
-/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl` turn each question's rewards into
+/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl|dro` turn each question's rewards into
 /// advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -331,10 +340,13 @@ impl TrainSettings {
     pub fn check(&self) -> Result<(), SettingError> {
         self.check_values()?;
         self.check_dpo()?;
+        if self.dro_beta != default_dro_beta() && self.objective != Objective::Dro {
+            return Err(SettingError::new(&["dro_beta", "objective"], "the DRO beta applies to the dro objective"));
+        }
         if self.advantage != Advantage::default() && !self.objective.uses_group_advantages() {
             return Err(SettingError::new(
                 &["advantage"],
-                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl)",
+                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro)",
             ));
         }
         Ok(())
@@ -354,6 +366,7 @@ impl TrainSettings {
             ("lr", "learning rate", Some(self.lr)),
             ("max_grad_norm", "clipping norm", self.max_grad_norm),
             ("dpo_beta", "DPO beta", Some(self.dpo_beta)),
+            ("dro_beta", "DRO beta", Some(self.dro_beta)),
         ];
         for (field, what, v) in positive {
             if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
@@ -385,7 +398,7 @@ impl TrainSettings {
         if let Some(c) = &self.rollout_correction {
             library("rollout_correction", c.validate())?;
         }
-        if let Some(r) = &self.rejection {
+        for r in &self.rejection {
             library("rejection", r.validate())?;
         }
         match self.baseline {
@@ -408,7 +421,7 @@ impl TrainSettings {
                 ("kl_coef", "a KL penalty", self.kl_coef > 0.0),
                 ("entropy_coef", "an entropy bonus", self.entropy_coef > 0.0),
                 ("top_entropy", "the top-entropy selection", self.top_entropy.is_some()),
-                ("rejection", "a rejection rule", self.rejection.is_some()),
+                ("rejection", "a rejection rule", !self.rejection.is_empty()),
                 ("off_policy_mask", "the off-policy sequence mask", self.off_policy_mask.is_some()),
             ];
             if let Some((field, what, _)) = token_level.iter().find(|(_, _, on)| *on) {
@@ -471,5 +484,60 @@ pub struct SettingError {
 impl SettingError {
     fn new(fields: &[&'static str], message: impl Into<String>) -> Self {
         Self { fields: fields.to_vec(), message: message.into() }
+    }
+}
+
+/// Reads a list of rejection rules also from the forms older records wrote: `null` (none) or one
+/// rule.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<topr_loss::Rejection>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Form {
+        Many(Vec<topr_loss::Rejection>),
+        One(topr_loss::Rejection),
+    }
+    Ok(match Option::<Form>::deserialize(d)? {
+        None => vec![],
+        Some(Form::One(r)) => vec![r],
+        Some(Form::Many(v)) => v,
+    })
+}
+
+/// The `dro` objective's default penalty (verl's `dro_beta` example value, the library's default).
+pub const fn default_dro_beta() -> f64 {
+    0.1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use topr_loss::{Rejection, RejectionScope};
+
+    /// Older records wrote `rejection` as `null` or as one rule; both read as this version's list.
+    #[test]
+    fn older_records_rejection_forms_read_as_a_list() {
+        let rules = vec![Rejection::k2(RejectionScope::Token, 2.0), Rejection::k3(RejectionScope::SequenceMax, 0.5)];
+        let s = TrainSettings { rejection: rules.clone(), ..crate::demo::topr_settings().unwrap() };
+        let mut v = serde_json::to_value(&s).unwrap();
+        let read = |v: &serde_json::Value| serde_json::from_value::<TrainSettings>(v.clone()).unwrap().rejection;
+        assert_eq!(read(&v), rules);
+        v["rejection"] = serde_json::to_value(rules[1]).unwrap();
+        assert_eq!(read(&v), vec![rules[1]]);
+        v["rejection"] = serde_json::Value::Null;
+        assert_eq!(read(&v), vec![]);
+        v.as_object_mut().unwrap().remove("rejection");
+        v.as_object_mut().unwrap().remove("dro_beta");
+        let old: TrainSettings = serde_json::from_value(v).unwrap();
+        assert_eq!((old.rejection, old.dro_beta), (vec![], default_dro_beta()));
+    }
+
+    #[test]
+    fn the_dro_beta_is_refused_without_the_dro_objective() {
+        let s = TrainSettings { dro_beta: 0.3, ..crate::demo::topr_settings().unwrap() };
+        assert_eq!(s.check().unwrap_err().fields, vec!["dro_beta", "objective"]);
+        let dro = TrainSettings { objective: Objective::Dro, ..s };
+        dro.check().unwrap();
+        let bad = TrainSettings { dro_beta: f64::NAN, ..dro };
+        assert_eq!(bad.check().unwrap_err().fields, vec!["dro_beta"]);
     }
 }

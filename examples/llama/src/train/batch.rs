@@ -189,7 +189,7 @@ impl StepPart {
                 })
             }
             Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => stats.clip_fraction = Some(self.clipped / tokens),
-            Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) | Loss::Dppo(_) => {}
+            Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) | Loss::Dppo(_) | Loss::Dro(_) => {}
             Loss::Dpo(..) | Loss::DpoMix(..) => {
                 stats.dpo_accuracy = Some(self.dpo_accuracy / pairs_in_step);
                 stats.dpo_margin = Some(self.dpo_margin / pairs_in_step);

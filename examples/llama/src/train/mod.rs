@@ -45,7 +45,7 @@ impl TrainSettings {
         Extras {
             // The settings record the method; the losses of a step run without host reads.
             correction: self.rollout_correction.map(|c| c.with_checks(topr_loss::Checks::Shapes)),
-            rejection: self.rejection,
+            rejection: self.rejection.clone(),
             off_policy_mask: self.off_policy_mask,
             top_entropy: self.top_entropy,
             kl: (self.kl_coef > 0.0).then(|| self.kl_estimator.config(self.kl_coef)),

@@ -8,13 +8,13 @@ use crate::settings::{Baseline, Objective};
 use anyhow::Result;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, DpoMix, DppoConfig, EntropyConfig, GmpoConfig,
-    KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection, SapoConfig,
-    SequenceReduce, TokenLogProbs, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
+    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, DpoMix, DppoConfig, DroConfig, EntropyConfig,
+    GmpoConfig, KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection,
+    SapoConfig, SequenceReduce, TokenLogProbs, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
     baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output, dpo_mix_loss_output,
-    dppo_loss_output, entropy_loss_output, gmpo_loss_output, gspo_loss_output, kl_cov_loss_output, kl_penalty_output,
-    off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask, rollout_weights, sapo_loss_output,
-    sequence_logprobs, top_entropy_mask, topr_token_loss_output,
+    dppo_loss_output, dro_loss_output, entropy_loss_output, gmpo_loss_output, gspo_loss_output, kl_cov_loss_output,
+    kl_penalty_output, off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask_all, rollout_weights,
+    sapo_loss_output, sequence_logprobs, top_entropy_mask, topr_token_loss_output,
 };
 
 /// The baseline `c` and the data set's share of positives `p`: `c` given, or derived from `p`
@@ -71,6 +71,8 @@ pub enum Loss {
     KlCov(KlCovConfig),
     /// DPPO on per-sequence advantages.
     Dppo(DppoConfig),
+    /// DRO's penalised REINFORCE on per-sequence advantages.
+    Dro(DroConfig),
     /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
     Dpo(DpoConfig, SequenceReduce),
     /// A weighted sum of DPO-family losses on the same pairs (TRL's `loss_weights`).
@@ -106,6 +108,7 @@ impl Loss {
             Objective::KlCov => Loss::KlCov(KlCovConfig::kl_cov().with_checks(fast)),
             Objective::DppoTv => Loss::Dppo(DppoConfig::tv().with_checks(fast)),
             Objective::DppoKl => Loss::Dppo(DppoConfig::binary_kl().with_checks(fast)),
+            Objective::Dro => Loss::Dro(DroConfig::new(o.dro_beta).with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
@@ -160,6 +163,7 @@ impl Loss {
             }
             Loss::KlCov(cfg) => value_and_terms(kl_cov_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::Dppo(cfg) => value_and_terms(dppo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
+            Loss::Dro(cfg) => value_and_terms(dro_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::Dpo(cfg, reduce) => {
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
                 let (pw, pl, rw, rl, n) = dpo_pairs(lp, p, *reduce)?;
@@ -208,13 +212,13 @@ fn clip_cov_keys(shape: &[i64], seed: u64, device: tch::Device) -> Tensor {
 /// What every token-level loss of a step gets besides its own terms: importance weights of π
 /// against μ (rollout correction), the top-entropy token selection, a KL penalty to μ and an
 /// entropy bonus. `Default` is none of them.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Extras {
     /// Weights of π (detached) against μ on the loss's terms.
     pub correction: Option<RolloutCorrection>,
     /// Drop (weight 0) the tokens or sequences whose divergence statistic of π against μ
-    /// leaves the rule's bounds.
-    pub rejection: Option<Rejection>,
+    /// leaves any rule's bounds, every rule computed on the original mask (verl's combination).
+    pub rejection: Vec<Rejection>,
     /// DeepSeek-V3.2's off-policy sequence mask at this threshold: drop a completion whose value
     /// (reward for the TOPR family, advantage otherwise) is negative and whose mean
     /// `log μ − log π` exceeds it.
@@ -250,8 +254,8 @@ impl Extras {
         if let Some(rc) = &self.correction {
             factors.push(rollout_weights(&lp.logp, &p.logp_mu, &lp.mask, rc)?.weights);
         }
-        if let Some(rule) = &self.rejection {
-            factors.push(rollout_rejection_mask(&lp.logp, &p.logp_mu, &lp.mask, rule)?);
+        if !self.rejection.is_empty() {
+            factors.push(rollout_rejection_mask_all(&lp.logp, &p.logp_mu, &lp.mask, &self.rejection)?);
         }
         if let Some(threshold) = self.off_policy_mask {
             factors.push(off_policy_sequence_mask(&lp.logp, &p.logp_mu, &p.values, &lp.mask, threshold)?);
