@@ -5,13 +5,14 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use tch::{Device, Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoMix, DppoConfig, DroConfig, EntropyConfig, GmpoConfig,
-    GroupAdvantage, KlConfig, KlCovConfig, Normalizer, PpoConfig, Rejection, RejectionScope, RolloutCorrection,
-    SapoConfig, SingletonGroup, ToprConfig, ToprTokenConfig, ValueLossConfig, apply_token_weights, cispo_loss,
-    clip_cov_loss, dpo_loss, dpo_mix_loss, dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages,
-    gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty, kl_penalty_corrected, passk_advantages, ppo_clip_loss,
-    ppo_clip_loss_output, reinforce_pp_advantages, rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights,
-    sapo_loss, top_entropy_mask, topr_loss, topr_token_loss, value_loss,
+    AggregationMode, Checks, ClipCovConfig, DecoupledPpoConfig, DpoConfig, DpoMix, DppoConfig, DroConfig,
+    EntropyConfig, GmpoConfig, GroupAdvantage, KlConfig, KlCovConfig, Normalizer, PpoConfig, ProximalApproximation,
+    Rejection, RejectionScope, RolloutCorrection, SapoConfig, SingletonGroup, ToprConfig, ToprTokenConfig,
+    ValueLossConfig, apply_token_weights, cispo_loss, clip_cov_loss, decoupled_ppo_loss, dpo_loss, dpo_mix_loss,
+    dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages, gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty,
+    kl_penalty_corrected, m2po_mask, passk_advantages, ppo_clip_loss, ppo_clip_loss_output, proximal_logprobs,
+    reinforce_pp_advantages, rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights, sapo_loss,
+    top_entropy_mask, topr_loss, topr_token_loss, value_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -124,7 +125,7 @@ fn other_objectives(c: &mut Criterion) {
 /// value loss, rollout correction (weights, a rejection rule, PPO re-weighted), token-level
 /// advantage estimators, DPPO, DRO, pass@k and GDPO advantages, and every DPO-family loss at B = 512.
 fn research_objectives(c: &mut Criterion) {
-    let mut g = c.benchmark_group("issue_11");
+    let mut g = c.benchmark_group("research_objectives");
     g.sample_size(10);
     for (b, t) in [(64i64, 256i64), (512, 2048)] {
         let opts = (Kind::Float, Device::Cpu);
@@ -146,10 +147,18 @@ fn research_objectives(c: &mut Criterion) {
             loss.backward();
             black_box(loss)
         };
-        let cases: [(&str, &dyn Fn() -> Tensor); 19] = [
+        let cases: &[(&str, &dyn Fn() -> Tensor)] = &[
             ("sapo", &|| backward(&|| sapo_loss(&logp, &old, &adv, &mask, &SapoConfig::sapo()).unwrap())),
             ("dppo_tv", &|| backward(&|| dppo_loss(&logp, &old, &adv, &mask, &DppoConfig::tv()).unwrap())),
             ("dro", &|| backward(&|| dro_loss(&logp, &old, &adv, &mask, &DroConfig::default()).unwrap())),
+            ("decoupled_ppo", &|| {
+                backward(&|| decoupled_ppo_loss(&logp, &old, &refp, &adv, &mask, &DecoupledPpoConfig::areal()).unwrap())
+            }),
+            ("proximal_logprobs", &|| {
+                let s = Tensor::full([b], 3.0, opts);
+                proximal_logprobs(&refp, &logp, &s, &mask, ProximalApproximation::LogLinear).unwrap()
+            }),
+            ("m2po_mask", &|| m2po_mask(&old, &refp, &mask, 0.04).unwrap()),
             ("passk_advantages", &|| passk_advantages(&adv.reshape([1, -1]), true, 1e-6).unwrap()),
             ("gdpo_advantages", &|| {
                 let r = adv.reshape([1, -1, 1]).repeat([1, 1, 2]);

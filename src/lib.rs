@@ -216,6 +216,7 @@ mod aggregate;
 mod baseline;
 mod checks;
 mod covariance;
+mod decoupled;
 mod diagnostics;
 mod dpo;
 mod dpo_config;
@@ -258,6 +259,10 @@ pub use baseline::{
 pub use checks::{Checks, LOG_PROB_TOLERANCE, host_reads};
 pub use covariance::{
     ClipCovConfig, KlCovConfig, clip_cov_loss, clip_cov_loss_output, kl_cov_loss, kl_cov_loss_output,
+};
+pub use decoupled::{
+    DecoupledPpoConfig, DecoupledPpoOutput, ProximalApproximation, decoupled_ppo_loss, decoupled_ppo_loss_output,
+    m2po_mask, proximal_logprobs,
 };
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoDiagnostics, DpoRewards, dpo_loss, dpo_loss_output, dpo_rewards};

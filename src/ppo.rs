@@ -478,13 +478,19 @@ pub fn ppo_clip_loss_output(
     norm: &Normalizer,
 ) -> Result<LossOutput<PpoDiagnostics>, LossError> {
     let x = check_inputs(logp, logp_mu, advantages, mask, true, cfg)?;
+    let (per_token, diagnostics) = clip_terms(&x, cfg)?;
+    output(&per_token, &x, cfg, norm, diagnostics)
+}
+
+/// PPO-clip's per-token terms (zero on padding up to the sanitised reduction) and diagnostics
+/// from checked inputs; [`crate::decoupled_ppo_loss`] weighs the same terms.
+pub(crate) fn clip_terms(x: &TokenInputs, cfg: &PpoConfig) -> Result<(Tensor, OnDevice<PpoDiagnostics>), LossError> {
     let r = cfg.ratio(&x.delta)?;
     let adv = x.weights_per_token()?;
     let parts = cfg.surrogate_parts(&r, &adv)?;
     let (clip, dual) = parts.clip_masks()?;
-    let per_token = parts.value;
     let diagnostics = ppo_diagnostics(&r, &clip, &dual, &x.mask)?;
-    output(&per_token, &x, cfg, norm, diagnostics)
+    Ok((parts.value, diagnostics))
 }
 
 /// GSPO: the PPO clipped objective on the length-normalised sequence ratio.

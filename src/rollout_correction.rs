@@ -54,6 +54,10 @@ pub enum CorrectionLevel {
     /// `ρ_i = e^{Σ_t δ_{i,t}}` per sequence, given to each of its tokens: unbiased, high variance
     /// (verl `rollout_is="sequence"`, TRL `sequence_*`).
     Sequence,
+    /// `ρ_i = e^{(1/L_i) Σ_t δ_{i,t}}`, the geometric mean of the sequence's token ratios, given
+    /// to each of its tokens: a length-independent sequence weight (AReaL's sequence-level
+    /// `rejection_sampling` with the ratio metric; verl's former `rollout_is_level="geometric"`).
+    Geometric,
 }
 
 /// What happens to a ratio outside `[lo, hi]`.
@@ -168,6 +172,28 @@ impl RolloutCorrection {
     /// ```
     pub const fn sequence_mis(min: f64, max: f64) -> Self {
         Self { level: CorrectionLevel::Sequence, ..Self::token_mis(min, max) }
+    }
+
+    /// Geometric-mean sequence TIS: `w_i = min(ρ_i, max)` with `ρ_i = e^{(1/L_i) Σ_t δ_{i,t}}`
+    /// (AReaL's sequence-level `rejection_sampling` with `action: clamp`; verl's former
+    /// `rollout_is_level="geometric"`).
+    ///
+    /// ```
+    /// use topr_loss::{CorrectionLevel, RolloutCorrection};
+    /// assert_eq!(RolloutCorrection::geometric_tis(2.0).level, CorrectionLevel::Geometric);
+    /// ```
+    pub const fn geometric_tis(max: f64) -> Self {
+        Self { level: CorrectionLevel::Geometric, ..Self::token_tis(max) }
+    }
+
+    /// Geometric-mean sequence MIS: `w_i = ρ_i` (the geometric mean of the token ratios) inside
+    /// `[min, max]`, else 0 (AReaL's sequence-level `rejection_sampling` with the ratio metric).
+    ///
+    /// ```
+    /// assert_eq!(topr_loss::RolloutCorrection::geometric_mis(0.5, 2.0).min, 0.5);
+    /// ```
+    pub const fn geometric_mis(min: f64, max: f64) -> Self {
+        Self { level: CorrectionLevel::Geometric, ..Self::token_mis(min, max) }
     }
 
     /// The same config with the bounds `[min, max]`.
@@ -322,6 +348,7 @@ fn check(logp: &Tensor, logp_rollout: &Tensor, mask: &Tensor, checks: Checks) ->
 /// ```text
 /// δ_t = clamp(log π_t − log μ_t, ±M)                    (token level)
 /// δ_i = clamp(Σ_t m δ_t, ±M), given to each token of i  (sequence level)
+/// δ_i = clamp(Σ_t m δ_t / L_i, ±M), given to each token of i  (geometric level)
 /// Truncate   w = exp(clamp(δ, ln lo, ln hi))             = min(max(ρ, lo), hi)
 /// Mask       w = exp(δ) if ln lo ≤ δ ≤ ln hi else 0
 /// batch_normalize   w ← w / mean(w)   (over tokens, or over sequences at sequence level; if mean > 1e-8)
@@ -367,12 +394,24 @@ pub fn rollout_weights(
 ) -> Result<RolloutWeights, LossError> {
     cfg.validate()?;
     let x = check(&logp.f_detach()?, logp_rollout, mask, cfg.checks)?;
+    weights_of(&x, cfg)
+}
+
+/// [`rollout_weights`] of checked inputs (`x.delta` = `log π − log μ`, zero on padding).
+pub(crate) fn weights_of(x: &TokenInputs, cfg: &RolloutCorrection) -> Result<RolloutWeights, LossError> {
     let m = cfg.max_log_ratio;
     let token_delta = x.delta.f_clamp(-m, m)?; // [B, T], 0 on padding
     let (delta, valid) = match cfg.level {
         CorrectionLevel::Token => (token_delta.shallow_clone(), x.mask.shallow_clone()),
         CorrectionLevel::Sequence => (
             x.delta.f_sum_dim_intlist(1, true, None::<Kind>)?.f_clamp(-m, m)?, // [B, 1]
+            x.has_tokens.f_gt(0.0)?.f_unsqueeze(1)?,
+        ),
+        CorrectionLevel::Geometric => (
+            x.delta
+                .f_sum_dim_intlist(1, true, None::<Kind>)?
+                .f_div(&x.lengths.f_clamp_min(1.0)?.f_unsqueeze(1)?)?
+                .f_clamp(-m, m)?, // [B, 1]
             x.has_tokens.f_gt(0.0)?.f_unsqueeze(1)?,
         ),
     };

@@ -542,6 +542,19 @@ proptest! {
                 let _ = no_panic("dro_loss_output", || dro_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
             }
         }
+        for cfg in [DecoupledPpoConfig::areal(), DecoupledPpoConfig::verl().with_behaviour(RolloutCorrection::geometric_mis(p, q))] {
+            let r = no_panic("decoupled_ppo_loss", || decoupled_ppo_loss(&a, &b, &k, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("decoupled_ppo_loss_output", || {
+                    decoupled_ppo_loss_output(&a, &b, &k, &c, &m, &cfg, &n).map(|o| (o.output.diagnostics.read(), o.behaviour.diagnostics.read()))
+                });
+            }
+        }
+        for method in [ProximalApproximation::LogLinear, ProximalApproximation::Linear] {
+            let _ = no_panic("proximal_logprobs", || proximal_logprobs(&a, &b, &c, &m, method));
+        }
+        let _ = no_panic("m2po_mask", || m2po_mask(&a, &b, &m, p));
         for cfg in [GmpoConfig::gmpo(), GmpoConfig::gmpo().with_clip(p, q).with_max_log_ratio(q)] {
             let r = no_panic("gmpo_loss", || gmpo_loss(&a, &b, &c, &m, &cfg));
             prop_assert!(finite(&r));

@@ -28,6 +28,8 @@ fn configs() -> Vec<RolloutCorrection> {
         RolloutCorrection::token_tis(2.0).with_batch_normalize(true),
         RolloutCorrection::sequence_mis(0.3, 4.0).with_batch_normalize(true),
         RolloutCorrection::token_tis(f64::INFINITY),
+        RolloutCorrection::geometric_tis(1.5),
+        RolloutCorrection::geometric_mis(0.7, 1.4).with_batch_normalize(true),
     ]
 }
 
@@ -60,8 +62,10 @@ fn ref_weights(b: &TokenBatch, cfg: &RolloutCorrection) -> Vec<Vec<f64>> {
             CorrectionLevel::Token => (0..b.logp[i].len())
                 .map(|t| if b.mask[i][t] { limit(b.logp[i][t] - b.other[i][t]) } else { 0.0 })
                 .collect(),
-            CorrectionLevel::Sequence => {
-                let wi = limit(deltas.iter().sum());
+            CorrectionLevel::Sequence | CorrectionLevel::Geometric => {
+                let total: f64 = deltas.iter().sum();
+                let geometric = cfg.level == CorrectionLevel::Geometric;
+                let wi = limit(if geometric { total / deltas.len().max(1) as f64 } else { total });
                 if !deltas.is_empty() {
                     samples.push(wi);
                 }
