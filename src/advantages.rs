@@ -11,6 +11,7 @@
 //! AsymRe { shift }  A = R − (m_g + shift)
 //! BatchStd { eps }  A = (R − m_g) / (s + eps)         s the unbiased std of all G·K rewards
 //! opo_advantages    A = R − Σ_k L_{g,k} R_{g,k} / Σ_k L_{g,k}      (L: completion lengths)
+//! maxrl_advantages  A = (R − m_g) / (m_g + eps)                   (rewards ≥ 0)
 //! ```
 //!
 //! A group of one completion (`K = 1`) has no baseline of its own: [`SingletonGroup`] says what
@@ -70,6 +71,7 @@ pub enum GroupAdvantage {
 /// | `Rloo` | [`LossError::InvalidArgument`] | `R` |
 /// | `AsymRe { shift }` | `−shift` | `R − shift` |
 /// | `BatchStd { eps }` | 0 | `R / (s + eps)` |
+/// | [`optimal_token_baseline_advantages`](crate::optimal_token_baseline_advantages), a completion alone at its position | `G · eps / (W + eps)`, about 0 | `G`, the return |
 ///
 /// Reference: verl 0.9.1 `compute_grpo_outcome_advantage` (and its RLOO, OPO and REINFORCE++-
 /// baseline estimators), which give a group of one the mean 0 and the standard deviation 1; TRL
@@ -389,6 +391,89 @@ pub fn passk_advantages(rewards: &Tensor, normalize: bool, eps: f64) -> Result<T
     }
     let out = r.f_zeros_like()?.f_scatter(1, &at.f_narrow(1, 0, 1)?, &margin.f_unsqueeze(1)?)?;
     refuse_overflow(rewards, &out, spread.as_ref())?;
+    Ok(out)
+}
+
+/// MaxRL's advantages: each reward's gap to its group's mean, relative to that mean.
+///
+/// ```text
+/// r̄_g = (1/K) Σ_k R_{g,k}
+/// A_{g,k} = (R_{g,k} − r̄_g) / (r̄_g + eps)          0 for a group whose mean is 0, and for K = 1
+/// ```
+///
+/// With binary rewards and `k` successes among `K` samples (`eps = 0`) a success gets
+/// `(K − k)/k` and a failure `−1`. Dividing by the pass rate estimates the gradient of its log,
+/// `∇ log p = ∇p / p` (the likelihood of success, maximised, rather than its expectation), so a
+/// prompt the policy rarely solves weighs `1/p` times more. A group that is all failures or all
+/// successes gets 0. The advantages of a group sum to 0, and without `eps` they do not change
+/// when every reward is multiplied by the same positive factor.
+///
+/// The crate's conventions:
+/// - **Rewards must be `≥ 0`** (refused otherwise): with negative rewards the mean can be 0 or
+///   negative and the denominator changes sign. Map ±1 rewards to `{0, 1}` with `(R + 1)/2`.
+///   Rewards above 1 are accepted (without `eps` only their ratios matter).
+/// - **A group of one gets 0**, as it does under the crate's default elsewhere
+///   ([`SingletonGroup::OwnMean`]) and in TRL.
+/// - A group whose mean is 0 (every reward 0) gets 0 also with `eps = 0`.
+///
+/// Reference: Tajwar, Zeng et al., *Maximum Likelihood Reinforcement Learning*, arXiv 2602.02710.
+/// No peer is called by the tests (MaxRL is not in verl 0.9.1, the crate's installed peer); the
+/// two peer implementations, restated:
+/// - SkyRL `compute_maxrl_advantage` (`trainer.algorithm.advantage_estimator=maxrl`, `epsilon`
+///   1e-6): `(R − r̄)/(r̄ + ε)`, the crate's formula; a group of one gets its raw reward `R`, and
+///   negative rewards are not guarded.
+/// - TRL `MaxRLTrainer`: `(R − r̄)/(|r̄| + 1e-6)` with `ε` fixed; a group of one gets 0. For
+///   rewards `≥ 0` it is the crate's formula with `eps = 1e-6`.
+///
+/// The original implementation (a verl fork) divides a group of one by `0 + 1e-6` (`R/1e-6`).
+///
+/// # Arguments
+/// * `rewards` — `[G, K]`, floating, `≥ 0` (commonly 0/1 correctness).
+/// * `eps` — finite, `≥ 0`, added to the group mean (SkyRL and TRL: 1e-6).
+///
+/// # Errors
+/// The tensor checks of [`group_advantages`]; [`LossError::InvalidArgument`] naming `rewards`
+/// for a negative reward (its value) or advantages that overflow the compute dtype (a tiny
+/// positive mean with `eps = 0`), or naming `eps`.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::maxrl_advantages;
+///
+/// // One success in four, then three in four, then none.
+/// let r = Tensor::from_slice2(&[[1.0f64, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [0.0; 4]]);
+/// let a = Vec::<f64>::try_from(&maxrl_advantages(&r, 0.0)?.flatten(0, -1))?;
+/// assert_eq!(&a[..4], &[3.0, -1.0, -1.0, -1.0]); // (K − k)/k for the success
+/// assert!((a[4] - 1.0 / 3.0).abs() < 1e-15 && a[6] == -1.0);
+/// assert_eq!(&a[8..], &[0.0; 4]);
+/// assert!(maxrl_advantages(&Tensor::from_slice2(&[[1.0f64, -1.0]]), 1e-6).is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn maxrl_advantages(rewards: &Tensor, eps: f64) -> Result<Tensor, LossError> {
+    check_eps(eps)?;
+    let kind = validate::compute_kind(&[validate::float_tensor(rewards, "rewards")?]);
+    let shape = validate::rank(rewards, "rewards", 2, "[G, K]: G prompts, K completions each")?;
+    validate::non_empty(&shape, "rewards", "completion")?;
+    validate::finite(rewards, "rewards", None)?;
+    let r = rewards.f_detach()?.f_to_kind(kind)?;
+    let lowest = crate::checks::read_f64(&r.f_min()?.f_to_kind(Kind::Double)?)?;
+    if lowest < 0.0 {
+        return Err(bad(
+            "rewards",
+            lowest,
+            "MaxRL divides by the group's mean reward, which needs rewards >= 0 (map ±1 rewards to {0, 1})",
+        ));
+    }
+    if shape[1] == 1 {
+        return Ok(r.f_zeros_like()?);
+    }
+    let mean = r.f_mean_dim(1, true, None::<Kind>)?; // [G, 1]
+    let den = mean.f_add_scalar(eps)?;
+    let positive = den.f_gt(0.0)?;
+    let out = r.f_sub(&mean)?.f_div(&den.f_where_scalarother(&positive, 1.0)?)?;
+    let out = out.f_where_self(&positive, &out.f_zeros_like()?)?;
+    refuse_overflow(rewards, &out, None)?;
     Ok(out)
 }
 

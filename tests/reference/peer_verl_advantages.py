@@ -133,3 +133,24 @@ def gdpo_advantage(scores, weights, mask, index, epsilon, norm_by_std):
         batch=batch,
     )
     return out(advantages=adv)
+
+
+@peer("verl.optimal_token_baseline_advantage")
+def optimal_token_baseline_advantage(
+    token_rewards, mask, index, old_log_probs, sum_pi_squared, rollout_is_weights, handle_zero_tail, epsilon
+):
+    """`compute_optimal_token_baseline_advantage` (`algorithm.adv_estimator=optimal_token_baseline`),
+    `rollout_is_weights` None or per token, returns both outputs (advantages, returns)."""
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+
+    adv, ret = compute_optimal_token_baseline_advantage(
+        tensor(token_rewards),
+        tensor(mask),
+        _index(index),
+        tensor(old_log_probs),
+        tensor(sum_pi_squared),
+        rollout_is_weights=None if rollout_is_weights is None else tensor(rollout_is_weights),
+        handle_zero_tail=handle_zero_tail,
+        epsilon=epsilon,
+    )
+    return out(advantages=adv, returns=ret)
