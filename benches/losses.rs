@@ -8,11 +8,12 @@ use topr_loss::{
     AggregationMode, Checks, ClipCovConfig, DecoupledPpoConfig, DpoConfig, DpoMix, DppoConfig, DroConfig,
     EntropyConfig, GmpoConfig, GroupAdvantage, KlConfig, KlCovConfig, Normalizer, PpoConfig, ProximalApproximation,
     Rejection, RejectionScope, RolloutCorrection, SapoConfig, SingletonGroup, ToprConfig, ToprTokenConfig,
-    ValueLossConfig, apply_token_weights, cispo_loss, clip_cov_loss, decoupled_ppo_loss, dpo_loss, dpo_mix_loss,
-    dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages, gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty,
-    kl_penalty_corrected, m2po_mask, passk_advantages, ppo_clip_loss, ppo_clip_loss_output, proximal_logprobs,
+    ValueLossConfig, VespoConfig, apply_token_weights, cispo_loss, clip_cov_loss, decoupled_ppo_loss, dpo_loss,
+    dpo_mix_loss, dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages, gmpo_loss, gspo_loss,
+    kl_cov_loss, kl_penalty, kl_penalty_corrected, m2po_mask, maxrl_advantages, optimal_token_baseline_advantages,
+    overlong_penalty, passk_advantages, ppo_clip_loss, ppo_clip_loss_output, proximal_logprobs,
     reinforce_pp_advantages, rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights, sapo_loss,
-    top_entropy_mask, topr_loss, topr_token_loss, value_loss,
+    top_entropy_mask, topr_loss, topr_token_loss, value_loss, vespo_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -141,6 +142,9 @@ fn research_objectives(c: &mut Criterion) {
         let values_old = Tensor::randn([b, t], opts);
         let returns = Tensor::randn([b, t], opts);
         let token_rewards = Tensor::randn([b, t], opts) * 0.01;
+        // Σπ² of a two-token distribution with the sampled token at π = exp(old): π² + (1 − π)².
+        let pi = old.exp();
+        let sum_pi2 = &pi * &pi + (-&pi + 1.0).square();
         let norm = Normalizer::local();
         let backward = |f: &dyn Fn() -> Tensor| {
             let loss = f();
@@ -159,12 +163,21 @@ fn research_objectives(c: &mut Criterion) {
                 proximal_logprobs(&refp, &logp, &s, &mask, ProximalApproximation::LogLinear).unwrap()
             }),
             ("m2po_mask", &|| m2po_mask(&old, &refp, &mask, 0.04).unwrap()),
+            ("vespo", &|| backward(&|| vespo_loss(&logp, &old, &adv, &mask, &VespoConfig::vespo()).unwrap())),
             ("passk_advantages", &|| passk_advantages(&adv.reshape([1, -1]), true, 1e-6).unwrap()),
             ("gdpo_advantages", &|| {
                 let r = adv.reshape([1, -1, 1]).repeat([1, 1, 2]);
                 let m = mask.narrow(0, 0, 1).repeat([adv.size()[0], 1]);
                 gdpo_advantages(&r, &[1.0, 0.5], &m, GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd).unwrap()
             }),
+            ("maxrl_advantages", &|| maxrl_advantages(&adv.abs().reshape([-1, 8]), 1e-6).unwrap()),
+            ("optimal_token_baseline_advantages", &|| {
+                let verl = SingletonGroup::ZeroMeanUnitStd;
+                optimal_token_baseline_advantages(&old, &sum_pi2, &token_rewards, &mask, None, 8, verl, 1e-8)
+                    .unwrap()
+                    .advantages
+            }),
+            ("overlong_penalty", &|| overlong_penalty(&lengths, t, t / 4, 1.0).unwrap()),
             ("gmpo", &|| backward(&|| gmpo_loss(&logp, &old, &adv, &mask, &GmpoConfig::gmpo()).unwrap())),
             ("clip_cov", &|| {
                 backward(&|| clip_cov_loss(&logp, &old, &adv, &mask, &keys, &ClipCovConfig::clip_cov()).unwrap())

@@ -69,8 +69,12 @@
 //!   `loss_type=[..]` with `loss_weights` (`src/dpo_mix.rs`).
 //! - [`group_advantages`] ([`GroupAdvantage`]: GRPO, Dr. GRPO, RLOO, AsymRE, batch-std scaling),
 //!   [`group_advantages_with`] and [`SingletonGroup`] (what a group of one gets: 0, or verl's raw
-//!   reward), [`opo_advantages`] (OPO's length-weighted baseline) and [`whiten`]
-//!   (`src/advantages.rs`).
+//!   reward), [`opo_advantages`] (OPO's length-weighted baseline), [`maxrl_advantages`] (MaxRL:
+//!   the gap to the group mean over the mean) and [`whiten`] (`src/advantages.rs`).
+//! - [`optimal_token_baseline_advantages`] — the optimal token baseline: per group and position,
+//!   returns weighted by each completion's accumulated gradient variance (`src/optimal_baseline.rs`);
+//!   [`overlong_penalty`] — DAPO's soft overlong punishment, a reward term on lengths
+//!   (`src/overlong.rs`).
 //! - [`reinforce_pp_advantages`], [`reinforce_pp_baseline_advantages`], [`remax_advantages`] and
 //!   [`TokenAdvantages`] — REINFORCE++, REINFORCE++-baseline and ReMax from token-level rewards
 //!   (`src/token_advantages.rs`); [`gae_advantages`] — GAE (`src/gae.rs`).
@@ -88,6 +92,8 @@
 //!   total variation or KL) in place of the ratio clip (`src/dppo.rs`).
 //! - [`dro_loss`] with [`DroConfig`] — REINFORCE with a quadratic log-ratio penalty, verl's `dro`
 //!   (`src/dro.rs`).
+//! - [`vespo_loss`] with [`VespoConfig`] and [`VespoDiagnostics`] — VESPO's gamma-shaped weight of
+//!   each sequence's ratio on REINFORCE (`src/vespo.rs`).
 //! - [`gmpo_loss`] with [`GmpoConfig`] — GMPO's geometric mean of sign-clipped token ratios
 //!   (`src/gmpo.rs`).
 //! - [`clip_cov_loss`] with [`ClipCovConfig`], [`kl_cov_loss`] with [`KlCovConfig`] — Clip-Cov and
@@ -104,6 +110,14 @@
 //!   [`off_policy_sequence_mask`] (DeepSeek-V3.2), [`effective_sample_size`];
 //! - [`apply_token_weights`] — per-token weights on the `terms` of any loss, then its aggregation.
 //!
+//! Stale and asynchronous data (`src/decoupled.rs`):
+//! - [`decoupled_ppo_loss`] with [`DecoupledPpoConfig`] and [`DecoupledPpoOutput`] — PPO-clip
+//!   around a proximal policy, weighted by its ratio to the behaviour policy (AReaL, verl's
+//!   decoupled mode);
+//! - [`proximal_logprobs`] with [`ProximalApproximation`] — the proximal log-probs approximated
+//!   from the behaviour and current policies and the data's staleness;
+//! - [`m2po_mask`] — M2PO's second-moment mask.
+//!
 //! Shared pieces:
 //! - [`LossOutput`], [`OnDevice`], [`Diagnostics`] — what the `…_output` functions return: the
 //!   loss, its unreduced terms and its diagnostics from the same pass (`src/output.rs`).
@@ -117,8 +131,8 @@
 //!   cost (`src/checks.rs`).
 //!
 //! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO,
-//! GMPO, Clip-Cov, KL-Cov, RLOO, REINFORCE++, ReMax, OPO, GAE, DPO and its TRL variants, TOPR in the
-//! paper, verl, Trinity-RFT and ROLL, rollout correction):
+//! GMPO, Clip-Cov, KL-Cov, RLOO, REINFORCE++, ReMax, OPO, MaxRL, the optimal token baseline, GAE,
+//! DPO and its TRL variants, TOPR in the paper, verl, Trinity-RFT and ROLL, rollout correction):
 //! `docs/methods.md`.
 //!
 //! ## One API for every loss
@@ -142,6 +156,8 @@
 //! | SAPO | `sapo_loss(logp, logp_mu, advantages, mask, cfg)` | [`sapo_loss_output`]`(.., cfg, norm)` | [`SapoConfig::sapo`] | [`PpoDiagnostics`] |
 //! | DPPO | `dppo_loss(logp, logp_mu, advantages, mask, cfg)` | [`dppo_loss_output`]`(.., cfg, norm)` | [`DppoConfig::tv`], [`DppoConfig::binary_kl`] | [`PpoDiagnostics`] |
 //! | DRO | `dro_loss(logp, logp_mu, advantages, mask, cfg)` | [`dro_loss_output`]`(.., cfg, norm)` | [`DroConfig::new`] | [`PpoDiagnostics`] |
+//! | decoupled PPO | `decoupled_ppo_loss(logp, logp_proximal, logp_behaviour, advantages, mask, cfg)` | [`decoupled_ppo_loss_output`]`(.., cfg, norm)` | [`DecoupledPpoConfig`]`::{areal, verl}` | [`PpoDiagnostics`] and [`RolloutDiagnostics`] |
+//! | VESPO | `vespo_loss(logp, logp_mu, advantages, mask, cfg)` | [`vespo_loss_output`]`(.., cfg, norm)` | [`VespoConfig::vespo`] | [`VespoDiagnostics`] |
 //! | GMPO | `gmpo_loss(logp, logp_mu, advantages, mask, cfg)` | [`gmpo_loss_output`]`(.., cfg, norm)` | [`GmpoConfig::gmpo`] | [`PpoDiagnostics`] |
 //! | Clip-Cov | `clip_cov_loss(logp, logp_mu, advantages, mask, keys, cfg)` | [`clip_cov_loss_output`]`(.., cfg, norm)` | [`ClipCovConfig::clip_cov`] | [`PpoDiagnostics`] |
 //! | KL-Cov | `kl_cov_loss(logp, logp_mu, advantages, mask, cfg)` | [`kl_cov_loss_output`]`(.., cfg, norm)` | [`KlCovConfig::kl_cov`] | [`PpoDiagnostics`] |
@@ -153,6 +169,9 @@
 //! |---|---|---|
 //! | GRPO, Dr. GRPO, RLOO, AsymRE, batch std | [`group_advantages`]`(rewards [G, K], method)`, [`group_advantages_with`]`(.., singleton)` | `[G, K]` |
 //! | OPO | [`opo_advantages`]`(rewards [G, K], lengths [G, K], singleton)` | `[G, K]` |
+//! | MaxRL | [`maxrl_advantages`]`(rewards [G, K] ≥ 0, eps)` | `[G, K]` |
+//! | optimal token baseline | [`optimal_token_baseline_advantages`]`(logp_mu, sum_pi_squared, token_rewards, mask [G·K, T], is_weights, group_size, singleton, eps)` | [`TokenAdvantages`] |
+//! | DAPO overlong penalty (a reward term) | [`overlong_penalty`]`(lengths, max_len, buffer_len, penalty_factor)` | the shape of `lengths` |
 //! | REINFORCE++ | [`reinforce_pp_advantages`]`(token_rewards, mask, gamma, eps)` | [`TokenAdvantages`] |
 //! | REINFORCE++-baseline | [`reinforce_pp_baseline_advantages`]`(rewards [G, K], mask [G·K, T], eps, singleton)` | `[G·K, T]` |
 //! | ReMax | [`remax_advantages`]`(token_rewards, greedy_rewards, mask)` | [`TokenAdvantages`] |
@@ -232,7 +251,9 @@ mod kl;
 mod kl_control;
 mod kl_reward;
 mod logprobs;
+mod optimal_baseline;
 mod output;
+mod overlong;
 mod ppo;
 mod rollout_correction;
 mod sapo;
@@ -246,10 +267,11 @@ mod topr_config;
 mod topr_token;
 mod validate;
 mod value;
+mod vespo;
 
 pub use advantages::{
-    GroupAdvantage, SingletonGroup, gdpo_advantages, group_advantages, group_advantages_with, opo_advantages,
-    passk_advantages, whiten,
+    GroupAdvantage, SingletonGroup, gdpo_advantages, group_advantages, group_advantages_with, maxrl_advantages,
+    opo_advantages, passk_advantages, whiten,
 };
 pub use aggregate::{AggregationMode, BatchCounts, Normalizer, aggregate, sequence_weights};
 pub use baseline::{
@@ -284,7 +306,9 @@ pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
     fused_token_logprobs, sequence_logprobs, sequence_logprobs_with_checks, token_logprobs,
 };
+pub use optimal_baseline::optimal_token_baseline_advantages;
 pub use output::{Diagnostics, LossOutput, OnDevice};
+pub use overlong::overlong_penalty;
 pub use ppo::{
     PpoConfig, PpoDiagnostics, cispo_loss, cispo_loss_output, gspo_loss, gspo_loss_output, ppo_clip_loss,
     ppo_clip_loss_output,
@@ -303,3 +327,4 @@ pub use topr::{topr_loss, topr_loss_output};
 pub use topr_config::{TieRule, ToprConfig};
 pub use topr_token::{RatioLevel, ToprTokenConfig, topr_token_loss, topr_token_loss_output};
 pub use value::{ValueDiagnostics, ValueLossConfig, value_loss, value_loss_output};
+pub use vespo::{VESPO_MIN_LOG_WEIGHT, VespoConfig, VespoDiagnostics, vespo_loss, vespo_loss_output};

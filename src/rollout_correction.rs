@@ -442,7 +442,7 @@ pub(crate) fn weights_of(x: &TokenInputs, cfg: &RolloutCorrection) -> Result<Rol
         stats::mean_where(&rho.f_sub_scalar(1.0)?.f_sub(&token_delta)?, &x.mask)?,
         stats::mean_where(&rho.f_square()?.f_sub_scalar(1.0)?, &x.mask)?,
     ])?;
-    let weights = if cfg.batch_normalize { normalise(&full, &w, &valid, &x)? } else { full };
+    let weights = if cfg.batch_normalize { normalise(&full, &w, &valid, x)? } else { full };
     Ok(RolloutWeights { weights, diagnostics })
 }
 

@@ -454,6 +454,22 @@ proptest! {
         let _ = no_panic("gdpo_advantages", || gdpo_advantages(&make(&a), &[p, q], &make(&m), GroupAdvantage::grpo(), SingletonGroup::ZeroMeanUnitStd));
         let _ = no_panic("gdpo_advantages", || gdpo_advantages(&make(&a).f_unsqueeze(-1).unwrap_or_else(|_| Tensor::new()), &[p], &make(&m), GroupAdvantage::DrGrpo, SingletonGroup::OwnMean));
         let (a, b, c, m) = (make(&a), make(&b), make(&c), make(&m));
+        let _ = no_panic("maxrl_advantages", || maxrl_advantages(&a, p));
+        let _ = no_panic("overlong_penalty", || overlong_penalty(&a, n as i64, (q * 10.0) as i64, p));
+        let _ = no_panic("overlong_penalty", || overlong_penalty(&b, 100, 20, q));
+        // Inputs of matching shapes that pass the range checks, so that the computation runs too.
+        let logp = a.f_abs().and_then(|x| x.f_neg()).unwrap_or_else(|_| Tensor::new());
+        // (No op with a scalar argument here: tch panics when one fails, on an integer or complex `a`.)
+        let pi2 = a.f_sigmoid().unwrap_or_else(|_| Tensor::new());
+        let real = pi2.f_round().unwrap_or_else(|_| Tensor::new()); // a 0/1 floating mask
+        for singleton in [SingletonGroup::OwnMean, SingletonGroup::ZeroMeanUnitStd] {
+            for k in [n as i64, 1, 2] {
+                let _ = no_panic("optimal_token_baseline_advantages", || optimal_token_baseline_advantages(&a, &b, &c, &m, None, k, singleton, p));
+                let _ = no_panic("optimal_token_baseline_advantages", || optimal_token_baseline_advantages(&logp, &pi2, &a, &m, Some(&b), k, singleton, q));
+                let _ = no_panic("optimal_token_baseline_advantages", || optimal_token_baseline_advantages(&logp, &pi2, &c, &real, Some(&pi2), k, singleton, q));
+                let _ = no_panic("optimal_token_baseline_advantages", || optimal_token_baseline_advantages(&logp, &pi2, &a, &real, None, k, singleton, p));
+            }
+        }
         for singleton in [SingletonGroup::OwnMean, SingletonGroup::ZeroMeanUnitStd] {
             for method in [GroupAdvantage::BatchStd { eps: p }, GroupAdvantage::Grpo { eps: q }, GroupAdvantage::Rloo, GroupAdvantage::AsymRe { shift: p }] {
                 let _ = no_panic("group_advantages_with", || group_advantages_with(&a, method, singleton));
@@ -549,6 +565,13 @@ proptest! {
                 let _ = no_panic("decoupled_ppo_loss_output", || {
                     decoupled_ppo_loss_output(&a, &b, &k, &c, &m, &cfg, &n).map(|o| (o.output.diagnostics.read(), o.behaviour.diagnostics.read()))
                 });
+            }
+        }
+        for cfg in [VespoConfig::vespo(), VespoConfig::vespo().with_positive(p, q).with_negative(q, p).with_aggregation(AggregationMode::DrGrpo { length: q })] {
+            let r = no_panic("vespo_loss", || vespo_loss(&a, &b, &c, &m, &cfg));
+            prop_assert!(finite(&r));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("vespo_loss_output", || vespo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
             }
         }
         for method in [ProximalApproximation::LogLinear, ProximalApproximation::Linear] {

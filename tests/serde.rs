@@ -47,6 +47,7 @@ fn every_preset_round_trips() {
     round_trip(DroConfig::new(0.3));
     round_trip(DecoupledPpoConfig::verl().with_behaviour(RolloutCorrection::geometric_tis(2.0)));
     round_trip(ProximalApproximation::Linear);
+    round_trip(VespoConfig::vespo().with_negative(1.0, 4.0));
     round_trip(DppoConfig::binary_kl().with_max_weight(f64::INFINITY));
     round_trip(GmpoConfig::gmpo());
     round_trip(ClipCovConfig::clip_cov());

@@ -118,6 +118,7 @@ pub fn topr_settings() -> Result<TrainSettings> {
         seed: 0,
         dpo_beta: 0.1,
         dro_beta: crate::settings::default_dro_beta(),
+        proximal: Default::default(),
         rollout_correction: None,
         dpo_loss: Default::default(),
         dpo_label_smoothing: 0.0,

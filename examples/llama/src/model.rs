@@ -219,6 +219,16 @@ impl Llama {
         self.kind
     }
 
+    /// A copy of the model's weights as they are now, frozen (no gradient), with the same
+    /// kernels: decoupled PPO's proximal policy recomputed from the model a run started with.
+    pub fn frozen_copy(&self) -> Result<Llama> {
+        let mut copy = Llama::new(self.cfg.clone(), self.device(), self.kind)?;
+        copy.vs.copy(&self.vs)?;
+        copy.vs.freeze();
+        copy.kernels = self.kernels;
+        Ok(copy)
+    }
+
     pub fn device(&self) -> Device {
         self.vs.device()
     }

@@ -180,7 +180,29 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
         ("cispo", train::Objective::Cispo, train::Loss::Cispo(topr_loss::PpoConfig::cispo())),
         ("sapo", train::Objective::Sapo, train::Loss::Sapo(topr_loss::SapoConfig::sapo())),
         ("gmpo", train::Objective::Gmpo, train::Loss::Gmpo(topr_loss::GmpoConfig::gmpo())),
+        ("vespo", train::Objective::Vespo, train::Loss::Vespo(topr_loss::VespoConfig::vespo())),
+        (
+            "decoupled-ppo log-linear",
+            train::Objective::DecoupledPpo,
+            train::Loss::DecoupledPpo(
+                topr_loss::DecoupledPpoConfig::areal(),
+                topr_llama::settings::Proximal::LogLinear,
+            ),
+        ),
+        (
+            "decoupled-ppo recomputed",
+            train::Objective::DecoupledPpo,
+            train::Loss::DecoupledPpo(topr_loss::DecoupledPpoConfig::verl(), topr_llama::settings::Proximal::Recompute),
+        ),
     ];
+    // Decoupled PPO's proximal policy: the model as it starts, perturbed so that it differs from
+    // π; the log-linear one at staleness 1 + 3.
+    let start = m.frozen_copy().unwrap();
+    tch::no_grad(|| {
+        for v in start.vs.variables().values() {
+            let _ = v.shallow_clone().g_add_(&(v.randn_like() * 0.01));
+        }
+    });
     // What every token-level loss can get besides its terms; the top-entropy selection and the
     // covariance losses select per micro-batch, so they are not split-invariant and not here.
     let extras = [
@@ -215,7 +237,8 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
                     let _ = g.zero_();
                 }
             }
-            let st = train::accumulate(&m, &units, micro, &loss, extras, 0, None).unwrap();
+            let at = train::StepAt { seed: 0, index: 3, start: Some(&start) };
+            let st = train::accumulate(&m, &units, micro, &loss, extras, at, None).unwrap();
             assert_eq!(st.sequences, completions);
             losses.push(st.loss);
             grads.push(tch::Tensor::cat(&vars.iter().map(|v| v.grad().flatten(0, -1)).collect::<Vec<_>>(), 0));

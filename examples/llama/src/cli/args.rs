@@ -11,7 +11,7 @@ use topr_llama::generate::{Decoding, Sampling, SamplingParams};
 use topr_llama::init;
 use topr_llama::model::Kernels;
 use topr_llama::optim::OptimizerConfig;
-use topr_llama::settings::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, TrainSettings};
+use topr_llama::settings::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, Proximal, TrainSettings};
 use topr_llama::settings::{Curation, IterateSettings};
 use topr_llama::task::{Prompting, Source, TaskSpec};
 
@@ -121,14 +121,15 @@ pub fn parse_grad_norm(s: &str) -> Result<GradNorm, String> {
     parse_positive(s).map(|v| GradNorm(Some(v))).map_err(|e| format!("expected none or a number > 0: {e}"))
 }
 
-/// `--rollout-correction`: `token-tis:MAX`, `sequence-tis:MAX`, `token-mis:MIN:MAX` or
-/// `sequence-mis:MIN:MAX` (the bounds of the importance ratio π/μ), or `none`.
+/// `--rollout-correction`: `token-tis:MAX`, `sequence-tis:MAX`, `geometric-tis:MAX`,
+/// `token-mis:MIN:MAX`, `sequence-mis:MIN:MAX` or `geometric-mis:MIN:MAX` (the bounds of the
+/// importance ratio π/μ; `geometric`: the sequence's geometric-mean ratio), or `none`.
 #[derive(Clone, Copy, Debug)]
 pub struct CorrectionArg(pub Option<topr_loss::RolloutCorrection>);
 
 pub fn parse_rollout_correction(s: &str) -> Result<CorrectionArg, String> {
     use topr_loss::RolloutCorrection as R;
-    let usage = "expected none, token-tis:MAX, sequence-tis:MAX, token-mis:MIN:MAX or sequence-mis:MIN:MAX";
+    let usage = "expected none, token-tis:MAX, sequence-tis:MAX, geometric-tis:MAX, token-mis:MIN:MAX, sequence-mis:MIN:MAX or geometric-mis:MIN:MAX";
     let parts: Vec<&str> = s.trim().split(':').collect();
     let c = match parts.as_slice() {
         ["none"] => return Ok(CorrectionArg(None)),
@@ -136,6 +137,8 @@ pub fn parse_rollout_correction(s: &str) -> Result<CorrectionArg, String> {
         ["sequence-tis", max] => R::sequence_tis(parse_positive(max)?),
         ["token-mis", min, max] => R::token_mis(parse_positive(min)?, parse_positive(max)?),
         ["sequence-mis", min, max] => R::sequence_mis(parse_positive(min)?, parse_positive(max)?),
+        ["geometric-tis", max] => R::geometric_tis(parse_positive(max)?),
+        ["geometric-mis", min, max] => R::geometric_mis(parse_positive(min)?, parse_positive(max)?),
         _ => return Err(format!("{usage}, got {s:?}")),
     };
     c.validate().map_err(|e| format!("{usage}: {e}"))?;
@@ -294,6 +297,10 @@ pub struct ObjectiveArgs {
     /// The dro objective's penalty β on the squared log-ratio (> 0; verl's dro_beta).
     #[arg(long, default_value_t = topr_llama::settings::default_dro_beta(), allow_hyphen_values = true, value_parser = parse_positive)]
     pub dro_beta: f64,
+    /// Decoupled PPO's proximal policy: the log-linear approximation from μ and the current
+    /// policy (staleness 1 + the step), or the model as the run started (one more forward pass).
+    #[arg(long, value_enum, default_value_t = Proximal::LogLinear)]
+    pub proximal: Proximal,
     /// Which loss of the DPO family (TRL's loss_type names).
     #[arg(long, value_enum, default_value_t = DpoLoss::Sigmoid)]
     pub dpo_loss: DpoLoss,
@@ -308,10 +315,12 @@ pub struct ObjectiveArgs {
     pub dpo_label_smoothing: f64,
     /// Weight every token-level loss's terms by importance weights of π against μ, truncated
     /// (TIS) or masked outside a band (MIS/IcePop), per token or per sequence:
-    /// `token-tis:2`, `sequence-tis:2`, `token-mis:0.5:2`, `sequence-mis:0.5:2`, or `none`.
+    /// `token-tis:2`, `sequence-tis:2`, `token-mis:0.5:2`, `sequence-mis:0.5:2`, or `none`;
+    /// `geometric-tis:2`, `geometric-mis:0.5:2` weigh a sequence by its geometric-mean ratio.
     #[arg(long, default_value = "none", value_parser = parse_rollout_correction)]
     pub rollout_correction: CorrectionArg,
-    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv and dppo-kl compute advantages from each
+    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo and
+    /// vespo compute advantages from each
     /// question's rewards.
     #[arg(long, value_enum, default_value_t = Advantage::Grpo)]
     pub advantage: Advantage,
@@ -434,6 +443,7 @@ impl TrainArgs {
             seed: batches.train_seed,
             dpo_beta: obj.dpo_beta,
             dro_beta: obj.dro_beta,
+            proximal: obj.proximal,
             dpo_loss: obj.dpo_loss,
             dpo_label_smoothing: obj.dpo_label_smoothing,
             dpo_mix: obj.dpo_mix.0.clone(),

@@ -14,5 +14,6 @@ mod train;
 
 pub use iterate::{Curation, IterateSettings};
 pub use train::{
-    Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, SettingError, TrainSettings, default_dro_beta,
+    Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, Proximal, SettingError, TrainSettings,
+    default_dro_beta,
 };

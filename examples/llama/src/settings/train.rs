@@ -42,6 +42,10 @@ pub struct TrainSettings {
     /// The `dro` objective's penalty β (absent from older records: 0.1, the default).
     #[serde(default = "default_dro_beta")]
     pub dro_beta: f64,
+    /// Decoupled PPO's proximal policy (absent from older records: the log-linear
+    /// approximation, the default).
+    #[serde(default)]
+    pub proximal: Proximal,
     /// Which DPO-family loss (absent from older run records: sigmoid).
     #[serde(default)]
     pub dpo_loss: DpoLoss,
@@ -166,6 +170,25 @@ pub enum Objective {
     /// REINFORCE with verl's `dro` quadratic log-ratio penalty `(β/2) δ²` (`--dro-beta`) and
     /// group advantages.
     Dro,
+    /// Decoupled PPO (AReaL): PPO-clip around a proximal policy (`--proximal`), weighted by the
+    /// proximal policy's ratio to μ (masked above 5), with group advantages.
+    DecoupledPpo,
+    /// VESPO: REINFORCE with a gamma-shaped weight of each sequence's ratio to μ (TRL's
+    /// defaults), with group advantages.
+    Vespo,
+}
+
+/// Where decoupled PPO's proximal policy comes from (`--proximal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Proximal {
+    /// AReaL's log-linear approximation from μ and the current policy, with the staleness
+    /// counted in optimiser steps since the run started (`1 + step`): no extra forward pass.
+    #[default]
+    LogLinear,
+    /// The model as the run started (loaded once more, frozen), one extra forward pass per
+    /// micro-batch.
+    Recompute,
 }
 
 impl Objective {
@@ -183,11 +206,13 @@ impl Objective {
                 | Self::DppoTv
                 | Self::DppoKl
                 | Self::Dro
+                | Self::DecoupledPpo
+                | Self::Vespo
         )
     }
 }
 
-/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl|dro` turn each question's rewards into
+/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl|dro|decoupled-ppo|vespo` turn each question's rewards into
 /// advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -343,10 +368,16 @@ impl TrainSettings {
         if self.dro_beta != default_dro_beta() && self.objective != Objective::Dro {
             return Err(SettingError::new(&["dro_beta", "objective"], "the DRO beta applies to the dro objective"));
         }
+        if self.proximal != Proximal::default() && self.objective != Objective::DecoupledPpo {
+            return Err(SettingError::new(
+                &["proximal", "objective"],
+                "the proximal policy applies to the decoupled-ppo objective",
+            ));
+        }
         if self.advantage != Advantage::default() && !self.objective.uses_group_advantages() {
             return Err(SettingError::new(
                 &["advantage"],
-                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro)",
+                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo, vespo)",
             ));
         }
         Ok(())

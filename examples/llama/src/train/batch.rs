@@ -3,19 +3,69 @@
 //! and the learning-rate schedule.
 
 use super::objective::{Extras, Loss, Tally, TallySums};
-use super::units::{Unit, micro_batches};
+use super::units::{MicroBatch, Unit, micro_batches};
 use crate::metrics::{StepStats, ToprStats};
 use crate::model::Llama;
 use crate::parallel::{self, ProcessGroup};
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
-use topr_loss::{BatchCounts, LogProbConfig, Normalizer, backward_through_logprobs};
+use topr_loss::{
+    BatchCounts, LogProbConfig, LossError, Normalizer, ProximalApproximation, backward_through_logprobs,
+    proximal_logprobs, token_logprobs,
+};
+
+/// Where a step stands: what decoupled PPO's proximal policy and the step's random choices need.
+#[derive(Clone, Copy)]
+pub struct StepAt<'a> {
+    /// Seeds the step's random choices (Clip-Cov).
+    pub seed: u64,
+    /// The 0-based step since the run started: the data's staleness is `1 + index` steps for
+    /// decoupled PPO's log-linear proximal policy.
+    pub index: usize,
+    /// The model as the run started, for decoupled PPO's recomputed proximal policy.
+    pub start: Option<&'a Llama>,
+}
+
+/// Decoupled PPO's proximal log-probs of micro-batch `p` (`None` for the other losses), given
+/// π's log-probs `lp`: recomputed by the model the run started with, or AReaL's log-linear
+/// approximation between μ and π at the step's staleness.
+fn proximal(
+    loss: &Loss,
+    lp: &topr_loss::TokenLogProbs,
+    p: &MicroBatch,
+    at: StepAt,
+) -> Result<Option<Tensor>, LossError> {
+    use crate::settings::Proximal;
+    let Loss::DecoupledPpo(_, how) = loss else { return Ok(None) };
+    Ok(Some(match (how, at.start) {
+        (Proximal::Recompute, Some(start)) => tch::no_grad(|| -> Result<Tensor, LossError> {
+            let logits = start.logits(&p.ids, &p.attn).map_err(|e| LossError::InvalidConfig {
+                field: "proximal",
+                value: f64::NAN,
+                reason: format!("the start model's forward pass failed: {e:#}"),
+            })?;
+            let l = p.ids.size()[1];
+            Ok(token_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &LogProbConfig::default())?.logp)
+        })?,
+        (Proximal::Recompute, None) => {
+            return Err(LossError::InvalidConfig {
+                field: "proximal",
+                value: f64::NAN,
+                reason: "the recomputed proximal policy needs the model the run started with".into(),
+            });
+        }
+        (_, _) => {
+            let staleness = Tensor::full([p.mask.size()[0]], (at.index + 1) as f64, (Kind::Double, p.mask.device()));
+            proximal_logprobs(&p.logp_mu, &lp.logp, &staleness, &lp.mask, ProximalApproximation::LogLinear)?
+        }
+    }))
+}
 
 /// Accumulates the gradient of one optimiser step over micro-batches of about `micro`
 /// completions (does not step). The loss uses the counts of the whole step, so the sum over
 /// micro-batches is the full-batch loss and its gradient. `extras` adds what every token-level
-/// loss of the step gets (rollout correction, top-entropy tokens, KL to μ, entropy bonus); `seed`
-/// seeds the step's random choices (Clip-Cov).
+/// loss of the step gets (rollout correction, top-entropy tokens, KL to μ, entropy bonus); `at`
+/// seeds the step's random choices (Clip-Cov) and gives decoupled PPO its proximal policy.
 ///
 /// With a process `group`, `batch` is the whole step and this rank computes its contiguous share
 /// of it ([`parallel::shard`]): the counts are summed over ranks before any loss, the gradients
@@ -27,9 +77,10 @@ pub fn accumulate(
     micro: usize,
     loss: &Loss,
     extras: &Extras,
-    seed: u64,
+    at: StepAt,
     group: Option<&ProcessGroup>,
 ) -> Result<StepStats> {
+    let seed = at.seed;
     if batch.is_empty() {
         bail!("an optimiser step needs at least one completion");
     }
@@ -62,7 +113,8 @@ pub fn accumulate(
         let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
             // Keyed by the rank's first unit and the micro-batch's index: distinct across ranks.
             let keys_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add((share.start + k) as u64);
-            loss.micro_batch(lp, p, normalizer, pairs_in_step, extras, keys_seed, &mut tally)
+            let prox = proximal(loss, lp, p, at)?;
+            loss.micro_batch(lp, p, prox.as_ref(), normalizer, pairs_in_step, extras, keys_seed, &mut tally)
         })?;
         values.push(value.detach());
         tokens.push(p.mask.sum(Kind::Int64));
@@ -189,7 +241,14 @@ impl StepPart {
                 })
             }
             Loss::Ppo(_) | Loss::Gspo(_) | Loss::Cispo(_) => stats.clip_fraction = Some(self.clipped / tokens),
-            Loss::Sapo(_) | Loss::Gmpo(_) | Loss::ClipCov(_) | Loss::KlCov(_) | Loss::Dppo(_) | Loss::Dro(_) => {}
+            Loss::Sapo(_)
+            | Loss::Gmpo(_)
+            | Loss::ClipCov(_)
+            | Loss::KlCov(_)
+            | Loss::Dppo(_)
+            | Loss::Dro(_)
+            | Loss::DecoupledPpo(..)
+            | Loss::Vespo(_) => {}
             Loss::Dpo(..) | Loss::DpoMix(..) => {
                 stats.dpo_accuracy = Some(self.dpo_accuracy / pairs_in_step);
                 stats.dpo_margin = Some(self.dpo_margin / pairs_in_step);

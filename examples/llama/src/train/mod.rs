@@ -21,7 +21,7 @@ mod units;
 
 pub use crate::metrics::{StepStats, ToprStats};
 pub use crate::settings::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Objective, SettingError, TrainSettings};
-pub use batch::{accumulate, clip_grad_norm, learning_rate};
+pub use batch::{StepAt, accumulate, clip_grad_norm, learning_rate};
 pub use objective::{Extras, Loss, p_tilde, resolve_baseline};
 pub use units::{MicroBatch, Unit, micro_batch, units, units_with};
 
@@ -152,6 +152,8 @@ struct Plan<'a> {
     units_per_step: usize,
     steps_per_epoch: usize,
     total: usize,
+    /// The model as the run started (decoupled PPO's recomputed proximal policy only).
+    start: Option<Llama>,
 }
 
 impl Plan<'_> {
@@ -189,7 +191,7 @@ impl<'a> Plan<'a> {
         let units_per_step = (o.batch_size / units[0].completions()).max(1);
         let steps_per_epoch = units.len().div_ceil(units_per_step);
         let (extras, total) = (o.extras(), steps_per_epoch * o.epochs);
-        Ok(Self { c, p, p_tilde, loss, extras, units, units_per_step, steps_per_epoch, total })
+        Ok(Self { c, p, p_tilde, loss, extras, units, units_per_step, steps_per_epoch, total, start: None })
     }
 
     /// The steps of `epoch`: (0-based step number, its units), in a deterministic shuffle
@@ -221,7 +223,8 @@ fn optimizer_step(
 ) -> Result<StepRecord> {
     opt.zero_grad();
     let seed = o.seed.wrapping_mul(1_000_003).wrapping_add(step as u64);
-    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &plan.extras, seed, group)?;
+    let at = StepAt { seed, index: step, start: plan.start.as_ref() };
+    let stats = accumulate(model, batch, o.micro_batch_size, &plan.loss, &plan.extras, at, group)?;
     if !stats.loss.is_finite() {
         bail!("step {}: the loss is {} (not finite); lower the learning rate", step + 1, stats.loss);
     }
@@ -265,7 +268,11 @@ pub fn run(
     if main {
         state.check(record, o)?;
     }
-    let plan = Plan::new(samples, o, main)?;
+    let mut plan = Plan::new(samples, o, main)?;
+    // Before a resume loads the saved weights: the model the run started with.
+    if matches!(plan.loss, Loss::DecoupledPpo(_, crate::settings::Proximal::Recompute)) {
+        plan.start = Some(model.frozen_copy()?);
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (mut opt, mut progress) = resume(model, o, record, &state, group)?;
     let mut metrics =

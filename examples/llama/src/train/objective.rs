@@ -4,17 +4,18 @@
 
 use super::units::MicroBatch;
 use crate::dataset::Sample;
-use crate::settings::{Baseline, Objective};
+use crate::settings::{Baseline, Objective, Proximal};
 use anyhow::Result;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, ClipCovConfig, DpoConfig, DpoDiagnostics, DpoMix, DppoConfig, DroConfig, EntropyConfig,
-    GmpoConfig, KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection, RolloutCorrection,
-    SapoConfig, SequenceReduce, TokenLogProbs, ToprDiagnostics, ToprTokenConfig, apply_token_weights,
-    baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, dpo_loss_output, dpo_mix_loss_output,
-    dppo_loss_output, dro_loss_output, entropy_loss_output, gmpo_loss_output, gspo_loss_output, kl_cov_loss_output,
-    kl_penalty_output, off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask_all, rollout_weights,
-    sapo_loss_output, sequence_logprobs, top_entropy_mask, topr_token_loss_output,
+    AggregationMode, Checks, ClipCovConfig, DecoupledPpoConfig, DpoConfig, DpoDiagnostics, DpoMix, DppoConfig,
+    DroConfig, EntropyConfig, GmpoConfig, KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection,
+    RolloutCorrection, SapoConfig, SequenceReduce, TokenLogProbs, ToprDiagnostics, ToprTokenConfig, VespoConfig,
+    apply_token_weights, baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output,
+    decoupled_ppo_loss_output, dpo_loss_output, dpo_mix_loss_output, dppo_loss_output, dro_loss_output,
+    entropy_loss_output, gmpo_loss_output, gspo_loss_output, kl_cov_loss_output, kl_penalty_output,
+    off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask_all, rollout_weights, sapo_loss_output,
+    sequence_logprobs, top_entropy_mask, topr_token_loss_output, vespo_loss_output,
 };
 
 /// The baseline `c` and the data set's share of positives `p`: `c` given, or derived from `p`
@@ -73,6 +74,10 @@ pub enum Loss {
     Dppo(DppoConfig),
     /// DRO's penalised REINFORCE on per-sequence advantages.
     Dro(DroConfig),
+    /// Decoupled PPO on per-sequence advantages, with where its proximal policy comes from.
+    DecoupledPpo(DecoupledPpoConfig, Proximal),
+    /// VESPO on per-sequence advantages.
+    Vespo(VespoConfig),
     /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
     Dpo(DpoConfig, SequenceReduce),
     /// A weighted sum of DPO-family losses on the same pairs (TRL's `loss_weights`).
@@ -109,6 +114,8 @@ impl Loss {
             Objective::DppoTv => Loss::Dppo(DppoConfig::tv().with_checks(fast)),
             Objective::DppoKl => Loss::Dppo(DppoConfig::binary_kl().with_checks(fast)),
             Objective::Dro => Loss::Dro(DroConfig::new(o.dro_beta).with_checks(fast)),
+            Objective::DecoupledPpo => Loss::DecoupledPpo(DecoupledPpoConfig::areal().with_checks(fast), o.proximal),
+            Objective::Vespo => Loss::Vespo(VespoConfig::vespo().with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
@@ -119,12 +126,14 @@ impl Loss {
 
     /// The loss of one micro-batch `p` given π's log-probs `lp`, with the counts of the whole
     /// step (`normalizer`, and `pairs_in_step` for DPO) and the step's `extras`, adding its
-    /// diagnostics to `tally`. `keys_seed` seeds Clip-Cov's random choice of tokens.
+    /// diagnostics to `tally`. `keys_seed` seeds Clip-Cov's random choice of tokens; `proximal`
+    /// is decoupled PPO's proximal log-probs (`[B, T]`, detached).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn micro_batch(
         &self,
         lp: &TokenLogProbs,
         p: &MicroBatch,
+        proximal: Option<&Tensor>,
         normalizer: Normalizer,
         pairs_in_step: f64,
         extras: &Extras,
@@ -164,6 +173,8 @@ impl Loss {
             Loss::KlCov(cfg) => value_and_terms(kl_cov_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::Dppo(cfg) => value_and_terms(dppo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::Dro(cfg) => value_and_terms(dro_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
+            Loss::DecoupledPpo(cfg, _) => decoupled(cfg, proximal, lp, p, norm)?,
+            Loss::Vespo(cfg) => value_and_terms(vespo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::Dpo(cfg, reduce) => {
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
                 let (pw, pl, rw, rl, n) = dpo_pairs(lp, p, *reduce)?;
@@ -180,6 +191,23 @@ impl Loss {
         };
         extras.apply(loss, &terms, mode, lp, p, norm)
     }
+}
+
+/// Decoupled PPO's value, terms and aggregation on micro-batch `p`, μ as the behaviour policy.
+fn decoupled(
+    cfg: &DecoupledPpoConfig,
+    proximal: Option<&Tensor>,
+    lp: &TokenLogProbs,
+    p: &MicroBatch,
+    norm: &Normalizer,
+) -> Result<(Tensor, Tensor, AggregationMode), LossError> {
+    let prox = proximal.ok_or_else(|| LossError::InvalidConfig {
+        field: "proximal",
+        value: f64::NAN,
+        reason: "decoupled PPO needs its proximal log-probs".into(),
+    })?;
+    let out = decoupled_ppo_loss_output(&lp.logp, prox, &p.logp_mu, &p.values, &lp.mask, cfg, norm)?;
+    Ok(value_and_terms(out.output, cfg.ppo.aggregation))
 }
 
 /// A token-level loss's value, its per-token terms and their aggregation.
