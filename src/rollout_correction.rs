@@ -113,6 +113,11 @@ pub struct RolloutCorrection {
     /// Divide the weights by their mean over the batch's tokens (token level) or sequences
     /// (sequence level), so that they average 1 (verl `rollout_is_batch_normalize`).
     pub batch_normalize: bool,
+    /// Token level only: divide each sequence's weights by their mean over its tokens, so that
+    /// every sequence's weights average 1 (self-normalised importance sampling per sequence, verl
+    /// PR #3980's `rollout_is_self_norm` with `seq-mean-token-mean`; applied before
+    /// `batch_normalize`).
+    pub sequence_normalize: bool,
     /// `δ` (or the sequence's `Σ δ`) is clamped to `±max_log_ratio` before any `exp` (verl: 20).
     pub max_log_ratio: f64,
     /// Value checks (and their host reads) or shape checks only; see [`Checks`].
@@ -139,6 +144,7 @@ impl RolloutCorrection {
             min: 0.0,
             max,
             batch_normalize: false,
+            sequence_normalize: false,
             max_log_ratio: 20.0,
             checks: Checks::Full,
         }
@@ -215,6 +221,17 @@ impl RolloutCorrection {
         Self { batch_normalize, ..self }
     }
 
+    /// The same config with each sequence's token weights divided by their mean over the
+    /// sequence (token level only).
+    ///
+    /// ```
+    /// assert!(topr_loss::RolloutCorrection::token_tis(2.0).with_sequence_normalize(true).sequence_normalize);
+    /// assert!(topr_loss::RolloutCorrection::sequence_tis(2.0).with_sequence_normalize(true).validate().is_err());
+    /// ```
+    pub const fn with_sequence_normalize(self, sequence_normalize: bool) -> Self {
+        Self { sequence_normalize, ..self }
+    }
+
     /// The same config with another log-ratio clamp.
     ///
     /// ```
@@ -238,7 +255,7 @@ impl RolloutCorrection {
     ///
     /// # Errors
     /// [`LossError::InvalidConfig`] naming the field: `min` negative, NaN or infinite; `max` not
-    /// above `min`; `max_log_ratio` not positive.
+    /// above `min`; `max_log_ratio` not positive; `sequence_normalize` at a sequence level.
     ///
     /// ```
     /// assert!(topr_loss::RolloutCorrection::token_mis(2.0, 1.0).validate().is_err());
@@ -250,6 +267,14 @@ impl RolloutCorrection {
                 field: "max",
                 value: self.max,
                 reason: format!("the upper bound must exceed the lower bound `min` = {}", self.min),
+            });
+        }
+        if self.sequence_normalize && self.level != CorrectionLevel::Token {
+            return Err(LossError::InvalidConfig {
+                field: "sequence_normalize",
+                value: 1.0,
+                reason: "a sequence-level weight is constant over its sequence: normalising it per sequence makes it 1"
+                    .into(),
             });
         }
         validate::positive(self.max_log_ratio, "max_log_ratio", "the log-ratio clamp must be > 0 (verl uses 20)")
@@ -351,6 +376,7 @@ fn check(logp: &Tensor, logp_rollout: &Tensor, mask: &Tensor, checks: Checks) ->
 /// δ_i = clamp(Σ_t m δ_t / L_i, ±M), given to each token of i  (geometric level)
 /// Truncate   w = exp(clamp(δ, ln lo, ln hi))             = min(max(ρ, lo), hi)
 /// Mask       w = exp(δ) if ln lo ≤ δ ≤ ln hi else 0
+/// sequence_normalize   w_{i,t} ← w_{i,t} / mean_t w_{i,t}   (token level; if that mean > 1e-8)
 /// batch_normalize   w ← w / mean(w)   (over tokens, or over sequences at sequence level; if mean > 1e-8)
 /// ```
 ///
@@ -442,6 +468,13 @@ pub(crate) fn weights_of(x: &TokenInputs, cfg: &RolloutCorrection) -> Result<Rol
         stats::mean_where(&rho.f_sub_scalar(1.0)?.f_sub(&token_delta)?, &x.mask)?,
         stats::mean_where(&rho.f_square()?.f_sub_scalar(1.0)?, &x.mask)?,
     ])?;
+    // Normalisations after the diagnostics, which describe the weights before them (as verl's).
+    let (full, w) = if cfg.sequence_normalize {
+        let per_sequence = per_sequence_mean(&full, x)?;
+        (full.f_div(&per_sequence)?, w.f_div(&per_sequence)?)
+    } else {
+        (full, w)
+    };
     let weights = if cfg.batch_normalize { normalise(&full, &w, &valid, x)? } else { full };
     Ok(RolloutWeights { weights, diagnostics })
 }
@@ -454,6 +487,13 @@ fn clamp_log(t: &Tensor, lo: f64, hi: f64) -> Result<Tensor, LossError> {
         (false, true) => t.f_clamp_max(hi)?,
         (false, false) => t.shallow_clone(),
     })
+}
+
+/// Each sequence's mean weight over its tokens `[B, 1]`, 1 where it is not above 1e-8.
+fn per_sequence_mean(full: &Tensor, x: &TokenInputs) -> Result<Tensor, LossError> {
+    let mean = full.f_sum_dim_intlist(1, true, None::<Kind>)?.f_div(&x.lengths.f_clamp_min(1.0)?.f_unsqueeze(1)?)?;
+    let ok = mean.f_gt(1e-8)?;
+    Ok(mean.f_where_self(&ok, &mean.f_ones_like()?)?)
 }
 
 /// The weights divided by their mean over the samples, where that mean exceeds 1e-8.

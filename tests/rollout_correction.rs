@@ -30,6 +30,8 @@ fn configs() -> Vec<RolloutCorrection> {
         RolloutCorrection::token_tis(f64::INFINITY),
         RolloutCorrection::geometric_tis(1.5),
         RolloutCorrection::geometric_mis(0.7, 1.4).with_batch_normalize(true),
+        RolloutCorrection::token_mis(0.5, 2.0).with_sequence_normalize(true),
+        RolloutCorrection::token_tis(1.5).with_sequence_normalize(true).with_batch_normalize(true),
     ]
 }
 
@@ -77,6 +79,22 @@ fn ref_weights(b: &TokenBatch, cfg: &RolloutCorrection) -> Vec<Vec<f64>> {
             samples.extend(row.iter().zip(&b.mask[i]).filter(|(_, m)| **m).map(|(w, _)| *w));
         }
         w.push(row);
+    }
+    if cfg.sequence_normalize {
+        for (row, m) in w.iter_mut().zip(&b.mask) {
+            let n = m.iter().filter(|x| **x).count().max(1) as f64;
+            let mean = row.iter().sum::<f64>() / n;
+            if mean > 1e-8 {
+                row.iter_mut().for_each(|x| *x /= mean);
+            }
+        }
+        if cfg.level == CorrectionLevel::Token {
+            samples = w
+                .iter()
+                .zip(&b.mask)
+                .flat_map(|(r, m)| r.iter().zip(m).filter(|(_, m)| **m).map(|(x, _)| *x))
+                .collect();
+        }
     }
     if cfg.batch_normalize {
         let mean = samples.iter().sum::<f64>() / samples.len() as f64;
@@ -201,7 +219,7 @@ proptest! {
             assert_close(&vec1(&w.weights), &want.concat(), 1e-12, &format!("{cfg:?}"));
             let d = w.diagnostics.read().unwrap();
             let valid: Vec<f64> =
-                ref_weights(&b, &cfg.with_batch_normalize(false)).concat().into_iter().zip(b.mask.concat()).filter(|(_, m)| *m).map(|(w, _)| w).collect();
+                ref_weights(&b, &cfg.with_batch_normalize(false).with_sequence_normalize(false)).concat().into_iter().zip(b.mask.concat()).filter(|(_, m)| *m).map(|(w, _)| w).collect();
             assert_close(&[d.ess], &[ref_ess(&valid)], 1e-10, "ess");
             prop_assert!(d.weight_max <= cfg.max + 1e-12);
         }
