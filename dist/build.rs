@@ -1,5 +1,8 @@
-//! Compiles `csrc/c10d_shim.cpp` against the libtorch that tch links (`LIBTORCH`, as tch's own
-//! build reads it) and links it with libtorch's `torch_cpu` and `c10`, which hold c10d and Gloo.
+//! Compiles `csrc/c10d_shim.cpp` against the libtorch that tch links and links it with
+//! libtorch's `torch_cpu` and `c10`, which hold c10d and Gloo. The libtorch is the one torch-sys's
+//! build found, whichever of tch's ways found it (`LIBTORCH`, `LIBTORCH_USE_PYTORCH=1`, the
+//! `download-libtorch` feature): torch-sys passes its folder on as `DEP_TCH_LIBTORCH_LIB`. This
+//! build passes it on in turn (`DEP_TOPR_C10D_LIBTORCH`) to the Llama example's.
 //!
 //! The PyTorch wheels ship c10d's headers but not Gloo's; `csrc/gloo_decls` declares the few
 //! Gloo names that `ProcessGroupGloo.hpp` mentions (see `csrc/README.md` for why that is sound).
@@ -9,12 +12,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=csrc");
-    let Some(libtorch) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
-        panic!(
-            "topr-dist: LIBTORCH is not set. It compiles a small C++ file against libtorch's c10d headers: \
-             `source scripts/env.sh` (or point LIBTORCH at a libtorch or a torch Python package directory)"
-        );
-    };
+    let libtorch = libtorch_dir();
+    println!("cargo:libtorch={}", libtorch.display());
     let include = libtorch.join("include");
     if !include.join("torch/csrc/distributed/c10d/ProcessGroupGloo.hpp").exists() {
         panic!(
@@ -79,6 +78,20 @@ fn main() {
         }
         _ => println!(
             "cargo:warning=topr-dist: libtorch is not a CUDA build, or its CUDA, CCCL (nvidia-cuda-cccl) or NCCL headers are missing: Gloo only"
+        ),
+    }
+}
+
+/// The libtorch that tch links: the parent of torch-sys's `lib` folder (`DEP_TCH_LIBTORCH_LIB`,
+/// set on Linux and macOS), else `LIBTORCH`.
+fn libtorch_dir() -> PathBuf {
+    let from_tch = std::env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from).and_then(|lib| lib.parent().map(PathBuf::from));
+    match from_tch.or_else(|| std::env::var_os("LIBTORCH").map(PathBuf::from)) {
+        Some(dir) => dir,
+        None => panic!(
+            "topr-dist: torch-sys did not say where libtorch is and LIBTORCH is not set. Set LIBTORCH to a libtorch \
+             or a torch Python package directory, or LIBTORCH_USE_PYTORCH=1 with torch installed for python3 \
+             (or `source scripts/env.sh` in the repository)"
         ),
     }
 }

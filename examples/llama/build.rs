@@ -1,5 +1,5 @@
-//! Two things the Llama example needs from the libtorch that tch links (`LIBTORCH`, as tch's own
-//! build reads it):
+//! Two things the Llama example needs from the libtorch that tch links (the folder topr-dist's
+//! build found through torch-sys, `DEP_TOPR_C10D_LIBTORCH`, however tch found it):
 //!
 //! 1. `csrc/onednn_linear.cpp`, compiled against libtorch's headers: oneDNN's packed linear layer
 //!    for generation and training on the CPU (`src/onednn.rs`), which tch does not wrap.
@@ -18,12 +18,9 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=csrc");
-    let Some(libtorch) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
-        panic!(
-            "topr-llama: LIBTORCH is not set. It compiles a small C++ file against libtorch's headers: \
-             `source scripts/env.sh` (or point LIBTORCH at a libtorch or a torch Python package directory)"
-        );
-    };
+    let libtorch = PathBuf::from(
+        std::env::var_os("DEP_TOPR_C10D_LIBTORCH").expect("topr-dist's build script exports the libtorch folder"),
+    );
     let include = libtorch.join("include");
     let lib = libtorch.join("lib");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
