@@ -395,12 +395,19 @@ fn output(
 /// The PPO clipped surrogate loss, per token, with optional dual clip and asymmetric
 /// (clip-higher) ranges.
 ///
+/// With `A = advantages`, `ε_low = cfg.clip_low`, `ε_high = cfg.clip_high`,
+/// `c = cfg.dual_clip` and `M = cfg.max_log_ratio` (20 by default: the log-ratio's clamp before
+/// `exp`, so that the ratio never overflows):
+///
 /// ```text
-/// r_t = exp(clamp(log π_t − sg(log π_old,t), ±M))
-/// ℓ_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)
-/// ℓ_t = min(ℓ_t, −c A_t)   where A_t < 0, with dual clip c
-/// loss = aggregate(ℓ, mask)        (token-mean by default)
+/// r_t  = exp(clamp(logp_t − sg(logp_mu_t), −M, M))
+/// ℓ_t  = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)
+/// ℓ_t  = min(ℓ_t, −c A_t)   where A_t < 0, with dual clip c
+/// loss = aggregate(ℓ, mask, cfg.aggregation)        (token-mean by default)
 /// ```
+///
+/// `logp_mu` is PPO's old policy `π_old`: the sampler's log-probs, or the trainer's recomputed
+/// before the update.
 ///
 /// Reference: Schulman et al., arXiv 1707.06347; dual clip: Ye et al., arXiv 1912.09729;
 /// asymmetric clip: DAPO, arXiv 2503.14476.

@@ -155,8 +155,13 @@ pub(crate) fn check_sequence_inputs(
 /// and §3.
 ///
 /// # Arguments
-/// * `logp` — `[B]`, `log π(τ_i)` under the policy being trained, differentiable.
-/// * `logp_mu` — `[B]`, `log μ(τ_i)` under the policy that generated the data; detached.
+/// * `logp` — `[B]`, `log π(τ_i)` under the policy being trained, differentiable: a completion's
+///   log-probability is the sum of its tokens' log-probabilities. From a model's logits, take the
+///   tokens' with [`crate::token_logprobs`] (or [`crate::backward_through_logprobs`] to bound the
+///   memory) and sum them with [`crate::sequence_logprobs`]`(.., SequenceReduce::Sum)`; or keep
+///   them per token and call [`crate::topr_token_loss`].
+/// * `logp_mu` — `[B]`, `log μ(τ_i)` under the policy that generated the data (the sampler's
+///   log-probs, summed the same way); detached.
 /// * `rewards` — `[B]`, `R(τ_i)`; the loss subtracts `cfg.baseline`.
 /// * `cfg` — limits, baseline and tie rule.
 ///

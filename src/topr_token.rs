@@ -195,8 +195,12 @@ impl ToprTokenConfig {
 /// Reference: Le Roux, Bellemare et al., arXiv 2503.14286; verl and Trinity-RFT `topr` losses.
 ///
 /// # Arguments
-/// * `logp` — `[B, T]`, per-token `log π(y_t | ·)`, differentiable.
-/// * `logp_mu` — `[B, T]`, per-token `log μ(y_t | ·)` of the data-generating policy; detached.
+/// * `logp` — `[B, T]`, per-token `log π(y_t | ·)`, differentiable: the log-softmax of the
+///   model's logits at each completion token, from [`crate::token_logprobs`]`(&logits, &labels,
+///   Some(&mask), &cfg)?.logp` (logits `[B, T, V]` shifted so that position `t` predicts token
+///   `t`), or inside [`crate::backward_through_logprobs`] to bound the memory.
+/// * `logp_mu` — `[B, T]`, per-token `log μ(y_t | ·)` of the data-generating policy (the
+///   sampler's, recorded at sampling time); detached.
 /// * `rewards` — `[B]` per-sequence rewards, or `[B, T]` per-token rewards/advantages at the
 ///   `Token` level.
 /// * `mask` — `[B, T]`, bool, integer or 0/1 floating; true/1 marks a real completion token.
