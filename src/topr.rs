@@ -156,12 +156,14 @@ pub(crate) fn check_sequence_inputs(
 ///
 /// # Arguments
 /// * `logp` — `[B]`, `log π(τ_i)` under the policy being trained, differentiable: a completion's
-///   log-probability is the sum of its tokens' log-probabilities. From a model's logits, take the
-///   tokens' with [`crate::token_logprobs`] (or [`crate::backward_through_logprobs`] to bound the
-///   memory) and sum them with [`crate::sequence_logprobs`]`(.., SequenceReduce::Sum)`; or keep
-///   them per token and call [`crate::topr_token_loss`].
+///   log-probability is the sum of its tokens' log-probabilities: inside
+///   [`crate::backward_through_logprobs`] (which hands the loss the tokens' log-probs of a model's
+///   logits and takes the gradient back to the logits), sum them with
+///   [`crate::sequence_logprobs`]`(.., SequenceReduce::Sum)`; or keep them per token and call
+///   [`crate::topr_token_loss`].
 /// * `logp_mu` — `[B]`, `log μ(τ_i)` under the policy that generated the data (the sampler's
-///   log-probs, summed the same way); detached.
+///   log-probs, or [`crate::token_logprobs`] of the sampling model's logits, summed the same way);
+///   detached.
 /// * `rewards` — `[B]`, `R(τ_i)`; the loss subtracts `cfg.baseline`.
 /// * `cfg` — limits, baseline and tie rule.
 ///

@@ -196,11 +196,13 @@ impl ToprTokenConfig {
 ///
 /// # Arguments
 /// * `logp` — `[B, T]`, per-token `log π(y_t | ·)`, differentiable: the log-softmax of the
-///   model's logits at each completion token, from [`crate::token_logprobs`]`(&logits, &labels,
-///   Some(&mask), &cfg)?.logp` (logits `[B, T, V]` shifted so that position `t` predicts token
-///   `t`), or inside [`crate::backward_through_logprobs`] to bound the memory.
+///   model's logits (`[B, T, V]`, position `t` scoring token `t`) at each completion token. Call
+///   the loss inside [`crate::backward_through_logprobs`]`(&logits, &labels, Some(&mask), &cfg,
+///   |lp| topr_token_loss(&lp.logp, ..))`, which hands it these log-probs and takes the gradient
+///   back to the logits in bounded memory.
 /// * `logp_mu` — `[B, T]`, per-token `log μ(y_t | ·)` of the data-generating policy (the
-///   sampler's, recorded at sampling time); detached.
+///   sampler's, recorded at sampling time, or [`crate::token_logprobs`] of the sampling model's
+///   logits, which builds no graph); detached.
 /// * `rewards` — `[B]` per-sequence rewards, or `[B, T]` per-token rewards/advantages at the
 ///   `Token` level.
 /// * `mask` — `[B, T]`, bool, integer or 0/1 floating; true/1 marks a real completion token.
