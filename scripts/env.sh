@@ -36,6 +36,8 @@ case "$topr_torch_version" in
     2.11.*) topr_tch_version="0.24.0"; unset LIBTORCH_BYPASS_VERSION_CHECK ;;
     2.12.*) topr_tch_version="0.24.0"; export LIBTORCH_BYPASS_VERSION_CHECK=1 ;;
     2.13.*) topr_tch_version="0.26.0"; unset LIBTORCH_BYPASS_VERSION_CHECK ;;
+    2.14.*|2.15.*) echo "topr-loss: no published tch builds against torch $topr_torch_version: tch 0.26's bindings call torch::qr, qr_out, cholesky and cholesky_out, which torch 2.14 removed, and its headers need C++20 (tested 2026-12-02); use 2.11.0 to 2.13.0" >&2
+       return 1 2>/dev/null || exit 1 ;;
     *) echo "topr-loss: TOPR_TORCH_VERSION=$topr_torch_version is not supported (2.11.0, 2.12.0 or 2.13.0)" >&2
        return 1 2>/dev/null || exit 1 ;;
 esac
