@@ -6,14 +6,15 @@ use std::hint::black_box;
 use tch::{Device, Kind, Tensor};
 use topr_loss::{
     AggregationMode, Checks, ClipCovConfig, DecoupledPpoConfig, DpoConfig, DpoMix, DppoConfig, DroConfig,
-    EntropyConfig, GmpoConfig, GroupAdvantage, KlConfig, KlCovConfig, Normalizer, PpoConfig, ProximalApproximation,
-    Rejection, RejectionScope, RolloutCorrection, SapoConfig, SingletonGroup, ToprConfig, ToprTokenConfig,
-    ValueLossConfig, VespoConfig, apply_token_weights, cispo_loss, clip_cov_loss, decoupled_ppo_loss, dpo_loss,
-    dpo_mix_loss, dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages, gmpo_loss, gspo_loss,
-    kl_cov_loss, kl_penalty, kl_penalty_corrected, m2po_mask, maxrl_advantages, optimal_token_baseline_advantages,
-    overlong_penalty, passk_advantages, ppo_clip_loss, ppo_clip_loss_output, proximal_logprobs,
-    reinforce_pp_advantages, rollout_rejection_mask, rollout_rejection_mask_all, rollout_weights, sapo_loss,
-    top_entropy_mask, topr_loss, topr_token_loss, value_loss, vespo_loss,
+    EntropyConfig, GmpoConfig, GroupAdvantage, KlConfig, KlCovConfig, Normalizer, PositiveNllConfig, PpoConfig,
+    ProximalApproximation, Rejection, RejectionScope, RolloutCorrection, SapoConfig, SftPhiConfig, SingletonGroup,
+    ToprConfig, ToprTokenConfig, ValueLossConfig, VespoConfig, apply_token_weights, cispo_loss, clip_cov_loss,
+    decoupled_ppo_loss, dpo_loss, dpo_mix_loss, dppo_loss, dro_loss, entropy_loss, gae_advantages, gdpo_advantages,
+    gmpo_loss, gspo_loss, kl_cov_loss, kl_penalty, kl_penalty_corrected, m2po_mask, maxrl_advantages,
+    optimal_token_baseline_advantages, overlong_penalty, passk_advantages, positive_nll_loss, ppo_clip_loss,
+    ppo_clip_loss_output, proximal_logprobs, reinforce_pp_advantages, rollout_rejection_mask,
+    rollout_rejection_mask_all, rollout_weights, sapo_loss, sft_phi_loss, top_entropy_mask, topr_loss, topr_token_loss,
+    value_loss, vespo_loss,
 };
 
 fn sequence_level(c: &mut Criterion) {
@@ -124,7 +125,8 @@ fn other_objectives(c: &mut Criterion) {
 /// The research objectives and the terms composed with them, at B = 64, T = 256 and B = 512, T = 2048:
 /// SAPO, GMPO, Clip-Cov, KL-Cov, the entropy bonus and top-entropy mask, the KL variants, the
 /// value loss, rollout correction (weights, a rejection rule, PPO re-weighted), token-level
-/// advantage estimators, DPPO, DRO, pass@k and GDPO advantages, and every DPO-family loss at B = 512.
+/// advantage estimators, DPPO, DRO, pass@k and GDPO advantages, CHORD's SFT-φ term and VAPO's
+/// positive-example NLL, and every DPO-family loss at B = 512.
 fn research_objectives(c: &mut Criterion) {
     let mut g = c.benchmark_group("research_objectives");
     g.sample_size(10);
@@ -146,6 +148,7 @@ fn research_objectives(c: &mut Criterion) {
         let pi = old.exp();
         let sum_pi2 = &pi * &pi + (-&pi + 1.0).square();
         let norm = Normalizer::local();
+        let positive = adv.gt(0.0);
         let backward = |f: &dyn Fn() -> Tensor| {
             let loss = f();
             loss.backward();
@@ -185,6 +188,10 @@ fn research_objectives(c: &mut Criterion) {
             ("kl_cov", &|| backward(&|| kl_cov_loss(&logp, &old, &adv, &mask, &KlCovConfig::kl_cov()).unwrap())),
             ("entropy_bonus", &|| backward(&|| entropy_loss(&entropy, &mask, &EntropyConfig::bonus()).unwrap())),
             ("top_entropy_mask", &|| top_entropy_mask(&entropy.detach(), &mask, 0.2, Checks::Full).unwrap()),
+            ("sft_phi", &|| backward(&|| sft_phi_loss(&logp, &mask, &SftPhiConfig::chord_phi()).unwrap())),
+            ("positive_nll", &|| {
+                backward(&|| positive_nll_loss(&logp, &mask, &positive, &PositiveNllConfig::vapo()).unwrap())
+            }),
             ("kl_abs", &|| backward(&|| kl_penalty(&logp, &refp, &mask, &KlConfig::abs()).unwrap())),
             ("kl_k3_plus", &|| {
                 backward(&|| kl_penalty(&logp, &refp, &mask, &KlConfig::k3().with_straight_through(true)).unwrap())
@@ -217,6 +224,18 @@ fn research_objectives(c: &mut Criterion) {
                 let a = gae_advantages(&token_rewards, &values_old, &mask, 1.0, 0.95).unwrap().advantages;
                 let r = reinforce_pp_advantages(&token_rewards, &mask, 1.0, 1e-8).unwrap().advantages;
                 a + r
+            }),
+            // TOPR's successors (paths in full: the import list above is shared).
+            ("bapo", &|| {
+                backward(&|| topr_loss::bapo_loss(&logp, &old, &adv, &mask, &topr_loss::BapoConfig::paper()).unwrap())
+            }),
+            ("prefix_ratio_la", &|| {
+                let cfg = topr_loss::PrefixRatioConfig::ctpo_la();
+                backward(&|| topr_loss::prefix_ratio_loss(&logp, &old, &adv, &mask, &cfg).unwrap())
+            }),
+            ("lens_advantages", &|| {
+                let r = adv.gt(0.0).to_kind(Kind::Float).reshape([-1, 8]);
+                topr_loss::lens_advantages(&r, &old, &mask, &topr_loss::LensConfig::lens()).unwrap()
             }),
         ];
         for (name, f) in cases {

@@ -85,7 +85,8 @@ fn main() {
 /// The libtorch that tch links: the parent of torch-sys's `lib` folder (`DEP_TCH_LIBTORCH_LIB`,
 /// set on Linux and macOS), else `LIBTORCH`.
 fn libtorch_dir() -> PathBuf {
-    let from_tch = std::env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from).and_then(|lib| lib.parent().map(PathBuf::from));
+    let from_tch =
+        std::env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from).and_then(|lib| lib.parent().map(PathBuf::from));
     match from_tch.or_else(|| std::env::var_os("LIBTORCH").map(PathBuf::from)) {
         Some(dir) => dir,
         None => panic!(

@@ -102,6 +102,14 @@
 //! - [`entropy_loss`] with [`EntropyConfig`] and [`EntropyDiagnostics`] — the entropy bonus as a
 //!   loss term; [`top_entropy_mask`] — train on the highest-entropy share of tokens
 //!   (`src/entropy.rs`).
+//! - [`AdaptiveEntropyController`] — Skywork-OR1's adaptive coefficient of the entropy bonus: up
+//!   by Δ while the measured entropy is below a target, down otherwise, the bonus off at or above
+//!   it (`src/entropy_control.rs`).
+//! - [`sft_phi_loss`] with [`SftPhiConfig`], [`SftWeight`] and [`SftDiagnostics`], and
+//!   [`chord_mu`] — CHORD's SFT term on expert data (each token weighted by the stop-gradient
+//!   `p(1 − p)`, `p` or 1) and its schedule `μ` for `(1 − μ) L_RL + μ L_SFT`;
+//!   [`positive_nll_loss`] with [`PositiveNllConfig`] and [`PositiveNllDiagnostics`] — VAPO's NLL
+//!   on the policy's own positive samples, added to PPO (`src/sft_mixing.rs`).
 //!
 //! Correcting for the sampler–trainer mismatch (`src/rollout_correction.rs`):
 //! - [`rollout_weights`] with [`RolloutCorrection`] (token or sequence level, truncated (TIS) or
@@ -118,6 +126,17 @@
 //!   from the behaviour and current policies and the data's staleness;
 //! - [`m2po_mask`] — M2PO's second-moment mask.
 //!
+//! TOPR's successors (`src/successors.rs`, `src/lens.rs`):
+//! - [`bapo_loss`] with [`BapoConfig`] and [`BapoDiagnostics`] — BAPO: PPO-clip with a clip window
+//!   searched per call until the positive advantages carry a set share of the loss;
+//!   [`bapo_clip_bounds`] with [`BapoBounds`] — the search alone, on the device;
+//! - [`prefix_ratio_loss`] with [`PrefixRatioConfig`], [`PrefixRatio`] and [`PrefixClip`] — CTPO:
+//!   each token weighted by the importance ratio of its whole prefix, with CTPO-LA's window that
+//!   widens with the position;
+//! - [`lens_rewards`], [`lens_advantages`] with [`LensConfig`] — LENS: incorrect completions
+//!   penalised by the sampler's confidence, so that groups without a correct answer teach too
+//!   (usable as TOPR's rewards).
+//!
 //! Shared pieces:
 //! - [`LossOutput`], [`OnDevice`], [`Diagnostics`] — what the `…_output` functions return: the
 //!   loss, its unreduced terms and its diagnostics from the same pass (`src/output.rs`).
@@ -132,7 +151,8 @@
 //!
 //! Which calls reproduce which published method (PPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO,
 //! GMPO, Clip-Cov, KL-Cov, RLOO, REINFORCE++, ReMax, OPO, MaxRL, the optimal token baseline, GAE,
-//! DPO and its TRL variants, TOPR in the paper, verl, Trinity-RFT and ROLL, rollout correction):
+//! DPO and its TRL variants, TOPR in the paper, verl, Trinity-RFT and ROLL, rollout correction,
+//! Skywork-OR1's adaptive entropy, CHORD, VAPO's positive NLL, BAPO, CTPO, LENS):
 //! `docs/methods.md`.
 //!
 //! ## One API for every loss
@@ -162,6 +182,10 @@
 //! | Clip-Cov | `clip_cov_loss(logp, logp_mu, advantages, mask, keys, cfg)` | [`clip_cov_loss_output`]`(.., cfg, norm)` | [`ClipCovConfig::clip_cov`] | [`PpoDiagnostics`] |
 //! | KL-Cov | `kl_cov_loss(logp, logp_mu, advantages, mask, cfg)` | [`kl_cov_loss_output`]`(.., cfg, norm)` | [`KlCovConfig::kl_cov`] | [`PpoDiagnostics`] |
 //! | entropy bonus | `entropy_loss(entropy, mask, cfg)` | [`entropy_loss_output`]`(.., cfg, norm)` | [`EntropyConfig::bonus`] | [`EntropyDiagnostics`] |
+//! | CHORD's SFT term | `sft_phi_loss(logp, mask, cfg)` | [`sft_phi_loss_output`]`(.., cfg, norm)` | [`SftPhiConfig`]`::{chord_phi, sft, sft_is}` | [`SftDiagnostics`] |
+//! | VAPO's positive NLL | `positive_nll_loss(logp, mask, positive, cfg)` | [`positive_nll_loss_output`]`(.., cfg, norm)` | [`PositiveNllConfig::vapo`] | [`PositiveNllDiagnostics`] |
+//! | BAPO | `bapo_loss(logp, logp_mu, advantages, mask, cfg)` | [`bapo_loss_output`]`(.., cfg, norm)` | [`BapoConfig`]`::{paper, recipe}` | [`BapoDiagnostics`] |
+//! | prefix ratio (CTPO) | `prefix_ratio_loss(logp, logp_mu, advantages, mask, cfg)` | [`prefix_ratio_loss_output`]`(.., cfg, norm)` | [`PrefixRatioConfig`]`::{ctpo_la, ctpo, ctpo_geomean_la}` | [`PpoDiagnostics`] |
 //!
 //! Advantages are computed before the loss, detached, in f64 for f64 rewards and f32 otherwise:
 //!
@@ -170,6 +194,7 @@
 //! | GRPO, Dr. GRPO, RLOO, AsymRE, batch std | [`group_advantages`]`(rewards [G, K], method)`, [`group_advantages_with`]`(.., singleton)` | `[G, K]` |
 //! | OPO | [`opo_advantages`]`(rewards [G, K], lengths [G, K], singleton)` | `[G, K]` |
 //! | MaxRL | [`maxrl_advantages`]`(rewards [G, K] ≥ 0, eps)` | `[G, K]` |
+//! | LENS | [`lens_rewards`]`(rewards [G, K] ∈ {0, 1}, logp_old, mask [G·K, T])`, [`lens_advantages`]`(.., cfg)` | `[G, K]` |
 //! | optimal token baseline | [`optimal_token_baseline_advantages`]`(logp_mu, sum_pi_squared, token_rewards, mask [G·K, T], is_weights, group_size, singleton, eps)` | [`TokenAdvantages`] |
 //! | DAPO overlong penalty (a reward term) | [`overlong_penalty`]`(lengths, max_len, buffer_len, penalty_factor)` | the shape of `lengths` |
 //! | REINFORCE++ | [`reinforce_pp_advantages`]`(token_rewards, mask, gamma, eps)` | [`TokenAdvantages`] |
@@ -244,12 +269,14 @@ mod dpo_pairs;
 mod dppo;
 mod dro;
 mod entropy;
+mod entropy_control;
 mod error;
 mod gae;
 mod gmpo;
 mod kl;
 mod kl_control;
 mod kl_reward;
+mod lens;
 mod logprobs;
 mod optimal_baseline;
 mod output;
@@ -259,6 +286,8 @@ mod rollout_correction;
 mod sapo;
 #[cfg(feature = "serde")]
 mod serde_support;
+mod sft_mixing;
+mod successors;
 mod taper;
 mod token_advantages;
 mod token_inputs;
@@ -293,6 +322,7 @@ pub use dpo_mix::{DpoMix, dpo_mix_loss, dpo_mix_loss_output};
 pub use dppo::{DppoConfig, DppoDivergence, dppo_loss, dppo_loss_output};
 pub use dro::{DroConfig, dro_loss, dro_loss_output};
 pub use entropy::{EntropyConfig, EntropyDiagnostics, entropy_loss, entropy_loss_output, top_entropy_mask};
+pub use entropy_control::AdaptiveEntropyController;
 pub use error::{LossError, TorchError};
 pub use gae::gae_advantages;
 pub use gmpo::{GmpoConfig, gmpo_loss, gmpo_loss_output};
@@ -302,6 +332,7 @@ pub use kl::{
 };
 pub use kl_control::{AdaptiveKlController, FixedKlController};
 pub use kl_reward::{KlRewards, kl_penalized_rewards};
+pub use lens::{LensConfig, lens_advantages, lens_rewards};
 pub use logprobs::{
     LogProbConfig, SequenceReduce, TokenLogProbs, backward_through_fused_logprobs, backward_through_logprobs,
     fused_token_logprobs, sequence_logprobs, sequence_logprobs_with_checks, token_logprobs,
@@ -319,6 +350,14 @@ pub use rollout_correction::{
     rollout_rejection_mask_all, rollout_weights,
 };
 pub use sapo::{SapoConfig, sapo_loss, sapo_loss_output};
+pub use sft_mixing::{
+    PositiveNllConfig, PositiveNllDiagnostics, SftDiagnostics, SftPhiConfig, SftWeight, chord_mu, positive_nll_loss,
+    positive_nll_loss_output, sft_phi_loss, sft_phi_loss_output,
+};
+pub use successors::{
+    BAPO_MAX_STEPS, BapoBounds, BapoConfig, BapoDiagnostics, PrefixClip, PrefixRatio, PrefixRatioConfig,
+    bapo_clip_bounds, bapo_loss, bapo_loss_output, prefix_ratio_loss, prefix_ratio_loss_output,
+};
 pub use taper::{taper, taper_scalar, truncated_weight};
 pub use token_advantages::{
     TokenAdvantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages,

@@ -610,6 +610,64 @@ proptest! {
             let _ = no_panic("top_entropy_mask", || top_entropy_mask(&a, &m, p, checks));
             let _ = no_panic("top_entropy_mask", || top_entropy_mask(&a, &a, q, checks));
         }
+        let sft_cfgs = [
+            SftPhiConfig::chord_phi(),
+            SftPhiConfig::sft_is().with_cutoff_prob(p).with_aggregation(AggregationMode::DrGrpo { length: q }).with_checks(Checks::Shapes),
+        ];
+        for cfg in sft_cfgs {
+            let r = no_panic("sft_phi_loss", || sft_phi_loss(&a, &m, &cfg));
+            if cfg.checks == Checks::Full { prop_assert!(finite(&r)); }
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("sft_phi_loss_output", || sft_phi_loss_output(&a, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
+        let nll_cfgs = [
+            PositiveNllConfig::vapo(),
+            PositiveNllConfig::vapo().with_coef(p).with_aggregation(AggregationMode::TokenSumNorm { length: q }).with_checks(Checks::Shapes),
+        ];
+        for cfg in nll_cfgs {
+            for flags in [&c, &k] {
+                let r = no_panic("positive_nll_loss", || positive_nll_loss(&a, &m, flags, &cfg));
+                if cfg.checks == Checks::Full { prop_assert!(finite(&r)); }
+                for n in [Normalizer::local(), norm] {
+                    let _ = no_panic("positive_nll_loss_output", || positive_nll_loss_output(&a, &m, flags, &cfg, &n).map(|o| o.diagnostics.read()));
+                }
+            }
+        }
+        let _ = no_panic("chord_mu", || chord_mu(3, 2, 4, p, q));
+        let _ = no_panic("AdaptiveEntropyController", || AdaptiveEntropyController::new(p, q, p, p.min(q), q).map(|mut c| c.update(p)));
+        let bapo_cfgs = [
+            BapoConfig::paper(),
+            BapoConfig::recipe().with_lower(p.min(1.0), q, p).with_upper(1.0 + q, 1.0 + p + q, q).with_target(p).with_eps(q).with_checks(Checks::Shapes),
+        ];
+        for cfg in bapo_cfgs {
+            let r = no_panic("bapo_loss", || bapo_loss(&a, &b, &c, &m, &cfg));
+            if cfg.checks == Checks::Full { prop_assert!(finite(&r)); }
+            let _ = no_panic("bapo_clip_bounds", || bapo_clip_bounds(&a, &b, &c, &m, &cfg).map(|o| o.read()));
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("bapo_loss_output", || bapo_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
+        let prefix_cfgs = [
+            PrefixRatioConfig::ctpo_la(),
+            PrefixRatioConfig::ctpo().with_clip(PrefixClip::Ratio { clip_low: p, clip_high: q, dual_clip: Some(1.0 + q) }).with_max_log_weight(p),
+            PrefixRatioConfig::ctpo_geomean_la()
+                .with_clip(PrefixClip::LengthAdaptive { log_low: p, log_high: q, log_dual: p, power: q })
+                .with_max_log_ratio(q)
+                .with_checks(Checks::Shapes),
+        ];
+        for cfg in prefix_cfgs {
+            let r = no_panic("prefix_ratio_loss", || prefix_ratio_loss(&a, &b, &c, &m, &cfg));
+            if cfg.checks == Checks::Full { prop_assert!(finite(&r)); }
+            for n in [Normalizer::local(), norm] {
+                let _ = no_panic("prefix_ratio_loss_output", || prefix_ratio_loss_output(&a, &b, &c, &m, &cfg, &n).map(|o| o.diagnostics.read()));
+            }
+        }
+        let _ = no_panic("lens_rewards", || lens_rewards(&c, &a, &m));
+        let _ = no_panic("lens_rewards", || lens_rewards(&k, &b, &a));
+        for cfg in [LensConfig::lens(), LensConfig::lens().with_negative_weight(p).with_eps(q)] {
+            let _ = no_panic("lens_advantages", || lens_advantages(&c, &a, &m, &cfg));
+        }
     }
 }
 

@@ -53,6 +53,17 @@ fn every_preset_round_trips() {
     round_trip(ClipCovConfig::clip_cov());
     round_trip(KlCovConfig::kl_cov());
     round_trip(EntropyConfig::bonus().with_coef(0.01));
+    for c in [SftPhiConfig::chord_phi(), SftPhiConfig::sft(), SftPhiConfig::sft_is().with_cutoff_prob(0.9)] {
+        round_trip(c);
+    }
+    round_trip(PositiveNllConfig::vapo().with_aggregation(AggregationMode::SeqMeanTokenMean));
+    for c in [BapoConfig::paper(), BapoConfig::recipe().with_positive_share(0.6).with_dual_clip(None)] {
+        round_trip(c);
+    }
+    for c in [PrefixRatioConfig::ctpo_la(), PrefixRatioConfig::ctpo(), PrefixRatioConfig::ctpo_geomean_la()] {
+        round_trip(c);
+    }
+    round_trip(LensConfig::lens().with_negative_weight(0.5));
     round_trip(RolloutCorrection::sequence_mis(0.5, 2.0).with_batch_normalize(true));
     round_trip(Rejection::k1(RejectionScope::SequenceMean, 0.5, 2.0));
     round_trip(Rejection::k3(RejectionScope::SequenceMax, 0.01));
@@ -119,4 +130,48 @@ fn fields_left_out_take_the_defaults_values() {
         serde_json::from_value(json!({"divergence": "k3", "scope": "token", "min": 0.0, "max": 0.1})).unwrap();
     assert_eq!(r, Rejection::k3(RejectionScope::Token, 0.1));
     assert!(serde_json::from_value::<Rejection>(json!({"divergence": "k3"})).is_err());
+}
+
+#[test]
+fn entropy_control_and_sft_mixing_records() {
+    assert_eq!(round_trip(SftWeight::Probability), json!("probability"));
+    let sft = round_trip(SftPhiConfig::chord_phi());
+    assert_eq!(sft, json!({"weight": "phi", "cutoff_prob": 1.0, "aggregation": "token_mean", "checks": "full"}));
+    let c: SftPhiConfig = serde_json::from_value(json!({"weight": "uniform"})).unwrap();
+    assert_eq!(c, SftPhiConfig::sft());
+    let n: PositiveNllConfig = serde_json::from_value(json!({"coef": 0.2})).unwrap();
+    assert_eq!(n, PositiveNllConfig::vapo().with_coef(0.2));
+    // The controller's state, mid-run: it resumes where it was.
+    let mut ctrl = AdaptiveEntropyController::skywork();
+    ctrl.update(0.3).unwrap();
+    let record = round_trip(ctrl);
+    assert_eq!(
+        record,
+        json!({"value": 0.004, "enabled": false, "target": 0.2, "delta": 0.001, "min": 0.0, "max": 0.5})
+    );
+    // A record outside its bounds is refused by its first update, naming the field.
+    let mut bad: AdaptiveEntropyController = serde_json::from_value(
+        json!({"value": 0.9, "enabled": true, "target": 0.2, "delta": 0.001, "min": 0.0, "max": 0.5}),
+    )
+    .unwrap();
+    assert!(matches!(bad.validate(), Err(LossError::InvalidArgument { argument: "value", .. })));
+    assert!(matches!(bad.update(0.1), Err(LossError::InvalidArgument { argument: "value", .. })));
+}
+
+#[test]
+fn successors_records() {
+    assert_eq!(round_trip(PrefixRatio::GeometricMean), json!("geometric_mean"));
+    assert_eq!(
+        round_trip(PrefixClip::length_adaptive()),
+        json!({"length_adaptive": {"log_low": 0.025, "log_high": 0.05, "log_dual": 0.05, "power": 0.5}})
+    );
+    // PPO's window without an upper clip: the infinite range is written as `null`.
+    let open = PrefixClip::Ratio { clip_low: 0.2, clip_high: f64::INFINITY, dual_clip: None };
+    assert_eq!(round_trip(open), json!({"ratio": {"clip_low": 0.2, "clip_high": null, "dual_clip": null}}));
+    let bapo: BapoConfig = serde_json::from_value(json!({"upper_max": 2.0, "target": 2.0})).unwrap();
+    assert_eq!(bapo, BapoConfig::paper().with_upper(1.2, 2.0, 0.05).with_target(2.0));
+    let ctpo: PrefixRatioConfig = serde_json::from_value(json!({"ratio": "geometric_mean"})).unwrap();
+    assert_eq!(ctpo, PrefixRatioConfig::ctpo_la().with_ratio(PrefixRatio::GeometricMean));
+    let lens: LensConfig = serde_json::from_value(json!({})).unwrap();
+    assert_eq!(lens, LensConfig::lens());
 }
