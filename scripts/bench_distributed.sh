@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wall time of the Llama example's `train` and `sample` as one process and as a group of two ranks
-# on this machine (loopback), for docs/distributed.md. Writes one JSON line per run to OUT
+# on the machine it runs on (loopback), for docs/distributed.md. Writes one JSON line per run to OUT
 # (default target/bench-distributed.jsonl) and prints a table. Run after `source scripts/env.sh`.
 #
 #   scripts/bench_distributed.sh [OUT] [REPEATS] [MODEL_DIR]

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Every ratio of issue #13 in one run, side by side on this machine: the Llama example against
-# transformers (generation tokens/s at batch 1 and 16 — 16 rows is also what `sample` generates by
-# default, 4 prompts × 4 samples — and training forward + backward tokens/s, plain and through
-# the fused log-prob path, each with its FLOP/s and share of the machine's measured peak), and
-# the token-level losses against the same computations written in PyTorch (TOPR, PPO, DPO at
-# B = 512, T = 2048, forward + backward, the same libtorch). REPS repetitions, alternating the
-# two sides; prints mean ± sd over repetitions and the ratio of each repetition's pair.
+# Every speed ratio targeted for version 0.2 in one run, side by side on the machine it runs on:
+# the Llama example against transformers (generation tokens/s at batch 1 and 16 — 16 rows is
+# also what `sample` generates by default, 4 prompts × 4 samples — and training forward +
+# backward tokens/s, plain and through the fused log-prob path, each with its FLOP/s and share
+# of the machine's measured peak), and the token-level losses against the same computations
+# written in PyTorch (TOPR, PPO, DPO at B = 512, T = 2048, forward + backward, the same
+# libtorch). REPS repetitions, alternating the two sides; prints mean ± sd over repetitions and
+# the ratio of each repetition's pair.
 #
 #   scripts/bench_llama.sh [MODEL_DIR] [REPS] [OUT]
 #
 # Defaults: models/smollm2-135m-instruct (made offline by scripts/smollm2.sh), 3, and
 # target/bench-llama.jsonl (every measurement, one JSON line each, with its repetition). The sizes
 # can be changed for a quick check of the script: NEW (64 new tokens), B and T (training batch,
-# 8 × 256, the size issue #13 names), LOSS_B and LOSS_T (512 × 2048), ITERS (10 timed calls per loss).
+# 8 × 256, the size of the 0.2 training target), LOSS_B and LOSS_T (512 × 2048), ITERS (10 timed calls per loss).
 # TRAIN_ONLY=1 measures the training side by side only (generation reduced to one token at batch 1,
 # no losses); PAIRS=N adds N alternating pairs of training steps with our two training kernels
 # (plain matmul, oneDNN) in one process per repetition.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the GPU check's bundle: the Llama example compiled in release mode against one torch
 # version, with run.sh and its two Python helpers, for a GPU machine that has that torch for
-# python3 but no Rust, no network and no download (the project's lent H200 has torch 2.11.0).
+# python3 but no Rust, no network and no download (the H200 machine of the run of 2026-11-30 had
+# torch 2.11.0).
 #
 #   scripts/gpu_bundle.sh OUT_DIR [TORCH_VERSION]     # TORCH_VERSION: 2.11.0 (default), 2.12.0 or 2.13.0
 #
@@ -36,7 +37,7 @@ cp scripts/gpu_bundle/run.sh scripts/gpu_bundle/report.py scripts/gpu_bundle/los
     examples/llama/tests/reference/bench_hf.py "$tmp/"
 chmod +x "$tmp/run.sh" "$tmp/llama"
 # The demo's plots need a TrueType font, which the GPU machine's image lacks: DejaVu Sans
-# (Bitstream Vera licence, free to redistribute), where this machine has it.
+# (Bitstream Vera licence, free to redistribute), where the machine that builds the bundle has it.
 font=${TOPR_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}
 [ -f "$font" ] && cp "$font" "$tmp/font.ttf"
 echo "$version" > "$tmp/TORCH_VERSION"

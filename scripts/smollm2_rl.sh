@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct trained with TOPR on its own graded samples, on the CPU (issue #15's
-# "real model that measurably improves"; docs/study.md has the result and its reading).
+# SmolLM2-135M-Instruct trained with TOPR on its own graded samples, on the CPU: a real model that
+# measurably improves (docs/study.md has the result and its reading).
 #
 #   scripts/smollm2_rl.sh [WORK] [ITERATIONS] [ARMS]
 #

@@ -3,7 +3,7 @@
 //! teacher's mistake. Every stage leaves its output in the work directory and is skipped when
 //! rerun with `--resume`.
 //!
-//! 1. `init`: 4 layers, hidden 128, byte-level tokenizer (0.9 M parameters).
+//! 1. `init`: 4 layers, hidden 128, byte-level tokenizer (0.8 M parameters: 820,864, embeddings tied).
 //! 2. `sft-data`: 4,000 worked solutions of one-step problems; in 60 % of them the teacher's answer
 //!    line copies the starting amount instead of the result (`--slip-rate 0.6`).
 //! 3. `train --objective sft`: the warm-up. The model learns the format and some arithmetic, and
@@ -49,7 +49,7 @@ impl Scale {
         }
     }
 
-    /// The GPU check's demo: a 19 M-parameter model (8 layers, hidden 384), four times the
+    /// The GPU check's demo: a 13.9 M-parameter model (8 layers, hidden 384), four times the
     /// warm-up problems and twice the questions of [`Scale::full`], evaluated on 512 questions.
     pub fn gpu() -> Self {
         Self {
