@@ -119,6 +119,7 @@ pub fn topr_settings() -> Result<TrainSettings> {
         dpo_beta: 0.1,
         dro_beta: crate::settings::default_dro_beta(),
         proximal: Default::default(),
+        positive_nll: 0.0,
         rollout_correction: None,
         dpo_loss: Default::default(),
         dpo_label_smoothing: 0.0,

@@ -134,7 +134,7 @@ fn a_ci_sized_run_of_every_command() {
         .collect();
     std::fs::write(&mixed, lines.join("\n") + "\n").unwrap();
     // Every objective, with the rollout corrections, advantage estimators, KL and entropy terms.
-    let extra: [(&str, &str, &str, &[&str]); 20] = [
+    let extra: [(&str, &str, &str, &[&str]); 22] = [
         ("ppo", "adamw", "none", &["--rejection", "k1-token:0.5:2", "--off-policy-mask", "0.2"]),
         ("grpo", "adamw", "token-tis:2", &["--advantage", "rloo", "--kl-coef", "0.01", "--kl-estimator", "k3-plus"]),
         ("dpo", "adafactor", "none", &["--dpo-loss", "robust", "--dpo-label-smoothing", "0.1"]),
@@ -151,6 +151,8 @@ fn a_ci_sized_run_of_every_command() {
         ("decoupled-ppo", "adamw", "none", &["--proximal", "recompute"]),
         ("decoupled-ppo", "adafactor", "geometric-tis:2", &["--advantage", "dr-grpo"]),
         ("vespo", "adamw", "none", &["--advantage", "rloo"]),
+        ("bapo", "adamw", "none", &["--advantage", "maxrl"]),
+        ("prefix-ratio", "adafactor", "none", &["--advantage", "lens", "--positive-nll", "0.1"]),
         ("grpo", "adamw", "none", &["--advantage", "gdpo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "ipo"]),
         ("dpo", "adamw", "none", &["--dpo-loss", "discopop"]),
@@ -190,7 +192,8 @@ fn a_ci_sized_run_of_every_command() {
         match objective {
             "dpo" => assert!(last["stats"]["dpo_accuracy"].is_number(), "{last}"),
             "ppo" | "grpo" | "gspo" | "cispo" => assert!(last["stats"]["clip_fraction"].is_number(), "{last}"),
-            "sapo" | "gmpo" | "clip-cov" | "kl-cov" | "dppo-tv" | "dppo-kl" | "dro" | "decoupled-ppo" | "vespo" => {
+            "sapo" | "gmpo" | "clip-cov" | "kl-cov" | "dppo-tv" | "dppo-kl" | "dro" | "decoupled-ppo" | "vespo"
+            | "bapo" | "prefix-ratio" => {
                 assert!(last["stats"]["clip_fraction"].is_null(), "{last}")
             }
             _ => assert!(last["stats"]["topr"]["truncated_fraction_neg"].is_number(), "{last}"),
@@ -421,6 +424,8 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (train(&["--objective", "dro", "--dro-beta", "0"]), "--dro-beta"),
         (train(&["--objective", "topr", "--dro-beta", "0.2"]), "--dro-beta"),
         (train(&["--objective", "ppo", "--proximal", "recompute"]), "--proximal"),
+        (train(&["--positive-nll", "-1"]), "--positive-nll"),
+        (train(&["--objective", "dpo", "--positive-nll", "0.1"]), "--positive-nll"),
         (train(&["--objective", "dpo", "--off-policy-mask", "0.1"]), "--off-policy-mask"),
         (train(&["--kl-coef", "-1"]), "--kl-coef"),
         (train(&["--entropy-coef", "nan"]), "--entropy-coef"),

@@ -182,6 +182,11 @@ fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
         ("gmpo", train::Objective::Gmpo, train::Loss::Gmpo(topr_loss::GmpoConfig::gmpo())),
         ("vespo", train::Objective::Vespo, train::Loss::Vespo(topr_loss::VespoConfig::vespo())),
         (
+            "prefix-ratio",
+            train::Objective::PrefixRatio,
+            train::Loss::PrefixRatio(topr_loss::PrefixRatioConfig::ctpo_la()),
+        ),
+        (
             "decoupled-ppo log-linear",
             train::Objective::DecoupledPpo,
             train::Loss::DecoupledPpo(

@@ -319,8 +319,8 @@ pub struct ObjectiveArgs {
     /// `geometric-tis:2`, `geometric-mis:0.5:2` weigh a sequence by its geometric-mean ratio.
     #[arg(long, default_value = "none", value_parser = parse_rollout_correction)]
     pub rollout_correction: CorrectionArg,
-    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo and
-    /// vespo compute advantages from each
+    /// How grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo,
+    /// vespo, bapo and prefix-ratio compute advantages from each
     /// question's rewards.
     #[arg(long, value_enum, default_value_t = Advantage::Grpo)]
     pub advantage: Advantage,
@@ -330,6 +330,10 @@ pub struct ObjectiveArgs {
     /// The KL penalty's estimator.
     #[arg(long, value_enum, default_value_t = KlEstimatorSetting::K3)]
     pub kl_estimator: KlEstimatorSetting,
+    /// Add VAPO's NLL of the correct completions (their tokens' mean −log π) with this
+    /// coefficient (>= 0; 0: none; VAPO uses 0.1).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
+    pub positive_nll: f64,
     /// Add an entropy bonus with this coefficient (>= 0; 0: none).
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = parse_non_negative)]
     pub entropy_coef: f64,
@@ -444,6 +448,7 @@ impl TrainArgs {
             dpo_beta: obj.dpo_beta,
             dro_beta: obj.dro_beta,
             proximal: obj.proximal,
+            positive_nll: obj.positive_nll,
             dpo_loss: obj.dpo_loss,
             dpo_label_smoothing: obj.dpo_label_smoothing,
             dpo_mix: obj.dpo_mix.0.clone(),

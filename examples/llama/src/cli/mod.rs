@@ -196,7 +196,8 @@ pub enum Command {
         #[arg(long, default_value_t = 1, value_parser = args::whole(1usize, 100_000))]
         iteration: usize,
         /// The arms, comma-separated: an objective (topr, tis, sft, reinforce, is, ppo, grpo, dpo,
-        /// gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo, vespo),
+        /// gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo, vespo,
+        /// bapo, prefix-ratio),
         /// optionally with `-pP` for the baseline that
         /// gives positives the share P of the weight (e.g. topr-p0.2); without it the baseline is 0.
         #[arg(long, default_value = "sft,reinforce", value_parser = parse_arms)]

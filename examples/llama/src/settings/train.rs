@@ -46,6 +46,10 @@ pub struct TrainSettings {
     /// approximation, the default).
     #[serde(default)]
     pub proximal: Proximal,
+    /// VAPO's NLL of the correct completions added with this coefficient (0: none; absent from
+    /// older records: 0).
+    #[serde(default)]
+    pub positive_nll: f64,
     /// Which DPO-family loss (absent from older run records: sigmoid).
     #[serde(default)]
     pub dpo_loss: DpoLoss,
@@ -176,6 +180,12 @@ pub enum Objective {
     /// VESPO: REINFORCE with a gamma-shaped weight of each sequence's ratio to μ (TRL's
     /// defaults), with group advantages.
     Vespo,
+    /// BAPO: PPO-clip whose clip bounds are chosen per micro-batch so that the positive
+    /// advantages' share of the loss reaches the target (the paper's ranges), with group
+    /// advantages.
+    Bapo,
+    /// CTPO-LA: the prefix importance ratio with its length-adaptive clip, with group advantages.
+    PrefixRatio,
 }
 
 /// Where decoupled PPO's proximal policy comes from (`--proximal`).
@@ -208,11 +218,13 @@ impl Objective {
                 | Self::Dro
                 | Self::DecoupledPpo
                 | Self::Vespo
+                | Self::Bapo
+                | Self::PrefixRatio
         )
     }
 }
 
-/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl|dro|decoupled-ppo|vespo` turn each question's rewards into
+/// How `--objective grpo|gspo|cispo|sapo|gmpo|clip-cov|kl-cov|dppo-tv|dppo-kl|dro|decoupled-ppo|vespo|bapo|prefix-ratio` turn each question's rewards into
 /// advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -239,6 +251,12 @@ pub enum Advantage {
     /// answer was found, else 0): each normalised within its question's group (GRPO), summed,
     /// whitened over every token of the data set (verl's `gdpo`).
     Gdpo,
+    /// MaxRL: `(R − r̄) / (r̄ + 1e-6)` per question on correctness (1 or 0).
+    Maxrl,
+    /// LENS: correctness recalibrated by μ's confidence in each wrong answer (the per-token
+    /// geometric mean of its probability), GRPO-normalised on mixed questions, only centred (and
+    /// weighted 0.25) on all-wrong ones.
+    Lens,
 }
 
 impl Objective {
@@ -377,7 +395,7 @@ impl TrainSettings {
         if self.advantage != Advantage::default() && !self.objective.uses_group_advantages() {
             return Err(SettingError::new(
                 &["advantage"],
-                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo, vespo)",
+                "the advantage estimator applies to the group-advantage objectives (grpo, gspo, cispo, sapo, gmpo, clip-cov, kl-cov, dppo-tv, dppo-kl, dro, decoupled-ppo, vespo, bapo, prefix-ratio)",
             ));
         }
         Ok(())
@@ -404,9 +422,12 @@ impl TrainSettings {
                 return Err(SettingError::new(&[field], format!("the {what} must be finite and > 0, got {v}")));
             }
         }
-        for (field, what, v) in
-            [("kl_coef", "KL coefficient", self.kl_coef), ("entropy_coef", "entropy coefficient", self.entropy_coef)]
-        {
+        let coefficients = [
+            ("kl_coef", "KL coefficient", self.kl_coef),
+            ("entropy_coef", "entropy coefficient", self.entropy_coef),
+            ("positive_nll", "positive-NLL coefficient", self.positive_nll),
+        ];
+        for (field, what, v) in coefficients {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(SettingError::new(&[field], format!("the {what} must be finite and >= 0, got {v}")));
             }
@@ -451,6 +472,7 @@ impl TrainSettings {
                 ("rollout_correction", "a rollout correction", self.rollout_correction.is_some()),
                 ("kl_coef", "a KL penalty", self.kl_coef > 0.0),
                 ("entropy_coef", "an entropy bonus", self.entropy_coef > 0.0),
+                ("positive_nll", "the NLL of the correct completions", self.positive_nll > 0.0),
                 ("top_entropy", "the top-entropy selection", self.top_entropy.is_some()),
                 ("rejection", "a rejection rule", !self.rejection.is_empty()),
                 ("off_policy_mask", "the off-policy sequence mask", self.off_policy_mask.is_some()),

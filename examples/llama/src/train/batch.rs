@@ -248,7 +248,9 @@ impl StepPart {
             | Loss::Dppo(_)
             | Loss::Dro(_)
             | Loss::DecoupledPpo(..)
-            | Loss::Vespo(_) => {}
+            | Loss::Vespo(_)
+            | Loss::Bapo(_)
+            | Loss::PrefixRatio(_) => {}
             Loss::Dpo(..) | Loss::DpoMix(..) => {
                 stats.dpo_accuracy = Some(self.dpo_accuracy / pairs_in_step);
                 stats.dpo_margin = Some(self.dpo_margin / pairs_in_step);

@@ -49,6 +49,9 @@ impl TrainSettings {
             off_policy_mask: self.off_policy_mask,
             top_entropy: self.top_entropy,
             kl: (self.kl_coef > 0.0).then(|| self.kl_estimator.config(self.kl_coef)),
+            positive_nll: (self.positive_nll > 0.0).then(|| {
+                topr_loss::PositiveNllConfig::vapo().with_coef(self.positive_nll).with_checks(topr_loss::Checks::Shapes)
+            }),
             entropy: (self.entropy_coef > 0.0).then(|| {
                 topr_loss::EntropyConfig::bonus().with_coef(self.entropy_coef).with_checks(topr_loss::Checks::Shapes)
             }),

@@ -8,13 +8,14 @@ use crate::settings::{Baseline, Objective, Proximal};
 use anyhow::Result;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    AggregationMode, Checks, ClipCovConfig, DecoupledPpoConfig, DpoConfig, DpoDiagnostics, DpoMix, DppoConfig,
-    DroConfig, EntropyConfig, GmpoConfig, KlConfig, KlCovConfig, LossError, Normalizer, OnDevice, PpoConfig, Rejection,
-    RolloutCorrection, SapoConfig, SequenceReduce, TokenLogProbs, ToprDiagnostics, ToprTokenConfig, VespoConfig,
-    apply_token_weights, baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output,
-    decoupled_ppo_loss_output, dpo_loss_output, dpo_mix_loss_output, dppo_loss_output, dro_loss_output,
-    entropy_loss_output, gmpo_loss_output, gspo_loss_output, kl_cov_loss_output, kl_penalty_output,
-    off_policy_sequence_mask, ppo_clip_loss_output, rollout_rejection_mask_all, rollout_weights, sapo_loss_output,
+    AggregationMode, BapoConfig, Checks, ClipCovConfig, DecoupledPpoConfig, DpoConfig, DpoDiagnostics, DpoMix,
+    DppoConfig, DroConfig, EntropyConfig, GmpoConfig, KlConfig, KlCovConfig, LossError, Normalizer, OnDevice,
+    PositiveNllConfig, PpoConfig, PrefixRatioConfig, Rejection, RolloutCorrection, SapoConfig, SequenceReduce,
+    TokenLogProbs, ToprDiagnostics, ToprTokenConfig, VespoConfig, apply_token_weights, bapo_loss_output,
+    baseline_for_effective_proportion, cispo_loss_output, clip_cov_loss_output, decoupled_ppo_loss_output,
+    dpo_loss_output, dpo_mix_loss_output, dppo_loss_output, dro_loss_output, entropy_loss_output, gmpo_loss_output,
+    gspo_loss_output, kl_cov_loss_output, kl_penalty_output, off_policy_sequence_mask, positive_nll_loss_output,
+    ppo_clip_loss_output, prefix_ratio_loss_output, rollout_rejection_mask_all, rollout_weights, sapo_loss_output,
     sequence_logprobs, top_entropy_mask, topr_token_loss_output, vespo_loss_output,
 };
 
@@ -78,6 +79,10 @@ pub enum Loss {
     DecoupledPpo(DecoupledPpoConfig, Proximal),
     /// VESPO on per-sequence advantages.
     Vespo(VespoConfig),
+    /// BAPO on per-sequence advantages (bounds chosen per micro-batch).
+    Bapo(BapoConfig),
+    /// CTPO's prefix ratio on per-sequence advantages.
+    PrefixRatio(PrefixRatioConfig),
     /// DPO-family loss on pairs, with sequence log-probs summed or averaged over tokens.
     Dpo(DpoConfig, SequenceReduce),
     /// A weighted sum of DPO-family losses on the same pairs (TRL's `loss_weights`).
@@ -116,6 +121,8 @@ impl Loss {
             Objective::Dro => Loss::Dro(DroConfig::new(o.dro_beta).with_checks(fast)),
             Objective::DecoupledPpo => Loss::DecoupledPpo(DecoupledPpoConfig::areal().with_checks(fast), o.proximal),
             Objective::Vespo => Loss::Vespo(VespoConfig::vespo().with_checks(fast)),
+            Objective::Bapo => Loss::Bapo(BapoConfig::paper().with_checks(fast)),
+            Objective::PrefixRatio => Loss::PrefixRatio(PrefixRatioConfig::ctpo_la().with_checks(fast)),
             other => Loss::Topr(
                 ToprTokenConfig::paper()
                     .with_topr(other.limits().unwrap_or_default().with_baseline(c).with_checks(fast))
@@ -175,6 +182,10 @@ impl Loss {
             Loss::Dro(cfg) => value_and_terms(dro_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
             Loss::DecoupledPpo(cfg, _) => decoupled(cfg, proximal, lp, p, norm)?,
             Loss::Vespo(cfg) => value_and_terms(vespo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
+            Loss::Bapo(cfg) => value_and_terms(bapo_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation),
+            Loss::PrefixRatio(cfg) => {
+                value_and_terms(prefix_ratio_loss_output(logp, mu, adv, mask, cfg, norm)?, cfg.aggregation)
+            }
             Loss::Dpo(cfg, reduce) => {
                 // Σ ℓ over this micro-batch's pairs, divided by the pairs of the whole step.
                 let (pw, pl, rw, rl, n) = dpo_pairs(lp, p, *reduce)?;
@@ -258,6 +269,8 @@ pub struct Extras {
     pub kl: Option<KlConfig>,
     /// An entropy bonus.
     pub entropy: Option<EntropyConfig>,
+    /// VAPO's NLL of the correct completions, with its coefficient.
+    pub positive_nll: Option<PositiveNllConfig>,
 }
 
 impl Extras {
@@ -302,6 +315,9 @@ impl Extras {
         }
         if let (Some(e), Some(h)) = (&self.entropy, &lp.entropy) {
             parts.push(entropy_loss_output(h, &lp.mask, e, norm)?.loss);
+        }
+        if let Some(nll) = &self.positive_nll {
+            parts.push(positive_nll_loss_output(&lp.logp, &lp.mask, &p.correct, nll, norm)?.loss);
         }
         Ok(parts.into_iter().reduce(|a, b| a + b).unwrap_or_else(|| Tensor::from(0.0)))
     }

@@ -8,8 +8,8 @@ use anyhow::{Result, bail};
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 use topr_loss::{
-    GroupAdvantage, SingletonGroup, gdpo_advantages, group_advantages, opo_advantages, passk_advantages,
-    reinforce_pp_advantages, reinforce_pp_baseline_advantages,
+    GroupAdvantage, LensConfig, SingletonGroup, gdpo_advantages, group_advantages, lens_advantages, maxrl_advantages,
+    opo_advantages, passk_advantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages,
 };
 
 /// A training unit: one completion with the value its loss weighs it by (the reward for the TOPR
@@ -143,6 +143,13 @@ fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
             let grpo = GroupAdvantage::grpo();
             first_token(gdpo_advantages(&r, &[1.0, 1.0], &mask, grpo, SingletonGroup::ZeroMeanUnitStd)?)?
         }
+        Advantage::Maxrl => {
+            let correct: Vec<f64> = groups.iter().flatten().map(|s| f64::from(u8::from(s.correct))).collect();
+            Vec::<f64>::try_from(
+                maxrl_advantages(&Tensor::from_slice(&correct).view([g, k as i64]), 1e-6)?.flatten(0, -1),
+            )?
+        }
+        Advantage::Lens => lens_values(groups, g, k as i64, t, &mask)?,
         Advantage::ReinforcePpBaseline => {
             first_token(reinforce_pp_baseline_advantages(&r, &mask, 1e-8, SingletonGroup::OwnMean)?)?
         }
@@ -159,6 +166,22 @@ fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
     })
 }
 
+/// LENS advantages on correctness, μ's per-token log-probs `[G·K, T]` (right-padded by `mask`)
+/// giving each wrong answer's confidence.
+fn lens_values(groups: &[Vec<&Sample>], g: i64, k: i64, t: i64, mask: &Tensor) -> Result<Vec<f64>> {
+    let correct: Vec<f64> = groups.iter().flatten().map(|s| f64::from(u8::from(s.correct))).collect();
+    let mut logp = vec![0f64; (g * k * t) as usize];
+    for (row, s) in groups.iter().flatten().enumerate() {
+        for (j, lp) in s.logp_mu.iter().enumerate() {
+            logp[row * t as usize + j] = f64::from(*lp);
+        }
+    }
+    let logp = Tensor::from_slice(&logp).view([g * k, t]);
+    let r = Tensor::from_slice(&correct).view([g, k]);
+    let a = lens_advantages(&r, &logp, mask, &LensConfig::lens())?;
+    Ok(Vec::<f64>::try_from(a.flatten(0, -1))?)
+}
+
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
 /// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
 /// log-probs `[b, L−1]` and the per-row values `[b]` (rewards or advantages).
@@ -169,6 +192,8 @@ pub struct MicroBatch {
     pub mask: Tensor,
     pub logp_mu: Tensor,
     pub values: Tensor,
+    /// `[b]` bool: whether each completion was graded correct.
+    pub correct: Tensor,
 }
 
 pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
@@ -198,6 +223,7 @@ pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
         mask: Tensor::from_slice(&mask).view([b, l - 1]).to_device(device),
         logp_mu: Tensor::from_slice(&mu).view([b, l - 1]).to_device(device),
         values: Tensor::from_slice(&rows.iter().map(|r| r.1).collect::<Vec<_>>()).to_device(device),
+        correct: Tensor::from_slice(&rows.iter().map(|r| r.0.correct).collect::<Vec<_>>()).to_device(device),
     }
 }
 
