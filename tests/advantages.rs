@@ -284,11 +284,7 @@ fn outcome_tokens(rewards: &[f64], mask: &[Vec<f64>]) -> Vec<Vec<f64>> {
 
 /// A fixed batch of `g` groups of `k` with rewards, masks (every row has a real token) and lengths.
 fn fixed_groups(g: usize, k: usize, seed: u64) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(seed);
     let rows: Vec<Vec<f64>> =
         (0..g).map(|_| (0..k).map(|_| (next() * 4.0 - 2.0).round() / 2.0 + next() * 0.1).collect()).collect();
     let t = 5;
@@ -621,11 +617,7 @@ fn otb_cases() -> impl Strategy<Value = OtbCase> {
 /// A fixed OTB batch with right-padded masks (verl's responses): lengths 1..=T, an outcome reward
 /// (0 or 1) on each last real token plus a small reward on some tokens, IS weights if asked.
 fn otb_fixed(g: usize, k: usize, t: usize, seed: u64, with_is: bool) -> OtbCase {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(seed);
     let mut c = OtbCase { lp: vec![], sp: vec![], r: vec![], mask: vec![], is_weights: with_is.then(Vec::new), k };
     for _ in 0..g * k {
         let len = 1 + (next() * t as f64) as usize % t;

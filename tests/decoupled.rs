@@ -223,11 +223,7 @@ fn bad_inputs_are_errors_naming_the_argument() {
 /// `compute_policy_loss_vanilla(old, log_prob, …, rollout_is_weights)`, both verl's own.
 #[test]
 fn decoupled_ppo_matches_verls_decoupled_mode() {
-    let mut seed = 0xdec0_u64;
-    let mut next = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (seed >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(0xdec0_u64);
     let cases = [
         ("token", 2.0, "token-mean", AggregationMode::TokenMean),
         ("sequence", 3.0, "seq-mean-token-sum", AggregationMode::SeqMeanTokenSum),

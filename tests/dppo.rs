@@ -196,11 +196,7 @@ fn per_token(b: &Batch) -> Vec<Vec<f64>> {
 /// (−3, 0], moves of up to ±1.5 in log space, every row with a real token (verl's token mean is
 /// over all of them).
 fn peer_batches() -> Vec<Batch> {
-    let mut seed = 0x5eed_d990_u64;
-    let mut next = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (seed >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(0x5eed_d990_u64);
     (0..6)
         .map(|k| {
             let (b, t) = (2 + k % 3, 3 + k % 4);

@@ -116,11 +116,7 @@ fn bad_configs_are_errors_naming_beta() {
 
 #[test]
 fn dro_matches_verl() {
-    let mut seed = 0xd20_u64;
-    let mut next = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (seed >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(0xd20_u64);
     let mut calls = Vec::new();
     let mut batches = Vec::new();
     let cases = [

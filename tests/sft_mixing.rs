@@ -106,11 +106,7 @@ fn controller_drives_the_entropy_bonus_as_skywork_does() {
 #[test]
 fn controller_matches_skyworks_entcontroller() {
     // Random entropy sequences around each target (LCG), the 7B settings and clipped variants.
-    let mut s = 0x5e7_u64;
-    let mut next = move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(0x5e7_u64);
     let settings = [(0.005, 0.2, 0.001, 0.0, 0.5), (0.45, 0.6, 0.02, 0.0, 0.5), (0.02, 0.3, 0.01, 0.01, 0.05)];
     let mut calls = Vec::new();
     let mut sequences = Vec::new();
@@ -379,11 +375,7 @@ fn sft_phi_bad_inputs_are_errors_naming_the_argument() {
 /// Random batches (LCG): log-probs in `(−3, −0.05)`, log-ratios to the old policy in ±`spread`, each
 /// row's first token real, weights (advantages) in `(−2, 2)`.
 fn random_batches(seed: u64, n: usize, spread: f64) -> Vec<TokenBatch> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(seed);
     (0..n)
         .map(|k| {
             let (rows, t) = (3 + k % 3, 3 + k % 4);

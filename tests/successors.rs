@@ -24,23 +24,13 @@ fn batch() -> impl Strategy<Value = TokenBatch> {
 /// Random batches (LCG), log-ratios in ±`spread`, both log-probs at most 0, the first token real,
 /// with per-token advantages beside the per-sequence ones.
 fn random_batches(seed: u64, n: usize, spread: f64) -> Vec<(TokenBatch, Vec<Vec<f64>>)> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniform_stream(seed);
     (0..n)
         .map(|k| {
             let (rows, t) = (2 + k % 3, 3 + k % 4);
-            let mut logp: Vec<Vec<f64>> = (0..rows).map(|_| (0..t).map(|_| -0.05 - 3.0 * next()).collect()).collect();
-            let mut other: Vec<Vec<f64>> =
-                logp.iter().map(|r| r.iter().map(|x| x - spread * (2.0 * next() - 1.0)).collect()).collect();
-            non_positive_rows(&mut logp, &mut other);
-            let mut mask: Vec<Vec<bool>> = (0..rows).map(|_| (0..t).map(|_| next() < 0.8).collect()).collect();
-            mask[0][0] = true;
-            let weights: Vec<f64> = (0..rows).map(|_| 4.0 * next() - 2.0).collect();
+            let b = random_token_batch(&mut next, rows, t, spread);
             let per_token = (0..rows).map(|_| (0..t).map(|_| 4.0 * next() - 2.0).collect()).collect();
-            (TokenBatch { logp, other, mask, weights }, per_token)
+            (b, per_token)
         })
         .collect()
 }

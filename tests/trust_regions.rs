@@ -150,24 +150,8 @@ fn bad_configs_are_errors_naming_the_field() {
 
 /// Random batches (LCG), log-ratios in ±`spread`, both log-probs at most 0, the first token real.
 fn random_batches(seed: u64, n: usize, spread: f64) -> Vec<TokenBatch> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
-    (0..n)
-        .map(|k| {
-            let (rows, t) = (2 + k % 3, 3 + k % 4);
-            let mut logp: Vec<Vec<f64>> = (0..rows).map(|_| (0..t).map(|_| -0.05 - 3.0 * next()).collect()).collect();
-            let mut other: Vec<Vec<f64>> =
-                logp.iter().map(|r| r.iter().map(|x| x - spread * (2.0 * next() - 1.0)).collect()).collect();
-            non_positive_rows(&mut logp, &mut other);
-            let mut mask: Vec<Vec<bool>> = (0..rows).map(|_| (0..t).map(|_| next() < 0.8).collect()).collect();
-            mask[0][0] = true;
-            let weights = (0..rows).map(|_| 4.0 * next() - 2.0).collect();
-            TokenBatch { logp, other, mask, weights }
-        })
-        .collect()
+    let mut next = uniform_stream(seed);
+    (0..n).map(|k| random_token_batch(&mut next, 2 + k % 3, 3 + k % 4, spread)).collect()
 }
 
 fn mask01(b: &TokenBatch) -> Vec<Vec<f64>> {

@@ -336,3 +336,27 @@ pub fn assert_gradient_matches_finite_differences(
     });
     assert_close(grad, &fd, 1e-6, &format!("{what} finite differences"));
 }
+
+/// A deterministic stream of uniform draws in `[0, 1)` from `seed` (a 64-bit LCG, its top 53
+/// bits): the tests' peer comparisons draw their inputs from it.
+pub fn uniform_stream(seed: u64) -> impl FnMut() -> f64 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A `rows × t` batch drawn from `next`: log-probs in `(−3.05, −0.05)`, log-ratios in ±`spread`,
+/// both at most 0 ([`non_positive_rows`]), 80 % of tokens real and the first always, weights in
+/// `(−2, 2)`.
+pub fn random_token_batch(next: &mut impl FnMut() -> f64, rows: usize, t: usize, spread: f64) -> TokenBatch {
+    let mut logp: Vec<Vec<f64>> = (0..rows).map(|_| (0..t).map(|_| -0.05 - 3.0 * next()).collect()).collect();
+    let mut other: Vec<Vec<f64>> =
+        logp.iter().map(|r| r.iter().map(|x| x - spread * (2.0 * next() - 1.0)).collect()).collect();
+    non_positive_rows(&mut logp, &mut other);
+    let mut mask: Vec<Vec<bool>> = (0..rows).map(|_| (0..t).map(|_| next() < 0.8).collect()).collect();
+    mask[0][0] = true;
+    let weights = (0..rows).map(|_| 4.0 * next() - 2.0).collect();
+    TokenBatch { logp, other, mask, weights }
+}
