@@ -347,13 +347,42 @@ pub fn proximal_logprobs(
     mask: &Tensor,
     method: ProximalApproximation,
 ) -> Result<Tensor, LossError> {
+    proximal_logprobs_with_checks(logp_behaviour, logp, staleness, mask, method, Checks::Full)
+}
+
+/// [`proximal_logprobs`] at a chosen [`Checks`] level: [`Checks::Shapes`] checks shapes, kinds and
+/// devices only and reads nothing back to the host (for a training loop's every micro-batch);
+/// the values are the same, and a NaN or negative staleness is then not refused.
+///
+/// # Errors
+/// As [`proximal_logprobs`]; under [`Checks::Shapes`] only the shape, kind and device errors.
+///
+/// # Example
+/// ```
+/// use tch::Tensor;
+/// use topr_loss::{host_reads, proximal_logprobs_with_checks, Checks, ProximalApproximation};
+/// let lb = Tensor::from_slice2(&[[-2.0f64]]);
+/// let lp = Tensor::from_slice2(&[[-1.0f64]]);
+/// let before = host_reads();
+/// let p = proximal_logprobs_with_checks(&lb, &lp, &Tensor::from_slice(&[2.0f64]), &lp.ones_like(), ProximalApproximation::LogLinear, Checks::Shapes)?;
+/// assert_eq!((host_reads(), p.double_value(&[0, 0])), (before, -1.5));
+/// # Ok::<(), topr_loss::LossError>(())
+/// ```
+pub fn proximal_logprobs_with_checks(
+    logp_behaviour: &Tensor,
+    logp: &Tensor,
+    staleness: &Tensor,
+    mask: &Tensor,
+    method: ProximalApproximation,
+    checks: Checks,
+) -> Result<Tensor, LossError> {
     let x = token_inputs::check(TokenArgs {
         logp: &logp.f_detach()?,
         other: (logp_behaviour, "logp_behaviour"),
         weights: None,
         mask,
         per_token_weights: false,
-        checks: Checks::Full,
+        checks,
     })?;
     let shape = x.mask.size();
     validate::dense_tensor(staleness, "staleness")?;
@@ -366,14 +395,8 @@ pub fn proximal_logprobs(
     let s = staleness.f_to_kind(Kind::Double)?;
     let s = if s.dim() == 1 { s.f_unsqueeze(1)? } else { s };
     let s = s.f_expand(shape.as_slice(), false)?;
-    validate::finite(&s, "staleness", Some(&x.mask))?;
-    let least = crate::checks::read_f64(&s.f_masked_fill(&x.mask.f_logical_not()?, f64::INFINITY)?.f_min()?)?;
-    if least < 0.0 {
-        return Err(LossError::InvalidConfig {
-            field: "staleness",
-            value: least,
-            reason: "a staleness counts policy versions and must be >= 0".into(),
-        });
+    if checks.values() {
+        check_staleness(&s, &x.mask)?;
     }
     let alpha = s.f_clamp_min(f64::MIN_POSITIVE)?.f_reciprocal()?.f_neg()?.f_add_scalar(1.0)?.f_clamp(0.0, 1.0)?;
     let alpha = alpha.f_to_kind(x.kind)?;
@@ -388,6 +411,27 @@ pub fn proximal_logprobs(
         }
     };
     Ok(x.zero_padding(&p)?.f_detach()?)
+}
+
+/// Refuses a staleness that is not finite or negative where `mask` is real: its smallest and
+/// largest real entries, read back in one host read, are finite only if every one is.
+fn check_staleness(s: &Tensor, mask: &Tensor) -> Result<(), LossError> {
+    let pad = mask.f_logical_not()?;
+    let least = s.f_masked_fill(&pad, f64::INFINITY)?.f_min()?;
+    let most = s.f_masked_fill(&pad, f64::NEG_INFINITY)?.f_max()?;
+    let read = crate::checks::read_vec(&Tensor::f_stack(&[least, most], 0)?)?;
+    let (least, most) = (read[0], read[1]);
+    if !(least.is_finite() && most.is_finite()) && mask.f_any()?.f_int64_value(&[])? != 0 {
+        validate::finite(s, "staleness", Some(mask))?;
+    }
+    if least < 0.0 {
+        return Err(LossError::InvalidConfig {
+            field: "staleness",
+            value: least,
+            reason: "a staleness counts policy versions and must be >= 0".into(),
+        });
+    }
+    Ok(())
 }
 
 /// M2PO's second-moment mask: drop the tokens whose squared log-ratio between the proximal and

@@ -313,7 +313,7 @@ pub use covariance::{
 };
 pub use decoupled::{
     DecoupledPpoConfig, DecoupledPpoOutput, ProximalApproximation, decoupled_ppo_loss, decoupled_ppo_loss_output,
-    m2po_mask, proximal_logprobs,
+    m2po_mask, proximal_logprobs, proximal_logprobs_with_checks,
 };
 pub use diagnostics::ToprDiagnostics;
 pub use dpo::{DpoDiagnostics, DpoRewards, dpo_loss, dpo_loss_output, dpo_rewards};

@@ -576,6 +576,9 @@ proptest! {
         }
         for method in [ProximalApproximation::LogLinear, ProximalApproximation::Linear] {
             let _ = no_panic("proximal_logprobs", || proximal_logprobs(&a, &b, &c, &m, method));
+            let _ = no_panic("proximal_logprobs_with_checks", || {
+                proximal_logprobs_with_checks(&a, &b, &c, &m, method, Checks::Shapes)
+            });
         }
         let _ = no_panic("m2po_mask", || m2po_mask(&a, &b, &m, p));
         for cfg in [GmpoConfig::gmpo(), GmpoConfig::gmpo().with_clip(p, q).with_max_log_ratio(q)] {

@@ -10,8 +10,8 @@ use crate::parallel::{self, ProcessGroup};
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 use topr_loss::{
-    BatchCounts, LogProbConfig, LossError, Normalizer, ProximalApproximation, backward_through_logprobs,
-    proximal_logprobs, token_logprobs,
+    BatchCounts, Checks, LogProbConfig, LossError, Normalizer, ProximalApproximation, backward_through_logprobs,
+    proximal_logprobs_with_checks, token_logprobs,
 };
 
 /// Where a step stands: what decoupled PPO's proximal policy and the step's random choices need.
@@ -56,7 +56,8 @@ fn proximal(
         }
         (_, _) => {
             let staleness = Tensor::full([p.mask.size()[0]], (at.index + 1) as f64, (Kind::Double, p.mask.device()));
-            proximal_logprobs(&p.logp_mu, &lp.logp, &staleness, &lp.mask, ProximalApproximation::LogLinear)?
+            let how = ProximalApproximation::LogLinear;
+            proximal_logprobs_with_checks(&p.logp_mu, &lp.logp, &staleness, &lp.mask, how, Checks::Shapes)?
         }
     }))
 }

@@ -144,10 +144,7 @@ fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
             first_token(gdpo_advantages(&r, &[1.0, 1.0], &mask, grpo, SingletonGroup::ZeroMeanUnitStd)?)?
         }
         Advantage::Maxrl => {
-            let correct: Vec<f64> = groups.iter().flatten().map(|s| f64::from(u8::from(s.correct))).collect();
-            Vec::<f64>::try_from(
-                maxrl_advantages(&Tensor::from_slice(&correct).view([g, k as i64]), 1e-6)?.flatten(0, -1),
-            )?
+            Vec::<f64>::try_from(maxrl_advantages(&correctness(groups, g, k as i64), 1e-6)?.flatten(0, -1))?
         }
         Advantage::Lens => lens_values(groups, g, k as i64, t, &mask)?,
         Advantage::ReinforcePpBaseline => {
@@ -169,7 +166,6 @@ fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
 /// LENS advantages on correctness, μ's per-token log-probs `[G·K, T]` (right-padded by `mask`)
 /// giving each wrong answer's confidence.
 fn lens_values(groups: &[Vec<&Sample>], g: i64, k: i64, t: i64, mask: &Tensor) -> Result<Vec<f64>> {
-    let correct: Vec<f64> = groups.iter().flatten().map(|s| f64::from(u8::from(s.correct))).collect();
     let mut logp = vec![0f64; (g * k * t) as usize];
     for (row, s) in groups.iter().flatten().enumerate() {
         for (j, lp) in s.logp_mu.iter().enumerate() {
@@ -177,9 +173,14 @@ fn lens_values(groups: &[Vec<&Sample>], g: i64, k: i64, t: i64, mask: &Tensor) -
         }
     }
     let logp = Tensor::from_slice(&logp).view([g * k, t]);
-    let r = Tensor::from_slice(&correct).view([g, k]);
-    let a = lens_advantages(&r, &logp, mask, &LensConfig::lens())?;
+    let a = lens_advantages(&correctness(groups, g, k), &logp, mask, &LensConfig::lens())?;
     Ok(Vec::<f64>::try_from(a.flatten(0, -1))?)
+}
+
+/// Each completion's correctness, 1 or 0, as the `[G, K]` rewards of MaxRL and LENS.
+fn correctness(groups: &[Vec<&Sample>], g: i64, k: i64) -> Tensor {
+    let correct: Vec<f64> = groups.iter().flatten().map(|s| f64::from(u8::from(s.correct))).collect();
+    Tensor::from_slice(&correct).view([g, k])
 }
 
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
