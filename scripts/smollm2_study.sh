@@ -9,38 +9,65 @@
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
 # same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
 # interrupted training resumes from its last saved step. A seed takes several hours on 2 cores.
+# On another machine (or after WORK is lost), the records committed in docs/study/real/ are put
+# back into WORK first (never over a file WORK has): finished iterations are not run again, and
+# a model that an unfinished iteration starts from is trained again from its recorded seeds (its
+# data set sampled again), checked against its record.
 # After the study (or when interrupted), the small records of what finished — settings,
 # per-question results, evaluation summaries, training metrics, the tables and plots; never model
 # weights or data sets, nor the seeds' shared/ folders, whose files every arm holds a copy of —
 # are copied to docs/study/real/.
 #
-# One binary for every seed: the first run copies target/release/llama to WORK/bin/llama (with
-# the commit it was built from in WORK/bin/commit.txt) and every resume runs that copy, so that
-# a later version of the sampler (other random streams) never mixes into a grid started before
-# it. To rebuild the binary of a grid: `git checkout $(cat WORK/bin/commit.txt)` and build.
+# One binary for every seed: the grid's commit is docs/study/real/commit.txt (written by the
+# first run, from HEAD). The binary is built from that commit — here when HEAD is it, else in a
+# git worktree at WORK/src — and copied to WORK/bin/llama, which every resume runs, so that a
+# later version of the sampler (other random streams) never mixes into a grid started before it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${1:-5}"
 work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
 scripts/smollm2.sh
 source scripts/env.sh
-cargo build --release -p topr-llama
 copy_records() {
     local out=docs/study/real
     mkdir -p "$out"
     (cd "$work" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
         ! -name 'data.jsonl' ! -path '*/shared/*' ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
+        ! -path './bin/*' ! -path './src/*' \
         -print0) | while IFS= read -r -d '' f; do
         mkdir -p "$out/$(dirname "$f")"
         cp "$work/$f" "$out/$f"
     done
 }
-trap copy_records EXIT
+restore_records() {
+    local from=docs/study/real
+    [ -d "$from" ] || return 0
+    (cd "$from" && find . -type f \( -name '*.json' -o -name '*.jsonl' \) -print0) | while IFS= read -r -d '' f; do
+        if [ ! -e "$work/$f" ]; then
+            mkdir -p "$work/$(dirname "$f")"
+            cp "$from/$f" "$work/$f"
+        fi
+    done
+}
 mkdir -p "$work"
+restore_records
+trap copy_records EXIT
+pin=docs/study/real/commit.txt
+[ -f "$pin" ] || git rev-parse HEAD > "$pin"
+commit=$(cat "$pin")
 if [ ! -x "$work/bin/llama" ]; then
     mkdir -p "$work/bin"
-    cp target/release/llama "$work/bin/llama.part" && mv "$work/bin/llama.part" "$work/bin/llama"
-    git rev-parse HEAD > "$work/bin/commit.txt"
+    if [ "$commit" = "$(git rev-parse HEAD)" ] && git diff --quiet HEAD -- src examples dist Cargo.toml; then
+        cargo build --release -p topr-llama
+        built=target/release/llama
+    else
+        # The grid's own commit, built beside the clone (in a target folder of its own).
+        [ -d "$work/src" ] || git worktree add --detach "$work/src" "$commit"
+        (cd "$work/src" && CARGO_TARGET_DIR="$OLDPWD/target/study-grid" cargo build --release -p topr-llama)
+        built=target/study-grid/release/llama
+    fi
+    cp "$built" "$work/bin/llama.part" && mv "$work/bin/llama.part" "$work/bin/llama"
+    echo "$commit" > "$work/bin/commit.txt"
 fi
 echo "study binary: $work/bin/llama, built from commit $(cat "$work/bin/commit.txt")"
 /usr/bin/time -f "study: %e s" -a -o "$work/times.txt" "$work/bin/llama" study --work "$work" \

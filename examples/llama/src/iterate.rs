@@ -82,7 +82,10 @@ impl<'a> Loop<'a> {
     /// [`Loop::evaluate_cached`] with `samples` sampled completions a question beside the
     /// greedy one (sampled pass@1, maj@k, pass@k), drawn from the loop's sampling distribution.
     fn evaluate_cached_with(&self, dir: &Path, out: &Path, samples: usize) -> Result<eval::Summary> {
+        // A summary already here (a restored work directory's) is not made again in the shared
+        // folder.
         if dir == self.initial
+            && !parallel::main_sees(self.group, || cached_summary(out, samples).is_some())?
             && let Some(name) = out.file_name()
             && let Some(shared) = self.shared_dir()?
         {
@@ -105,14 +108,9 @@ impl<'a> Loop<'a> {
     }
 
     fn evaluate_here(&self, dir: &Path, out: &Path, samples: usize) -> Result<eval::Summary> {
-        let cached = || {
-            std::fs::read_to_string(out)
-                .ok()
-                .and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok())
-                .filter(|c| c.samples_per_question == samples)
-        };
-        if parallel::main_sees(self.group, || cached().is_some())? {
-            return cached().with_context(|| format!("reading {} (written by rank 0)", out.display()));
+        if parallel::main_sees(self.group, || cached_summary(out, samples).is_some())? {
+            return cached_summary(out, samples)
+                .with_context(|| format!("reading {} (written by rank 0)", out.display()));
         }
         let (m, tok) = checkpoint::open(dir, self.at)?;
         let settings = EvalSettings {
@@ -138,7 +136,7 @@ impl<'a> Loop<'a> {
     /// loaded once, sampled from, then trained in place (it becomes π) and saved to `dir`'s model.
     fn sample_and_train(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<train::Summary> {
         let data = dir.data();
-        if parallel::main_sees(self.group, || dir.trained() && data.exists())? {
+        if parallel::main_sees(self.group, || dir.trained() && (data.exists() || dir.has_model()))? {
             return stage::read_done(&dir.done());
         }
         let s = self.s;
@@ -203,6 +201,112 @@ impl<'a> Loop<'a> {
     }
 }
 
+impl Loop<'_> {
+    /// Rebuilds the models that the loop's first unfinished iteration starts from where only
+    /// their records remain: a work directory restored from its committed records (settings,
+    /// done markers, evaluations, metrics; never weights or data sets) on another machine.
+    /// Each missing model is trained again from its μ on its data set, sampled again where it
+    /// is missing (the seeds of the records give the same data), and the training's summary is
+    /// compared with the recorded one. When they differ (other code, other numerics), that
+    /// iteration's evaluation and every later iteration are dropped and made again from the
+    /// rebuilt model, so that no record mixes two models.
+    fn rebuild_missing(&self, work: &LoopDir, table: Option<&mut Table>) -> Result<()> {
+        let Some(open) = self.first_unfinished(work)? else { return Ok(()) };
+        // The open iteration needs μ (iteration open − 1), and its own model when only its
+        // evaluation is missing.
+        let last = if parallel::main_sees(self.group, || work.iteration(open).trained())? { open } else { open - 1 };
+        self.ensure_models(work, last, table)
+    }
+
+    /// Puts the models of iterations 1 to `upto` back on disk where only their records remain
+    /// (see [`Loop::rebuild_missing`]).
+    fn ensure_models(&self, work: &LoopDir, upto: usize, table: Option<&mut Table>) -> Result<()> {
+        let at = |i: usize| work.iteration(i);
+        let mut start = 1;
+        for k in (1..=upto).rev() {
+            if parallel::main_sees(self.group, || at(k).has_model())? {
+                start = k + 1;
+                break;
+            }
+        }
+        for k in start..=upto {
+            let mu = if k == 1 { self.initial.clone() } else { at(k - 1).model() };
+            if !self.rebuild(k, &mu, &at(k))? {
+                return self.forget_from(work, k, table);
+            }
+        }
+        Ok(())
+    }
+
+    /// The first iteration that is not trained and evaluated, if any.
+    fn first_unfinished(&self, work: &LoopDir) -> Result<Option<usize>> {
+        for i in 1..=self.s.iterations {
+            if !parallel::main_sees(self.group, || work.iteration(i).finished())? {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Trains iteration `i` again from μ in `mu_dir` (see [`Loop::rebuild_missing`]); whether
+    /// the training's summary is the recorded one.
+    fn rebuild(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<bool> {
+        let done = dir.done();
+        let recorded: serde_json::Value = stage::read_done(&done)?;
+        if parallel::is_main(self.group) {
+            eprintln!(
+                "iteration {i}: its records are here but not its model; training it again from {}",
+                mu_dir.display()
+            );
+        }
+        parallel::on_main(self.group, || {
+            std::fs::remove_file(&done).with_context(|| format!("removing {}", done.display()))
+        })?;
+        parallel::barrier(self.group)?;
+        let now = serde_json::to_value(self.sample_and_train(i, mu_dir, dir)?)?;
+        let same = now == recorded;
+        if parallel::is_main(self.group) {
+            match same {
+                true => eprintln!("iteration {i}: rebuilt, the same training as recorded"),
+                false => eprintln!(
+                    "iteration {i}: rebuilt, but its training differs from the record (recorded {recorded}, now {now}): its evaluation and the later iterations are made again"
+                ),
+            }
+        }
+        Ok(same)
+    }
+
+    /// Drops iteration `k`'s evaluations and every later iteration (folders and table rows).
+    fn forget_from(&self, work: &LoopDir, k: usize, table: Option<&mut Table>) -> Result<()> {
+        parallel::on_main(self.group, || {
+            let it = work.iteration(k);
+            let evaluations = std::fs::read_dir(it.path())?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("eval")));
+            for f in evaluations {
+                std::fs::remove_file(&f).with_context(|| format!("removing {}", f.display()))?;
+            }
+            for j in k + 1..=self.s.iterations.max(k) {
+                let later = work.iteration(j);
+                if later.path().exists() {
+                    std::fs::remove_dir_all(later.path())
+                        .with_context(|| format!("removing {}", later.path().display()))?;
+                }
+            }
+            table.map_or(Ok(()), |t| t.drop_from(k))
+        })?;
+        parallel::barrier(self.group)
+    }
+}
+
+/// The summary cached in `out`, if it is one with `samples` sampled completions a question.
+fn cached_summary(out: &Path, samples: usize) -> Option<eval::Summary> {
+    std::fs::read_to_string(out)
+        .ok()
+        .and_then(|t| serde_json::from_str::<eval::Summary>(&t).ok())
+        .filter(|c| c.samples_per_question == samples)
+}
+
 /// The record of the loop in `work` (`settings.json`), as a resumed loop compares it.
 pub fn read_run(work: &Path) -> Result<IterateRun> {
     let file = LoopDir::new(work).settings();
@@ -251,12 +355,26 @@ fn check_run(work: &Path, started: bool, run: &IterateRun) -> Result<()> {
 struct Table {
     rows: Vec<IterationRecord>,
     file: Append,
+    path: PathBuf,
 }
 
 impl Table {
     fn open(path: &Path) -> Result<Self> {
         let rows = if path.exists() { crate::metrics::read_jsonl(path)? } else { vec![] };
-        Ok(Self { rows, file: Append::open(path)? })
+        Ok(Self { rows, file: Append::open(path)?, path: path.to_path_buf() })
+    }
+
+    /// Drops the rows of iteration `k` and later (their iterations are made again).
+    fn drop_from(&mut self, k: usize) -> Result<()> {
+        self.rows.retain(|r| r.iteration < k);
+        let mut text = String::new();
+        for r in &self.rows {
+            text.push_str(&serde_json::to_string(r)?);
+            text.push('\n');
+        }
+        crate::io::write_file(&self.path, text)?;
+        self.file = Append::open(&self.path)?;
+        Ok(())
     }
 
     fn add(&mut self, row: IterationRecord) -> Result<()> {
@@ -313,13 +431,14 @@ pub fn run(model: &Path, at: Placement, s: &IterateSettings, group: Option<&Proc
 /// The loop's stages, on every rank; rank 0 keeps the `table` (the others pass `None`).
 fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<()> {
     let s = lp.s;
-    let mut add = |row: IterationRecord| table.as_deref_mut().map_or(Ok(()), |t| t.add(row));
     let say = |line: String| {
         if parallel::is_main(lp.group) {
             eprintln!("{line}");
         }
     };
     let work = LoopDir::new(&s.work);
+    lp.rebuild_missing(&work, table.as_deref_mut())?;
+    let mut add = |row: IterationRecord| table.as_deref_mut().map_or(Ok(()), |t| t.add(row));
     let before = lp.evaluate_cached(model, &work.initial_eval())?;
     add(IterationRecord {
         accuracy: before.pass1_greedy,
@@ -338,7 +457,12 @@ fn run_stages(lp: &Loop, model: &Path, mut table: Option<&mut Table>) -> Result<
     for i in 1..=s.iterations {
         let dir = work.iteration(i);
         std::fs::create_dir_all(dir.path()).with_context(|| format!("creating {}", dir.path().display()))?;
-        let summary = lp.sample_and_train(i, &mu_dir, &dir)?;
+        // A finished iteration's records stand for it (its model may not be here: see
+        // `Loop::rebuild_missing`).
+        let summary = match parallel::main_sees(lp.group, || dir.finished())? {
+            true => stage::read_done(&dir.done())?,
+            false => lp.sample_and_train(i, &mu_dir, &dir)?,
+        };
         let e = lp.evaluate_cached(&dir.model(), &dir.eval())?;
         let opt = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
         say(format!(
@@ -384,6 +508,16 @@ pub fn evaluate_sampled(
         let it = work.iteration(iteration);
         if !it.trained() {
             bail!("iteration {iteration} of {} is not finished: nothing to evaluate", s.work.display());
+        }
+        if cached_summary(&out, k).is_none() && !it.has_model() {
+            let mut table = Table::open(&work.table())?;
+            lp.ensure_models(&work, iteration, Some(&mut table))?;
+            if !it.finished() {
+                bail!(
+                    "iteration {iteration} of {} was trained again from its records and came out otherwise: rerun the loop, which makes it and its evaluation again",
+                    s.work.display()
+                );
+            }
         }
         it.model()
     };

@@ -134,6 +134,17 @@ impl IterationDir {
         self.done().exists()
     }
 
+    /// Whether the trained model is on disk (a work directory restored from its records has
+    /// the done marker and the evaluation, not the weights).
+    pub fn has_model(&self) -> bool {
+        self.model().join("config.json").exists()
+    }
+
+    /// Whether the iteration is finished: trained and evaluated.
+    pub fn finished(&self) -> bool {
+        self.trained() && self.eval().exists()
+    }
+
     /// The training's per-step metrics.
     pub fn metrics(&self) -> PathBuf {
         metrics_file(&self.0)

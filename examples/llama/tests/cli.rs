@@ -970,6 +970,103 @@ fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
     compare_trains_other_arms_on_an_iterations_data(&dir, &work);
 }
 
+/// A loop's work directory restored from its small records on another machine (settings, done
+/// markers, evaluations, metrics; no weights, data sets or training state, as `study`'s records
+/// are committed) resumes where it stopped: a finished loop samples and trains nothing, and a
+/// longer one trains the missing models again from their records' seeds, finds the same
+/// trainings, and ends with the same results as the original work directory. A record that
+/// the rebuilt training does not reproduce is replaced: that iteration's evaluation and the later
+/// iterations are made again from the rebuilt model.
+#[test]
+fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
+    let (dir, m0) = fresh_tiny_model("llama_cli_iterate_restore", "1");
+    let iterate = |work: &Path, n: &str| {
+        let mut args = vec![
+            "iterate",
+            "--model",
+            s(&m0),
+            "--work",
+            s(work),
+            "--synthetic-n",
+            "4",
+            "--difficulty",
+            "1",
+            "--samples-per-prompt",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--batch-size",
+            "8",
+            "--eval-n",
+            "2",
+            "--lr",
+            "1e-3",
+            "--iterations",
+            n,
+        ];
+        if work.join("settings.json").exists() {
+            args.push("--resume");
+        }
+        let out = Command::new(llama()).args(args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stderr).unwrap()
+    };
+    let original = dir.join("original");
+    iterate(&original, "2");
+    let restore = |to: &Path| copy_records(&original, to);
+    let (same, edited) = (dir.join("restored"), dir.join("edited"));
+    restore(&same);
+    restore(&edited);
+
+    let log = iterate(&same, "2");
+    assert!(!log.contains("training it again"), "a finished loop needs no model:\n{log}");
+    assert!(!same.join("iter-1/data.jsonl").exists() && !same.join("iter-2/model").exists());
+
+    // The record of iteration 1's training, as other code would have left it.
+    let done = edited.join("iter-1/train.done.json");
+    let mut record: Value = serde_json::from_str(&std::fs::read_to_string(&done).unwrap()).unwrap();
+    record["final_loss"] = Value::from(123.0);
+    std::fs::write(&done, record.to_string()).unwrap();
+    std::fs::write(edited.join("iter-1/eval.json"), "{\"stale\": true}").unwrap();
+
+    iterate(&original, "3");
+    let log = iterate(&same, "3");
+    assert_eq!(log.matches("the same training as recorded").count(), 2, "{log}");
+    let log = iterate(&edited, "3");
+    assert!(log.contains("iteration 1: rebuilt, but its training differs from the record"), "{log}");
+    for f in ["iter-1/eval.json", "iter-2/eval.json", "iter-3/eval.json", "iter-3/metrics.jsonl"] {
+        let read = |w: &Path| std::fs::read_to_string(w.join(f)).unwrap();
+        assert_eq!(read(&same), read(&original), "{f} of the restored loop");
+        assert_eq!(read(&edited), read(&original), "{f} of the loop with an edited record");
+    }
+    // The table's rows (their settings record the --iterations of the run that added them).
+    let accuracies = |w: &Path| -> Vec<(Value, Value)> {
+        let text = std::fs::read_to_string(w.join("iterations.jsonl")).unwrap();
+        let rows = text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap());
+        rows.map(|r| (r["iteration"].clone(), r["accuracy"].clone())).collect()
+    };
+    assert_eq!(accuracies(&original).len(), 4);
+    assert_eq!(accuracies(&same), accuracies(&original));
+    assert_eq!(accuracies(&edited), accuracies(&original));
+}
+
+/// Copies the small records of the work directory `from` to `to`, as `scripts/smollm2_study.sh`
+/// commits them: JSON and JSONL files, without data sets, models or training state.
+fn copy_records(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        if path.is_dir() {
+            if !["model", "state", "shared"].contains(&name.as_str()) {
+                copy_records(&path, &to.join(&name));
+            }
+        } else if (name.ends_with(".json") || name.ends_with(".jsonl")) && name != "data.jsonl" {
+            std::fs::create_dir_all(to).unwrap();
+            std::fs::copy(&path, to.join(&name)).unwrap();
+        }
+    }
+}
+
 /// `compare` on the finished two-iteration run of the test above (TOPR, baseline 0): an arm with
 /// the run's own objective and baseline reproduces the run's model bit for bit (same μ, same
 /// data, same settings), the table pairs every arm with μ and the run's model, a rerun reuses the
