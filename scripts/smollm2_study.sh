@@ -53,6 +53,7 @@ mkdir -p "$work"
 restore_records
 trap copy_records EXIT
 pin=docs/study/real/commit.txt
+mkdir -p "$(dirname "$pin")"
 [ -f "$pin" ] || git rev-parse HEAD > "$pin"
 commit=$(cat "$pin")
 if [ ! -x "$work/bin/llama" ]; then
