@@ -15,6 +15,11 @@
 #      the first time (about 4.7 GB with the CUDA libraries; later clones reuse it).
 #   3. It exports LIBTORCH (read by the tch build script) and puts libtorch's `lib` folder on
 #      LD_LIBRARY_PATH so that test and example binaries find it at run time.
+#      With LIBTORCH_USE_PYTORCH=1 already set (tch's other way: the build asks the active Python
+#      for its torch), it exports no LIBTORCH: it activates the environment of step 2 (its `bin`
+#      first on PATH, VIRTUAL_ENV) unless the active Python already has torch of the chosen
+#      version, and puts that torch's `lib` folder on LD_LIBRARY_PATH.
+#      Either way TOPR_LIBTORCH names the libtorch folder, for the scripts that look inside it.
 #      With a CUDA build of torch it also installs nvidia-cuda-cccl (CCCL's headers, which c10d's
 #      NCCL header needs to compile; a few MB).
 #   4. It makes sure the same environment holds the Python *reference* packages the tests compare
@@ -87,12 +92,17 @@ topr_setup_python() {
 
 topr_setup_libtorch() {
     topr_setup_python || return 1
-    # A LIBTORCH this script exported earlier (maybe for another version) is not the user's own.
+    # The lib folder an earlier sourcing (maybe for another version) put on LD_LIBRARY_PATH, and
+    # a LIBTORCH it exported, are not the user's own.
+    if [ -n "${TOPR_LIBTORCH:-}" ]; then
+        LD_LIBRARY_PATH="$(printf '%s' ":${LD_LIBRARY_PATH:-}:" | sed "s|:$TOPR_LIBTORCH/lib:|:|g; s|^:||; s|:$||")"
+    fi
     if [ -n "${TOPR_ENV_LIBTORCH:-}" ] && [ "${LIBTORCH:-}" = "$TOPR_ENV_LIBTORCH" ]; then
-        LD_LIBRARY_PATH="$(printf '%s' ":${LD_LIBRARY_PATH:-}:" | sed "s|:$TOPR_ENV_LIBTORCH/lib:|:|g; s|^:||; s|:$||")"
         unset LIBTORCH TOPR_ENV_LIBTORCH
     fi
-    if [ -n "${LIBTORCH:-}" ]; then
+    if [ "${LIBTORCH_USE_PYTORCH:-}" = 1 ]; then
+        topr_use_pytorch || return 1
+    elif [ -n "${LIBTORCH:-}" ]; then
         if [ ! -d "$LIBTORCH/lib" ] || [ ! -d "$LIBTORCH/include" ]; then
             echo "topr-loss: LIBTORCH=$LIBTORCH has no lib/ and include/ folders" >&2
             return 1
@@ -102,10 +112,27 @@ topr_setup_libtorch() {
         LIBTORCH="$("$TOPR_REFERENCE_PYTHON" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)" || return 1
         export LIBTORCH TOPR_ENV_LIBTORCH="$LIBTORCH"
     fi
+    export TOPR_LIBTORCH="${LIBTORCH:-$TOPR_LIBTORCH}"
     case ":${LD_LIBRARY_PATH:-}:" in
-        *":$LIBTORCH/lib:"*) ;;
-        *) export LD_LIBRARY_PATH="$LIBTORCH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+        *":$TOPR_LIBTORCH/lib:"*) ;;
+        *) export LD_LIBRARY_PATH="$TOPR_LIBTORCH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
     esac
+}
+
+# LIBTORCH_USE_PYTORCH=1: the torch that tch's build will ask for (`python` when VIRTUAL_ENV is
+# set, else `python3`, as torch-sys does), activating the environment of the chosen version
+# when the active Python has no such torch. Sets TOPR_LIBTORCH; exports no LIBTORCH.
+topr_use_pytorch() {
+    local active=python3 check="import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$topr_torch_version')"
+    [ -n "${VIRTUAL_ENV:-}" ] && active=python
+    if ! "$active" -c "$check" 2>/dev/null; then
+        VIRTUAL_ENV="$(dirname "$(dirname "$TOPR_REFERENCE_PYTHON")")"
+        export VIRTUAL_ENV PATH="$VIRTUAL_ENV/bin:$PATH"
+        active=python
+        echo "topr-loss: LIBTORCH_USE_PYTORCH=1: activated $VIRTUAL_ENV (torch $topr_torch_version)" >&2
+    fi
+    TOPR_LIBTORCH="$("$active" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || return 1
+    unset LIBTORCH TOPR_ENV_LIBTORCH
 }
 
 # The tch release that binds this libtorch, in Cargo.lock (both crates accept tch 0.24 to 0.26).

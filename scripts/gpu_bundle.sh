@@ -23,7 +23,7 @@ TOPR_TORCH_VERSION=$version source scripts/env.sh
 cargo build --release -p topr-llama --bin llama
 bin="${CARGO_TARGET_DIR:-$root/target}/release/llama"
 # The bundle needs libtorch's CUDA backend among the binary's libraries (examples/llama/build.rs).
-if [ -e "$LIBTORCH/lib/libtorch_cuda.so" ] && ! readelf -d "$bin" | grep -q 'libtorch_cuda.so'; then
+if [ -e "$TOPR_LIBTORCH/lib/libtorch_cuda.so" ] && ! readelf -d "$bin" | grep -q 'libtorch_cuda.so'; then
     echo "gpu_bundle.sh: $bin does not load libtorch_cuda.so: it would see no GPU" >&2
     exit 1
 fi
