@@ -86,6 +86,13 @@ enum Attend {
     All,
     /// An explicit `[B, 1, T, S]` bool mask (padding present).
     Mask(Tensor),
+    /// One new query per row over the slots of a decoding cache, on the CPU: an additive
+    /// `[B, 1, 1, S]` bias (0 where the row may see the key, −∞ elsewhere). Each group of query
+    /// heads that shares a key head takes its scores in one product (`[g, hd] × [hd, S]`) and its
+    /// output in another. SDPA's CPU kernel gave a slot's result last-bit differences that
+    /// depended on the slot's position in the batch (on an AMD EPYC), which would make a
+    /// completion depend on what ran beside it; these products do not (and are a few % faster).
+    Slots(Tensor),
 }
 
 /// The cache a forward pass writes its keys and values to.
@@ -399,7 +406,12 @@ impl Llama {
         let (nkv, hd) = (self.cfg.num_kv_heads(), self.cfg.head_dim());
         let j = Tensor::arange(keys, (Kind::Int64, ids.device())).unsqueeze(0); // [1, keys]
         let allowed = j.ge_tensor(&first.unsqueeze(1)).logical_and(&j.le_tensor(&write.unsqueeze(1))); // [S, keys]
-        let attend = Attend::Mask(allowed.view([s, 1, 1, keys]));
+        let attend = if ids.device() == tch::Device::Cpu {
+            let bias = Tensor::zeros([s, keys], (Kind::Float, ids.device()));
+            Attend::Slots(bias.masked_fill(&allowed.logical_not(), f64::NEG_INFINITY).view([s, 1, 1, keys]))
+        } else {
+            Attend::Mask(allowed.view([s, 1, 1, keys]))
+        };
         let index = write.view([s, 1, 1, 1]).expand([s, nkv, 1, hd], false);
         let packed = cache.packed.clone();
         let kv = Kv::Slots { cache, index: &index, keys };
@@ -562,6 +574,12 @@ impl Llama {
             Attend::Causal => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, gqa),
             Attend::All => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, false, None, gqa),
             Attend::Mask(m) => Tensor::scaled_dot_product_attention(&q, &k, &v, Some(m), 0.0, false, None, gqa),
+            Attend::Slots(bias) => {
+                let g = nh / nkv;
+                let scores = q.reshape([b, nkv, g * t, hd]).matmul(&k.transpose(-1, -2)); // [B, nkv, g, S]
+                let scores = scores * (1.0 / (hd as f64).sqrt()) + bias;
+                scores.softmax(-1, Kind::Float).to_kind(v.kind()).matmul(&v).reshape([b, nh, t, hd])
+            }
         };
         y.transpose(1, 2).reshape([b, t, nh * hd])
     }
