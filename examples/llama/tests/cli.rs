@@ -925,30 +925,7 @@ fn a_training_run_resumed_with_other_settings_is_refused_listing_them() {
 fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
     let (dir, m0) = fresh_tiny_model("llama_cli_iterate_resume", "1");
     let work = dir.join("work");
-    let iterate = |extra: &[&str]| {
-        with(
-            &[
-                "iterate",
-                "--model",
-                s(&m0),
-                "--work",
-                s(&work),
-                "--synthetic-n",
-                "4",
-                "--difficulty",
-                "1",
-                "--samples-per-prompt",
-                "2",
-                "--max-new-tokens",
-                "4",
-                "--batch-size",
-                "8",
-                "--eval-n",
-                "2",
-            ],
-            extra,
-        )
-    };
+    let iterate = |extra: &[&str]| with(&tiny_iterate(&m0, &work), extra);
     run(&strs(&iterate(&["--iterations", "2"])));
     let rows = std::fs::read_to_string(work.join("iterations.jsonl")).unwrap();
     assert_eq!(rows.lines().count(), 3, "{rows}");
@@ -981,31 +958,9 @@ fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
 fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     let (dir, m0) = fresh_tiny_model("llama_cli_iterate_restore", "1");
     let iterate = |work: &Path, n: &str| {
-        let mut args = vec![
-            "iterate",
-            "--model",
-            s(&m0),
-            "--work",
-            s(work),
-            "--synthetic-n",
-            "4",
-            "--difficulty",
-            "1",
-            "--samples-per-prompt",
-            "2",
-            "--max-new-tokens",
-            "4",
-            "--batch-size",
-            "8",
-            "--eval-n",
-            "2",
-            "--lr",
-            "1e-3",
-            "--iterations",
-            n,
-        ];
+        let mut args = with(&tiny_iterate(&m0, work), &["--lr", "1e-3", "--iterations", n]);
         if work.join("settings.json").exists() {
-            args.push("--resume");
+            args.push("--resume".into());
         }
         let out = Command::new(llama()).args(args).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -1048,6 +1003,16 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     assert_eq!(accuracies(&original).len(), 4);
     assert_eq!(accuracies(&same), accuracies(&original));
     assert_eq!(accuracies(&edited), accuracies(&original));
+}
+
+/// `iterate` of the tiny model `m0` in `work` at CI size: 4 problems, 2 samples of 4 tokens each,
+/// batches of 8, 2 held-out problems.
+fn tiny_iterate<'a>(m0: &'a Path, work: &'a Path) -> Vec<&'a str> {
+    let sizes = ["--synthetic-n", "4", "--difficulty", "1", "--samples-per-prompt", "2", "--max-new-tokens", "4"];
+    let mut args = vec!["iterate", "--model", s(m0), "--work", s(work)];
+    args.extend(sizes);
+    args.extend(["--batch-size", "8", "--eval-n", "2"]);
+    args
 }
 
 /// Copies the small records of the work directory `from` to `to`, as `scripts/smollm2_study.sh`
