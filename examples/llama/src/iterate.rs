@@ -213,8 +213,10 @@ impl Loop<'_> {
     fn rebuild_missing(&self, work: &LoopDir, table: Option<&mut Table>) -> Result<()> {
         let Some(open) = self.first_unfinished(work)? else { return Ok(()) };
         // The open iteration needs μ (iteration open − 1), and its own model when only its
-        // evaluation is missing.
-        let last = if parallel::main_sees(self.group, || work.iteration(open).trained())? { open } else { open - 1 };
+        // evaluation is missing or when it was being trained again from its records.
+        let it = work.iteration(open);
+        let last =
+            if parallel::main_sees(self.group, || it.trained() || it.recorded().exists())? { open } else { open - 1 };
         self.ensure_models(work, last, table)
     }
 
@@ -238,10 +240,13 @@ impl Loop<'_> {
         Ok(())
     }
 
-    /// The first iteration that is not trained and evaluated, if any.
+    /// The first iteration that is not trained and evaluated, if any (one whose training was
+    /// being made again from its records counts as finished: its records are all there).
     fn first_unfinished(&self, work: &LoopDir) -> Result<Option<usize>> {
         for i in 1..=self.s.iterations {
-            if !parallel::main_sees(self.group, || work.iteration(i).finished())? {
+            let it = work.iteration(i);
+            let recorded = || it.finished() || (it.recorded().exists() && it.eval().exists());
+            if !parallel::main_sees(self.group, recorded)? {
                 return Ok(Some(i));
             }
         }
@@ -251,20 +256,26 @@ impl Loop<'_> {
     /// Trains iteration `i` again from μ in `mu_dir` (see [`Loop::rebuild_missing`]); whether
     /// the training's summary is the recorded one.
     fn rebuild(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<bool> {
-        let done = dir.done();
-        let recorded: serde_json::Value = stage::read_done(&done)?;
+        // The recorded summary is set aside (not removed) until the training is made again: a
+        // rebuild that stops half-way is taken up again and still compared.
+        let (done, kept) = (dir.done(), dir.recorded());
+        parallel::on_main(self.group, || match kept.exists() {
+            true => Ok(()),
+            false => std::fs::rename(&done, &kept).with_context(|| format!("moving {}", done.display())),
+        })?;
+        parallel::barrier(self.group)?;
+        let recorded: serde_json::Value = stage::read_done(&kept)?;
         if parallel::is_main(self.group) {
             eprintln!(
                 "iteration {i}: its records are here but not its model; training it again from {}",
                 mu_dir.display()
             );
         }
-        parallel::on_main(self.group, || {
-            std::fs::remove_file(&done).with_context(|| format!("removing {}", done.display()))
-        })?;
-        parallel::barrier(self.group)?;
         let now = serde_json::to_value(self.sample_and_train(i, mu_dir, dir)?)?;
         let same = now == recorded;
+        parallel::on_main(self.group, || {
+            std::fs::remove_file(&kept).with_context(|| format!("removing {}", kept.display()))
+        })?;
         if parallel::is_main(self.group) {
             match same {
                 true => eprintln!("iteration {i}: rebuilt, the same training as recorded"),

@@ -134,6 +134,12 @@ impl IterationDir {
         self.done().exists()
     }
 
+    /// The done marker of a training being made again from its records (see `iterate`): the
+    /// recorded summary it must reproduce, kept until it has.
+    pub fn recorded(&self) -> PathBuf {
+        self.0.join("train.done.recorded.json")
+    }
+
     /// Whether the trained model is on disk (a work directory restored from its records has
     /// the done marker and the evaluation, not the weights).
     pub fn has_model(&self) -> bool {

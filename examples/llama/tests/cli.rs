@@ -969,9 +969,13 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     let original = dir.join("original");
     iterate(&original, "2");
     let restore = |to: &Path| copy_records(&original, to);
-    let (same, edited) = (dir.join("restored"), dir.join("edited"));
+    let (same, edited, stopped) = (dir.join("restored"), dir.join("edited"), dir.join("stopped"));
     restore(&same);
     restore(&edited);
+    restore(&stopped);
+    // As a rebuild of iteration 1 leaves it when it stops half-way: its record set aside.
+    let (done, kept) = (stopped.join("iter-1/train.done.json"), stopped.join("iter-1/train.done.recorded.json"));
+    std::fs::rename(&done, &kept).unwrap();
 
     let log = iterate(&same, "2");
     assert!(!log.contains("training it again"), "a finished loop needs no model:\n{log}");
@@ -989,10 +993,14 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     assert_eq!(log.matches("the same training as recorded").count(), 2, "{log}");
     let log = iterate(&edited, "3");
     assert!(log.contains("iteration 1: rebuilt, but its training differs from the record"), "{log}");
+    let log = iterate(&stopped, "3");
+    assert_eq!(log.matches("the same training as recorded").count(), 2, "{log}");
+    assert!(done.exists() && !kept.exists());
     for f in ["iter-1/eval.json", "iter-2/eval.json", "iter-3/eval.json", "iter-3/metrics.jsonl"] {
         let read = |w: &Path| std::fs::read_to_string(w.join(f)).unwrap();
         assert_eq!(read(&same), read(&original), "{f} of the restored loop");
         assert_eq!(read(&edited), read(&original), "{f} of the loop with an edited record");
+        assert_eq!(read(&stopped), read(&original), "{f} of the loop whose rebuild had stopped");
     }
     // The table's rows (their settings record the --iterations of the run that added them).
     let accuracies = |w: &Path| -> Vec<(Value, Value)> {
@@ -1003,6 +1011,7 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     assert_eq!(accuracies(&original).len(), 4);
     assert_eq!(accuracies(&same), accuracies(&original));
     assert_eq!(accuracies(&edited), accuracies(&original));
+    assert_eq!(accuracies(&stopped), accuracies(&original));
 }
 
 /// `iterate` of the tiny model `m0` in `work` at CI size: 4 problems, 2 samples of 4 tokens each,
