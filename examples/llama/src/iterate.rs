@@ -297,7 +297,7 @@ impl Loop<'_> {
             for f in evaluations {
                 std::fs::remove_file(&f).with_context(|| format!("removing {}", f.display()))?;
             }
-            for j in k + 1..=self.s.iterations.max(k) {
+            for j in k + 1..=self.s.iterations {
                 let later = work.iteration(j);
                 if later.path().exists() {
                     std::fs::remove_dir_all(later.path())
