@@ -33,6 +33,11 @@
 #      tch 0.26) and, for a version other than 2.13.0, sets CARGO_TARGET_DIR=target/torch-VERSION
 #      so that builds against different libtorch versions do not overwrite each other.
 #
+# Run instead of sourced (`bash scripts/env.sh`), it does steps 2 and 4 only: it installs the
+# environment of the chosen version (TOPR_SKIP_REFERENCE=1: torch only) and changes nothing else,
+# neither Cargo.lock nor the calling shell, so that it can run beside a build (CI installs
+# torch 2.11 that way while it builds and tests against 2.13).
+#
 # After sourcing, plain `cargo test`, `cargo llama …`, `cargo run --example quickstart` and `cargo bench` work
 # in that shell.
 
@@ -164,4 +169,8 @@ topr_select_tch() {
     fi
 }
 
-topr_setup_libtorch && topr_select_tch
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    topr_setup_python
+else
+    topr_setup_libtorch && topr_select_tch
+fi
