@@ -4,6 +4,7 @@
 # TOPR over 2 iterations), on the CPU. docs/study.md has the results and their reading.
 #
 #   scripts/smollm2_study.sh [SEEDS] [WORK]
+#   scripts/smollm2_study.sh --copy-records [WORK]   # only copy WORK's records to docs/study/real/
 #
 # SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
@@ -13,10 +14,11 @@
 # back into WORK first (never over a file WORK has): finished iterations are not run again, and
 # a model that an unfinished iteration starts from is trained again from its recorded seeds (its
 # data set sampled again), checked against its record.
-# After the study (or when interrupted), the small records of what finished — settings,
-# per-question results, evaluation summaries, training metrics, the tables and plots; never model
-# weights or data sets, nor the seeds' shared/ folders, whose files every arm holds a copy of —
-# are copied to docs/study/real/.
+# After the study (or when interrupted), the records of what finished — settings, per-question
+# results, evaluation summaries, training metrics, the tables and plots, and the sampled data sets
+# (each once: a seed's first, in its shared/ folder, and the iterated arm's later ones; about 4 MB
+# each), so that a restored grid need not sample them again; never model weights — are copied to
+# docs/study/real/.
 #
 # One binary for every seed: the grid's commit is docs/study/real/commit.txt (written by the
 # first run, from HEAD). The binary is built from that commit — here when HEAD is it, else in a
@@ -24,16 +26,21 @@
 # later version of the sampler (other random streams) never mixes into a grid started before it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+only_copy=
+if [ "${1:-}" = --copy-records ]; then only_copy=1; shift; set -- 5 "$@"; fi
 seeds="${1:-5}"
 work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
-scripts/smollm2.sh
-source scripts/env.sh
 copy_records() {
     local out=docs/study/real
     mkdir -p "$out"
-    (cd "$work" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
-        ! -name 'data.jsonl' ! -path '*/shared/*' ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
-        ! -path './bin/*' ! -path './src/*' \
+    # A seed's arms hold copies of its shared first data set (iter-1/data.jsonl): the shared
+    # folder's (iter-1-data.jsonl) is copied, theirs not.
+    (cd "$work" && find . -type f ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
+        ! -path './bin/*' ! -path './src/*' \( \
+        \( \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
+            ! -name 'data.jsonl' ! -path '*/shared/*' \) \
+        -o \( -path '*/shared/*' \( -name 'iter-1-data.jsonl' -o -name 'iter-1-data.jsonl.run.json' \) \) \
+        -o \( -name 'data.jsonl' ! -path '*/shared/*' ! -path '*/iter-1/*' \) \) \
         -print0) | while IFS= read -r -d '' f; do
         mkdir -p "$out/$(dirname "$f")"
         cp "$work/$f" "$out/$f"
@@ -42,13 +49,24 @@ copy_records() {
 restore_records() {
     local from=docs/study/real
     [ -d "$from" ] || return 0
+    # A data set's record names the model by its path: one sampled in a clone elsewhere would
+    # be refused as sampled otherwise, so it is left out and sampled again.
+    local model
+    model="\"path\": \"$(pwd -P)/models/smollm2-135m-instruct\""
     (cd "$from" && find . -type f \( -name '*.json' -o -name '*.jsonl' \) -print0) | while IFS= read -r -d '' f; do
+        case "$f" in
+            *data.jsonl) grep -qF "$model" "$from/$f.run.json" 2>/dev/null || continue ;;
+            *data.jsonl.run.json) grep -qF "$model" "$from/$f" || continue ;;
+        esac
         if [ ! -e "$work/$f" ]; then
             mkdir -p "$work/$(dirname "$f")"
             cp "$from/$f" "$work/$f"
         fi
     done
 }
+if [ -n "$only_copy" ]; then copy_records; exit 0; fi
+scripts/smollm2.sh
+source scripts/env.sh
 mkdir -p "$work"
 restore_records
 trap copy_records EXIT
