@@ -4,8 +4,10 @@
 # TOPR over 2 iterations), on the CPU. docs/study.md has the results and their reading.
 #
 #   scripts/smollm2_study.sh [SEEDS] [WORK]
-#   scripts/smollm2_study.sh --copy-records [WORK]   # only copy WORK's records to docs/study/real/
+#   scripts/smollm2_study.sh --copy-records [WORK]      # only copy WORK's records to docs/study/real/
+#   scripts/smollm2_study.sh --restore-records [WORK]   # only put docs/study/real/'s back into WORK
 #
+# TOPR_STUDY_RECORDS names another records folder than docs/study/real (for tests).
 # SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
 # same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
@@ -26,12 +28,15 @@
 # later version of the sampler (other random streams) never mixes into a grid started before it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-only_copy=
-if [ "${1:-}" = --copy-records ]; then only_copy=1; shift; set -- 5 "$@"; fi
+only=
+case "${1:-}" in
+    --copy-records | --restore-records) only=$1; shift; set -- 5 "$@" ;;
+esac
+records="${TOPR_STUDY_RECORDS:-docs/study/real}"
 seeds="${1:-5}"
 work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
 copy_records() {
-    local out=docs/study/real
+    local out=$records
     mkdir -p "$out"
     # A seed's arms hold copies of its shared first data set (iter-1/data.jsonl): the shared
     # folder's (iter-1-data.jsonl) is copied, theirs not.
@@ -47,7 +52,7 @@ copy_records() {
     done
 }
 restore_records() {
-    local from=docs/study/real
+    local from=$records
     [ -d "$from" ] || return 0
     # A data set's record names the model by its path: one sampled in a clone elsewhere would
     # be refused as sampled otherwise, so it is left out and sampled again.
@@ -64,7 +69,10 @@ restore_records() {
         fi
     done
 }
-if [ -n "$only_copy" ]; then copy_records; exit 0; fi
+case "$only" in
+    --copy-records) copy_records; exit 0 ;;
+    --restore-records) mkdir -p "$work"; restore_records; exit 0 ;;
+esac
 scripts/smollm2.sh
 source scripts/env.sh
 mkdir -p "$work"

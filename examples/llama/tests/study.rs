@@ -136,3 +136,77 @@ fn bad_study_options_are_refused_in_one_line() {
     }
     assert!(!work.exists(), "a refused study wrote {}", work.display());
 }
+
+/// `scripts/smollm2_study.sh`'s records: each sampled data set is copied once (a seed's shared
+/// first one and the iterated arm's later ones, not the arms' copies of the shared one), never the
+/// weights or training states; put back into a new work directory, a data set comes back only when
+/// its record names this clone's model (else its sampler would refuse it as sampled otherwise).
+#[test]
+fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_same_clone() {
+    let repo = std::fs::canonicalize(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")).unwrap();
+    let tmp = std::env::temp_dir().join(format!("llama_study_records_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let (work, records, back) = (tmp.join("work"), tmp.join("records"), tmp.join("back"));
+    let here = format!("{{\"model\": {{\"path\": \"{}/models/smollm2-135m-instruct\"}}}}", repo.display());
+    let elsewhere = "{\"model\": {\"path\": \"/elsewhere/models/smollm2-135m-instruct\"}}";
+    let files: &[(&str, &str)] = &[
+        ("seed-0/shared/h0/iter-1-data.jsonl", "{}\n"),
+        ("seed-0/shared/h0/iter-1-data.jsonl.run.json", &here),
+        ("seed-0/shared/h0/eval-initial.json", "{}"),
+        ("seed-0/arm/iter-1/data.jsonl", "{}\n"),
+        ("seed-0/arm/iter-1/data.jsonl.run.json", &here),
+        ("seed-0/arm/iter-1/train.done.json", "{}"),
+        ("seed-0/arm/iter-1/model/config.json", "{}"),
+        ("seed-0/arm/iter-2/data.jsonl", "{}\n"),
+        ("seed-0/arm/iter-2/data.jsonl.run.json", &here),
+        ("seed-0/arm/iter-2/state/progress.json", "{}"),
+        ("seed-1/shared/h1/iter-1-data.jsonl", "{}\n"),
+        ("seed-1/shared/h1/iter-1-data.jsonl.run.json", elsewhere),
+    ];
+    for (f, text) in files {
+        let p = work.join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    let script = |option: &str, dir: &std::path::Path| {
+        let out = Command::new("bash")
+            .arg(repo.join("scripts/smollm2_study.sh"))
+            .args([option, dir.to_str().unwrap()])
+            .env("TOPR_STUDY_RECORDS", &records)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{option}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let listed = |dir: &std::path::Path| {
+        let mut all = vec![];
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    todo.push(p);
+                } else {
+                    all.push(p.strip_prefix(dir).unwrap().to_str().unwrap().to_string());
+                }
+            }
+        }
+        all.sort();
+        all
+    };
+    script("--copy-records", &work);
+    let copied = [
+        "seed-0/arm/iter-1/data.jsonl.run.json",
+        "seed-0/arm/iter-1/train.done.json",
+        "seed-0/arm/iter-2/data.jsonl",
+        "seed-0/arm/iter-2/data.jsonl.run.json",
+        "seed-0/shared/h0/iter-1-data.jsonl",
+        "seed-0/shared/h0/iter-1-data.jsonl.run.json",
+        "seed-1/shared/h1/iter-1-data.jsonl",
+        "seed-1/shared/h1/iter-1-data.jsonl.run.json",
+    ];
+    assert_eq!(listed(&records), copied);
+    script("--restore-records", &back);
+    let restored: Vec<&str> = copied.iter().copied().filter(|f| !f.starts_with("seed-1")).collect();
+    assert_eq!(listed(&back), restored);
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
