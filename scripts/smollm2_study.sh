@@ -14,8 +14,8 @@
 # interrupted training resumes from its last saved step. A seed takes several hours on 2 cores.
 # On another machine (or after WORK is lost), the records committed in docs/study/real/ are put
 # back into WORK first (never over a file WORK has): finished iterations are not run again, and
-# a model that an unfinished iteration starts from is trained again from its recorded seeds (its
-# data set sampled again), checked against its record.
+# a model that an unfinished iteration starts from is trained again from its recorded seeds (on
+# its restored data set, or one sampled again), checked against its record.
 # After the study (or when interrupted), the records of what finished — settings, per-question
 # results, evaluation summaries, training metrics, the tables and plots, and the sampled data sets
 # (each once: a seed's first, in its shared/ folder, and the iterated arm's later ones; about 4 MB

@@ -6,6 +6,8 @@
 //! `#[cfg(test)]` modules aside), resolved to the longest module path that exists. The check
 //! runs on the source files, so it needs no build of anything else.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -22,24 +24,18 @@ fn crate_src(rel: &str) -> PathBuf {
 /// Every `.rs` file under `root`, as (module path, text), `lib.rs`/`main.rs` as the root `""`.
 fn modules(root: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                let rel = p.strip_prefix(root).unwrap().with_extension("");
-                let mut parts: Vec<String> = rel.iter().map(|s| s.to_string_lossy().into_owned()).collect();
-                if parts.last().is_some_and(|l| l == "mod") {
-                    parts.pop();
-                }
-                if parts.len() == 1 && (parts[0] == "lib" || parts[0] == "main") {
-                    parts.clear();
-                }
-                out.insert(parts.join("::"), std::fs::read_to_string(&p).unwrap());
-            }
+    for rel in common::files_under(root) {
+        if rel.extension().is_none_or(|x| x != "rs") {
+            continue;
         }
+        let mut parts: Vec<String> = rel.with_extension("").iter().map(|s| s.to_string_lossy().into_owned()).collect();
+        if parts.last().is_some_and(|l| l == "mod") {
+            parts.pop();
+        }
+        if parts.len() == 1 && (parts[0] == "lib" || parts[0] == "main") {
+            parts.clear();
+        }
+        out.insert(parts.join("::"), std::fs::read_to_string(root.join(&rel)).unwrap());
     }
     out
 }

@@ -1,6 +1,8 @@
 //! `llama study` at CI size: the harness runs every arm of its claims for every seed, writes its
 //! tables and plots, resumes without redoing finished work, and refuses bad options.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -143,7 +145,7 @@ fn bad_study_options_are_refused_in_one_line() {
 /// its record names this clone's model (else its sampler would refuse it as sampled otherwise).
 #[test]
 fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_same_clone() {
-    let repo = std::fs::canonicalize(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")).unwrap();
+    let repo = std::fs::canonicalize(common::repo()).unwrap();
     let tmp = std::env::temp_dir().join(format!("llama_study_records_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let (work, records, back) = (tmp.join("work"), tmp.join("records"), tmp.join("back"));
@@ -177,21 +179,8 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
             .unwrap();
         assert!(out.status.success(), "{option}: {}", String::from_utf8_lossy(&out.stderr));
     };
-    let listed = |dir: &std::path::Path| {
-        let mut all = vec![];
-        let mut todo = vec![dir.to_path_buf()];
-        while let Some(d) = todo.pop() {
-            for e in std::fs::read_dir(&d).unwrap() {
-                let p = e.unwrap().path();
-                if p.is_dir() {
-                    todo.push(p);
-                } else {
-                    all.push(p.strip_prefix(dir).unwrap().to_str().unwrap().to_string());
-                }
-            }
-        }
-        all.sort();
-        all
+    let listed = |dir: &std::path::Path| -> Vec<String> {
+        common::files_under(dir).iter().map(|p| p.to_str().unwrap().to_string()).collect()
     };
     script("--copy-records", &work);
     let copied = [
