@@ -3,6 +3,8 @@
 //!
 //! 1. `csrc/onednn_linear.cpp`, compiled against libtorch's headers: oneDNN's packed linear layer
 //!    for generation and training on the CPU (`src/onednn.rs`), which tch does not wrap.
+//!    With it `csrc/decode_attention.cpp`: the decoding step's attention on the CPU
+//!    (`src/attention.rs`), always optimised (its loops are vectorised by the compiler).
 //! 2. `csrc/cuda_graph.cpp` (`src/cuda_graph.rs`), when the libtorch is a CUDA build: libtorch's
 //!    CUDA graphs, with the CUDA runtime's headers that topr-dist's build script found (beside
 //!    a torch wheel, in `CUDA_HOME` or in `/usr/local/cuda`); it sets the `topr_cuda_graphs` cfg.
@@ -29,12 +31,15 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("csrc/onednn_linear.cpp")
+        .file("csrc/decode_attention.cpp")
         .include(shared)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .warnings(false)
+        // The decoding attention's loops are vectorised by the compiler, also in debug builds.
+        .opt_level(3)
         .compile("topr_onednn");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=torch_cpu");

@@ -42,6 +42,7 @@ pub mod checkpoint;
 pub mod compare;
 pub mod config;
 pub mod cuda_graph;
+pub mod attention;
 pub mod dataset;
 pub mod demo;
 pub mod eval;

@@ -86,13 +86,19 @@ enum Attend {
     All,
     /// An explicit `[B, 1, T, S]` bool mask (padding present).
     Mask(Tensor),
-    /// One new query per row over the slots of a decoding cache, on the CPU: an additive
+    /// One new query per row over the slots of a decoding cache, on the CPU where
+    /// [`Attend::Ranges`] does not apply ([`Kernels::Plain`], bf16): an additive
     /// `[B, 1, 1, S]` bias (0 where the row may see the key, −∞ elsewhere). Each group of query
     /// heads that shares a key head takes its scores in one product (`[g, hd] × [hd, S]`) and its
     /// output in another. SDPA's CPU kernel gave a slot's result last-bit differences that
     /// depended on the slot's position in the batch (on an AMD EPYC), which would make a
     /// completion depend on what ran beside it; these products do not (and are a few % faster).
     Slots(Tensor),
+    /// One new query per row over the slots of a decoding cache, on the CPU in f32 with
+    /// [`Kernels::Onednn`]: [`crate::attention::decode_attention`], row `s` seeing its cache
+    /// positions `first[s]..=last[s]` (`[S]` each), and nothing else (the keys actually in use,
+    /// where the other variants span the longest row's).
+    Ranges { first: Tensor, last: Tensor },
 }
 
 /// The cache a forward pass writes its keys and values to.
@@ -404,21 +410,23 @@ impl Llama {
     ) -> Result<Tensor> {
         let s = ids.size()[0];
         let (nkv, hd) = (self.cfg.num_kv_heads(), self.cfg.head_dim());
-        let j = Tensor::arange(keys, (Kind::Int64, ids.device())).unsqueeze(0); // [1, keys]
-        let allowed = j.ge_tensor(&first.unsqueeze(1)).logical_and(&j.le_tensor(&write.unsqueeze(1))); // [S, keys]
-        let attend = if ids.device() == tch::Device::Cpu {
+        let packed = cache.packed.clone();
+        let j = || Tensor::arange(keys, (Kind::Int64, ids.device())).unsqueeze(0); // [1, keys]
+        let allowed = || j().ge_tensor(&first.unsqueeze(1)).logical_and(&j().le_tensor(&write.unsqueeze(1))); // [S, keys]
+        let attend = if packed.is_some() && self.kind == Kind::Float {
+            Attend::Ranges { first: first.shallow_clone(), last: write.shallow_clone() }
+        } else if ids.device() == tch::Device::Cpu {
             let bias = Tensor::zeros([s, keys], (Kind::Float, ids.device()));
-            Attend::Slots(bias.masked_fill(&allowed.logical_not(), f64::NEG_INFINITY).view([s, 1, 1, keys]))
+            Attend::Slots(bias.masked_fill(&allowed().logical_not(), f64::NEG_INFINITY).view([s, 1, 1, keys]))
         } else {
-            Attend::Mask(allowed.view([s, 1, 1, keys]))
+            Attend::Mask(allowed().view([s, 1, 1, keys]))
         };
         let index = write.view([s, 1, 1, 1]).expand([s, nkv, 1, hd], false);
-        let packed = cache.packed.clone();
         let kv = Kv::Slots { cache, index: &index, keys };
         let (ids, positions) = (ids.view([s, 1]), positions.view([s, 1]));
         let h = match &packed {
             Some(p) => self.run(&ids, &positions, &attend, kv, p.as_ref())?,
-            None => infallible(self.run(&ids, &positions, &attend, kv, &Plain)),
+            None => self.run(&ids, &positions, &attend, kv, &Plain)?,
         };
         let last = h.squeeze_dim(1);
         match &packed {
@@ -456,7 +464,7 @@ impl Llama {
         if self.trains_with_onednn() {
             self.run(ids, &positions, &attend, Kv::None, &TrainOnednn)
         } else {
-            Ok(infallible(self.run(ids, &positions, &attend, Kv::None, &Plain)))
+            self.run(ids, &positions, &attend, Kv::None, &Plain)
         }
     }
 
@@ -495,7 +503,7 @@ impl Llama {
         let packed = cache.packed.clone();
         let h = match &packed {
             Some(p) => self.run(ids, positions, &attend, Kv::Append(cache), p.as_ref()),
-            None => Ok(infallible(self.run(ids, positions, &attend, Kv::Append(cache), &Plain))),
+            None => self.run(ids, positions, &attend, Kv::Append(cache), &Plain),
         };
         cache.len = total;
         let last = h?.narrow(1, t - 1, 1).squeeze_dim(1);
@@ -515,7 +523,7 @@ impl Llama {
         attend: &Attend,
         mut cache: Kv,
         lin: &L,
-    ) -> Result<Tensor, L::Error> {
+    ) -> Result<Tensor> {
         let (cos, sin) = rope_cos_sin(&self.inv_freq, positions, self.kind); // [B, 1, T, hd]
         let mut x = Tensor::embedding(&self.embed, ids, -1, false, false); // [B, T, H]
         for (l, layer) in self.layers.iter().enumerate() {
@@ -528,7 +536,7 @@ impl Llama {
                 }
             };
             let (q, k, v) = lin.qkv(self, l, &h)?;
-            let y = self.attention(&q, &k, &v, &cos, &sin, attend, kv);
+            let y = self.attention(&q, &k, &v, &cos, &sin, attend, kv)?;
             x = x + lin.o(self, l, &y)?;
             let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps);
             let (gate, up) = lin.gate_up(self, l, &h)?;
@@ -549,7 +557,7 @@ impl Llama {
         sin: &Tensor,
         attend: &Attend,
         cache: Option<Write>,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let (b, t) = (q.size()[0], q.size()[1]);
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_kv_heads(), self.cfg.head_dim());
         let heads = |x: &Tensor, n: i64| x.reshape([b, t, n, hd]).transpose(1, 2); // [B, n, T, hd]
@@ -565,7 +573,11 @@ impl Llama {
             Some(Write::Scatter(ck, cv, index, keys)) => {
                 let _ = ck.scatter_(2, index, &k);
                 let _ = cv.scatter_(2, index, &v);
-                (ck.narrow(2, 0, keys), cv.narrow(2, 0, keys))
+                match attend {
+                    // Each row reads its own range, which an idle row's may put past `keys`.
+                    Attend::Ranges { .. } => (ck.shallow_clone(), cv.shallow_clone()),
+                    _ => (ck.narrow(2, 0, keys), cv.narrow(2, 0, keys)),
+                }
             }
             None => (k, v),
         };
@@ -580,42 +592,41 @@ impl Llama {
                 let scores = scores * (1.0 / (hd as f64).sqrt()) + bias;
                 scores.softmax(-1, Kind::Float).to_kind(v.kind()).matmul(&v).reshape([b, nh, t, hd])
             }
+            Attend::Ranges { first, last } => crate::attention::decode_attention(&q, &k, &v, first, last)?,
         };
-        y.transpose(1, 2).reshape([b, t, nh * hd])
+        Ok(y.transpose(1, 2).reshape([b, t, nh * hd]))
     }
 }
 
 /// The matrix products of a decoder layer, computed from the model's own weights ([`Plain`],
 /// differentiable, the training path) or from a packed copy ([`Packed`], generation on the CPU).
 trait Linears {
-    type Error;
     /// `q [B, T, nh·hd]`, `k`, `v [B, T, nkv·hd]` of layer `l`'s normalised input `h`.
-    fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor, Tensor), Self::Error>;
+    fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)>;
     /// `o_proj` of the attention output.
-    fn o(&self, m: &Llama, l: usize, y: &Tensor) -> Result<Tensor, Self::Error>;
+    fn o(&self, m: &Llama, l: usize, y: &Tensor) -> Result<Tensor>;
     /// `gate_proj(h)` and `up_proj(h)`.
-    fn gate_up(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor), Self::Error>;
+    fn gate_up(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor)>;
     /// `down_proj` of the gated product.
-    fn down(&self, m: &Llama, l: usize, x: &Tensor) -> Result<Tensor, Self::Error>;
+    fn down(&self, m: &Llama, l: usize, x: &Tensor) -> Result<Tensor>;
 }
 
 /// `x · Wᵀ` with libtorch's `matmul` on the model's weights.
 struct Plain;
 
 impl Linears for Plain {
-    type Error = std::convert::Infallible;
-    fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor, Tensor), Self::Error> {
+    fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let a = &m.layers[l].attn;
         Ok((h.matmul(&a.q.tr()), h.matmul(&a.k.tr()), h.matmul(&a.v.tr())))
     }
-    fn o(&self, m: &Llama, l: usize, y: &Tensor) -> Result<Tensor, Self::Error> {
+    fn o(&self, m: &Llama, l: usize, y: &Tensor) -> Result<Tensor> {
         Ok(y.matmul(&m.layers[l].attn.o.tr()))
     }
-    fn gate_up(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor), Self::Error> {
+    fn gate_up(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor)> {
         let f = &m.layers[l].mlp;
         Ok((h.matmul(&f.gate.tr()), h.matmul(&f.up.tr())))
     }
-    fn down(&self, m: &Llama, l: usize, x: &Tensor) -> Result<Tensor, Self::Error> {
+    fn down(&self, m: &Llama, l: usize, x: &Tensor) -> Result<Tensor> {
         Ok(x.matmul(&m.layers[l].mlp.down.tr()))
     }
 }
@@ -625,7 +636,6 @@ impl Linears for Plain {
 struct TrainOnednn;
 
 impl Linears for TrainOnednn {
-    type Error = anyhow::Error;
     fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let a = &m.layers[l].attn;
         Ok((onednn::train_linear(h, &a.q)?, onednn::train_linear(h, &a.k)?, onednn::train_linear(h, &a.v)?))
@@ -682,7 +692,6 @@ impl Packed {
 }
 
 impl Linears for Packed {
-    type Error = anyhow::Error;
     fn qkv(&self, m: &Llama, l: usize, h: &Tensor) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
         let (q, kv) = (m.cfg.num_attention_heads * m.cfg.head_dim(), m.cfg.num_kv_heads() * m.cfg.head_dim());
         let y = self.layers[l].qkv.forward(h)?;
@@ -701,12 +710,7 @@ impl Linears for Packed {
     }
 }
 
-fn infallible<T>(r: Result<T, std::convert::Infallible>) -> T {
-    match r {
-        Ok(t) => t,
-        Err(never) => match never {},
-    }
-}
+
 
 /// Position of each token among the real tokens of its row: `cumsum(mask) − 1`, 0 on padding.
 pub fn positions_from_mask(mask: &Tensor) -> Tensor {

@@ -1,0 +1,195 @@
+//! The attention of a decoding step on the CPU, slot by slot ([`decode_attention`]).
+//!
+//! In a decoding step every slot brings one new query per head and attends to the keys its own
+//! completion has cached. Written as libtorch products, that is a batch of tiny matrix products
+//! (`[g, hd] × [hd, n]` for the `g` query heads sharing a key head), which cost a quarter of a
+//! SmolLM2-135M decoding step on 2 CPU cores, and which must span the longest slot's keys, the
+//! others masked. [`decode_attention`] (`csrc/decode_attention.cpp`) computes each slot and key
+//! head on its own, over exactly the positions that slot may see, in a fixed order: the work is
+//! that of the keys in use, and a slot's result depends on its own query, keys and values only —
+//! the same bits whatever runs beside it, however large the batch or the cache.
+//!
+//! For slot `s`, query head `i` (key head `i / g`) and its positions `first[s] ≤ j ≤ last[s]`:
+//!
+//! ```text
+//! y[s, i] = Σ_j softmax_j(q[s, i] · k[s, i/g, j] / √hd) · v[s, i/g, j]
+//! ```
+//!
+//! the same formula as [`Tensor::scaled_dot_product_attention`] with every other key masked,
+//! equal to it up to f32 rounding (tested here against an f64 reference).
+
+use anyhow::{Result, bail};
+use std::ffi::{c_char, c_void};
+use tch::{Device, Kind, Tensor};
+
+unsafe extern "C" {
+    fn topr_decode_attention(
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        first: *const c_void,
+        last: *const c_void,
+        err: *mut c_char,
+        cap: usize,
+    ) -> *mut c_void;
+}
+
+/// Whether [`decode_attention`] takes these queries: on the CPU, in f32.
+pub fn supports(q: &Tensor) -> bool {
+    q.device() == Device::Cpu && q.kind() == Kind::Float
+}
+
+/// Attention of one query per slot: `q [S, nh, 1, hd]` (rotary embedding applied) over the
+/// caches `k`, `v [S, nkv, P, hd]` (the head dimension contiguous; `nh` a multiple of `nkv`),
+/// slot `s` seeing its positions `first[s]..=last[s]` (`first`, `last`: `[S]`, int64):
+/// `[S, nh, 1, hd]`. See the [module](self) for the formula. f32 on the CPU only
+/// ([`supports`]); an error names what is wrong with the shapes or the ranges.
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// let (s, nh, nkv, p, hd) = (2, 4, 2, 8, 16);
+/// let q = Tensor::randn([s, nh, 1, hd], (Kind::Float, tch::Device::Cpu));
+/// let k = Tensor::randn([s, nkv, p, hd], (Kind::Float, tch::Device::Cpu));
+/// let v = Tensor::randn([s, nkv, p, hd], (Kind::Float, tch::Device::Cpu));
+/// // slot 0 sees positions 0..=3, slot 1 positions 2..=7
+/// let first = Tensor::from_slice(&[0i64, 2]);
+/// let last = Tensor::from_slice(&[3i64, 7]);
+/// let y = topr_llama::attention::decode_attention(&q, &k, &v, &first, &last)?;
+/// assert_eq!(y.size(), [s, nh, 1, hd]);
+/// // a range past the cache is refused
+/// let past = Tensor::from_slice(&[0i64, 8]);
+/// assert!(topr_llama::attention::decode_attention(&q, &k, &v, &first, &past).is_err());
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, first: &Tensor, last: &Tensor) -> Result<Tensor> {
+    let mut err = [0u8; 1024];
+    // SAFETY: live tensors; the shim checks shapes, kinds and ranges before reading, and catches
+    // every C++ exception.
+    let raw = unsafe {
+        topr_decode_attention(
+            q.as_ptr().cast(),
+            k.as_ptr().cast(),
+            v.as_ptr().cast(),
+            first.as_ptr().cast(),
+            last.as_ptr().cast(),
+            err.as_mut_ptr().cast(),
+            err.len(),
+        )
+    };
+    if raw.is_null() {
+        bail!("the decoding attention failed: {}", crate::onednn::shim_message(&err));
+    }
+    // SAFETY: the shim returns a `new at::Tensor`, which tch takes over and frees on drop.
+    Ok(unsafe { Tensor::from_ptr(raw.cast()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The formula in f64, one slot and head at a time, from plain vectors.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, first: &[i64], last: &[i64]) -> Vec<f64> {
+        let (s, nh, hd) = (q.size()[0], q.size()[1], q.size()[3]);
+        let (nkv, p) = (k.size()[1], k.size()[2]);
+        let flat = |t: &Tensor| Vec::<f64>::try_from(t.to_kind(Kind::Double).contiguous().view(-1)).unwrap();
+        let (q, k, v) = (flat(q), flat(k), flat(v));
+        let mut y = vec![0.0; (s * nh * hd) as usize];
+        for slot in 0..s {
+            for i in 0..nh {
+                let h = i / (nh / nkv);
+                let at = |t: &[f64], j: i64, d: i64| t[(((slot * nkv + h) * p + j) * hd + d) as usize];
+                let qi = |d: i64| q[((slot * nh + i) * hd + d) as usize];
+                let keys: Vec<i64> = (first[slot as usize]..=last[slot as usize]).collect();
+                let scores: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| (0..hd).map(|d| qi(d) * at(&k, j, d)).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let total: f64 = e.iter().sum();
+                for d in 0..hd {
+                    y[((slot * nh + i) * hd + d) as usize] =
+                        keys.iter().zip(&e).map(|(&j, w)| w / total * at(&v, j, d)).sum();
+                }
+            }
+        }
+        y
+    }
+
+    fn inputs(s: i64, nh: i64, nkv: i64, p: i64, hd: i64, seed: i64) -> (Tensor, Tensor, Tensor) {
+        tch::manual_seed(seed);
+        let o = (Kind::Float, Device::Cpu);
+        (Tensor::randn([s, nh, 1, hd], o) * 2.0, Tensor::randn([s, nkv, p, hd], o), Tensor::randn([s, nkv, p, hd], o))
+    }
+
+    #[test]
+    fn matches_the_formula_in_f64_for_blocked_and_unblocked_head_sizes() {
+        for (nh, nkv, hd) in [(9, 3, 64), (8, 2, 128), (4, 2, 20), (2, 2, 16), (6, 1, 33)] {
+            let (s, p) = (5, 37);
+            let (q, k, v) = inputs(s, nh, nkv, p, hd, hd);
+            let first = [0i64, 3, 36, 10, 0];
+            let last = [36i64, 3, 36, 30, 0];
+            let y = decode_attention(&q, &k, &v, &Tensor::from_slice(&first), &Tensor::from_slice(&last)).unwrap();
+            let want = reference(&q, &k, &v, &first, &last);
+            let got = Vec::<f64>::try_from(y.to_kind(Kind::Double).view(-1)).unwrap();
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+            assert!(worst < 1e-5, "nh {nh} nkv {nkv} hd {hd}: largest difference {worst}");
+        }
+    }
+
+    #[test]
+    fn a_slot_gets_the_same_bits_alone_beside_others_and_in_a_larger_cache() {
+        let (s, nh, nkv, p, hd) = (6, 9, 3, 70, 64);
+        let (q, k, v) = inputs(s, nh, nkv, p, hd, 7);
+        let first = Tensor::from_slice(&[0i64, 5, 0, 64, 1, 2]);
+        let last = Tensor::from_slice(&[69i64, 40, 0, 66, 63, 2]);
+        let all = decode_attention(&q, &k, &v, &first, &last).unwrap();
+        for slot in 0..s {
+            let one = |t: &Tensor| t.narrow(0, slot, 1);
+            // alone, and alone with its cache cut to the positions it sees
+            let end = last.int64_value(&[slot]) + 1;
+            let alone = decode_attention(&one(&q), &one(&k), &one(&v), &one(&first), &one(&last)).unwrap();
+            let cut = decode_attention(
+                &one(&q),
+                &one(&k).narrow(2, 0, end),
+                &one(&v).narrow(2, 0, end),
+                &one(&first),
+                &one(&last),
+            )
+            .unwrap();
+            assert!(alone.equal(&all.narrow(0, slot, 1)), "slot {slot} alone");
+            assert!(cut.equal(&alone), "slot {slot} in a cut cache");
+        }
+    }
+
+    #[test]
+    fn equals_libtorch_attention_with_the_other_keys_masked() {
+        let (s, nh, nkv, p, hd) = (4, 8, 2, 50, 64);
+        let (q, k, v) = inputs(s, nh, nkv, p, hd, 3);
+        let (first, last) = (Tensor::from_slice(&[0i64, 7, 49, 20]), Tensor::from_slice(&[49i64, 30, 49, 21]));
+        let j = Tensor::arange(p, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let mask = j.ge_tensor(&first.unsqueeze(1)).logical_and(&j.le_tensor(&last.unsqueeze(1))).view([s, 1, 1, p]);
+        let want = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, None, true);
+        let got = decode_attention(&q, &k, &v, &first, &last).unwrap();
+        let worst = (got - want).abs().max().double_value(&[]);
+        assert!(worst < 1e-5, "largest difference {worst}");
+    }
+
+    #[test]
+    fn refuses_bad_ranges_kinds_and_shapes_naming_them() {
+        let (q, k, v) = inputs(2, 4, 2, 8, 16, 1);
+        let ok = Tensor::from_slice(&[0i64, 0]);
+        let msg = |r: Result<Tensor>| format!("{:#}", r.unwrap_err());
+        let bad_range = msg(decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64, 5]), &Tensor::from_slice(&[3i64, 4])));
+        assert!(bad_range.contains("slot 1 attends to positions 5..=4"), "{bad_range}");
+        let past = msg(decode_attention(&q, &k, &v, &ok, &Tensor::from_slice(&[0i64, 8])));
+        assert!(past.contains("of a cache of 8"), "{past}");
+        let kind = msg(decode_attention(&q.to_kind(Kind::Double), &k, &v, &ok, &ok));
+        assert!(kind.contains("f32"), "{kind}");
+        let heads = msg(decode_attention(&q.narrow(1, 0, 3), &k, &v, &ok, &ok));
+        assert!(heads.contains("multiple of key heads"), "{heads}");
+        let slots = msg(decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64]), &ok));
+        assert!(slots.contains("one entry per slot"), "{slots}");
+        assert!(supports(&q) && !supports(&q.to_kind(Kind::BFloat16)));
+    }
+}
