@@ -11,10 +11,11 @@
 // nothing but its own query, keys and values (not on the other slots, the batch size or the
 // cache's capacity), summed in a fixed order.
 //
-// Vectorised by the compiler: the dot products over `hd` keep 16 partial sums (combined in a fixed
-// tree), the value sums run along `hd`; head sizes 64 and 128 have unrolled code. GCC and Clang on x86-64 Linux compile three versions
-// (AVX-512, AVX2 with FMA, the baseline) and pick one at load time for the CPU at hand, so the bits
-// are the same from run to run on one machine, not from one CPU kind to another.
+// Head sizes 64 and 128 (most Llama models) are written on 16-float vectors, which GCC and Clang on
+// x86-64 Linux compile three times (AVX-512, AVX2 with FMA, the baseline) and pick from at load time
+// for the CPU at hand: the bits are the same from run to run on one machine, not from one CPU kind
+// to another. Other head sizes take plain loops. The softmax's exponential is a polynomial
+// (Cephes' `expf`), so that it vectorises too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "c_boundary.hpp"
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -36,78 +38,183 @@ namespace {
 
 constexpr int64_t LANES = 16;
 
-// `q · k` over `hd` entries: 16 partial sums (one per lane), combined in a fixed tree. `HD` is
-// the head size when known at compile time (a multiple of 16: the loops unroll, the sums stay
-// in registers), 0 for any other, read from `hd`.
-template <int64_t HD>
-inline float dot(const float* q, const float* k, int64_t hd) {
-  if constexpr (HD == 0) {
-    if (hd % LANES != 0) {
-      float s = 0.0f;
-      for (int64_t d = 0; d < hd; ++d) {
-        s += q[d] * k[d];
-      }
-      return s;
-    }
-  }
-  const int64_t n = HD == 0 ? hd : HD;
-  float acc[LANES] = {0};
-  for (int64_t d = 0; d < n; d += LANES) {
-    for (int64_t u = 0; u < LANES; ++u) {
-      acc[u] += q[d + u] * k[d + u];
-    }
-  }
-  for (int64_t u = 0; u < 8; ++u) acc[u] += acc[u + 8];
-  for (int64_t u = 0; u < 4; ++u) acc[u] += acc[u + 4];
-  for (int64_t u = 0; u < 2; ++u) acc[u] += acc[u + 2];
-  return acc[0] + acc[1];
+// `e^x` for `x ≤ 0` (a softmax's shifted scores), written so that the compiler vectorises a loop
+// of it: Cephes' `expf` (range reduction by ln 2, a degree-6 polynomial, the power of two set in
+// the exponent bits), within about 2 ulp of `std::exp`; 0 below −87 (where `e^x` is below f32's
+// normal range), NaN for NaN.
+inline float exp_nonpositive(float x) {
+  const float big = x < -87.0f;
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return big != 0.0f ? 0.0f : e * two_n;
 }
 
 // One (slot, key head) task: `g` queries `q [g, hd]` (rows `hd` apart) over `n` keys and values
-// whose rows are `ks` resp. `vs` apart; output `y [g, hd]`. `scores` holds `n` floats.
-// Query by query: its scores, their softmax, then its output summed over the keys in order.
-template <int64_t HD>
-TOPR_CLONES void attend_group(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, int64_t g,
-                              int64_t n, int64_t hd_in, float scale, float* scores, float* y) {
-  const int64_t hd = HD == 0 ? hd_in : HD;
+// whose rows are `ks` resp. `vs` apart; output `y [g, hd]`. `scores` holds `g · n` floats. Every
+// query's scores, their softmax, then every query's output summed over the keys in order. Any head
+// size; sums in plain order.
+void attend_scalar(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, int64_t g, int64_t n,
+                   int64_t hd, float scale, float* scores, float* y) {
   for (int64_t i = 0; i < g; ++i) {
     const float* qi = q + i * hd;
+    float* si = scores + i * n;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) {
-      const float s = dot<HD>(qi, k + j * ks, hd) * scale;
-      scores[j] = s;
-      m = s > m ? s : m;
+      const float* kj = k + j * ks;
+      float s = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) s += qi[d] * kj[d];
+      si[j] = s * scale;
+      m = si[j] > m ? si[j] : m;
     }
     float total = 0.0f;
     for (int64_t j = 0; j < n; ++j) {
-      scores[j] = std::exp(scores[j] - m);
-      total += scores[j];
+      si[j] = exp_nonpositive(si[j] - m);
+      total += si[j];
     }
     const float inv = 1.0f / total;
     float* yi = y + i * hd;
-    if constexpr (HD != 0) {
-      float acc[HD] = {0};
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = scores[j] * inv;
+    for (int64_t d = 0; d < hd; ++d) yi[d] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = si[j] * inv;
+      const float* vj = v + j * vs;
+      for (int64_t d = 0; d < hd; ++d) yi[d] += p * vj[d];
+    }
+  }
+}
+
+// Head sizes 64 and 128: the same computation written on 16-float vectors (GCC's and Clang's
+// vector extensions: one AVX-512 register, two AVX2 or four SSE registers), so that a query, an
+// output row and the partial sums stay in registers. The order of every sum is fixed: a dot
+// product adds its 16-entry blocks in turn and then the lanes in a fixed tree (as `dot` does),
+// a maximum or a total runs 16 lanes over the keys then combines them, an output entry adds the
+// keys in order.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+__attribute__((always_inline)) inline v16 load(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+__attribute__((always_inline)) inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+
+__attribute__((always_inline)) inline v16 splat(float a) { return v16{} + a; }
+
+// The lanes' sum: halves added, then quarters, then the last four in pairs.
+__attribute__((always_inline)) inline float lane_sum(v16 x) {
+  v8 lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const v8 h = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &h, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof a, sizeof b);
+  const v4 c = a + b;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// `exp_nonpositive` on 16 lanes at once.
+__attribute__((always_inline)) inline v16 exp_nonpositive(v16 x) {
+  const v16 lowest = splat(-87.0f);
+  const auto big = x < lowest;
+  x = big ? lowest : x;
+  const v16 t = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);  // toward zero
+  n = t < n ? n - 1.0f : n;                                                 // floor
+  v16 r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16 e = p * r * r + r + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return big ? splat(0.0f) : e * two_n;
+}
+
+// The softmax of `s [n]` in place.
+__attribute__((always_inline)) inline void softmax(float* s, int64_t n) {
+  const int64_t whole = n / LANES * LANES;
+  v16 mv = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < whole; j += LANES) {
+    const v16 x = load(s + j);
+    mv = x > mv ? x : mv;
+  }
+  float m = mv[0];
+  for (int u = 1; u < LANES; ++u) m = mv[u] > m ? mv[u] : m;
+  for (int64_t j = whole; j < n; ++j) m = s[j] > m ? s[j] : m;
+  v16 tv = splat(0.0f);
+  for (int64_t j = 0; j < whole; j += LANES) {
+    const v16 e = exp_nonpositive(load(s + j) - m);
+    store(s + j, e);
+    tv += e;
+  }
+  float total = lane_sum(tv);
+  for (int64_t j = whole; j < n; ++j) {
+    s[j] = exp_nonpositive(s[j] - m);
+    total += s[j];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t j = 0; j < whole; j += LANES) store(s + j, load(s + j) * inv);
+  for (int64_t j = whole; j < n; ++j) s[j] *= inv;
+}
+
+// Keys and values are read in chunks of this many rows (16 KiB of f32 at head size 128), which
+// stay in the L1 cache while every query of the group uses them: each row comes from memory once.
+constexpr int64_t CHUNK = 32;
+
+// `attend_scalar` for head size `HD` (64 or 128), on vectors.
+template <int64_t HD>
+TOPR_CLONES void attend_vectors(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, int64_t g,
+                                int64_t n, int64_t, float scale, float* scores, float* y) {
+  constexpr int V = HD / LANES;
+  for (int64_t j0 = 0; j0 < n; j0 += CHUNK) {
+    const int64_t j1 = std::min(n, j0 + CHUNK);
+    for (int64_t i = 0; i < g; ++i) {
+      v16 qi[V];
+      for (int c = 0; c < V; ++c) qi[c] = load(q + i * HD + c * LANES);
+      float* si = scores + i * n;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* kj = k + j * ks;
+        v16 a = qi[0] * load(kj);
+        for (int c = 1; c < V; ++c) a += qi[c] * load(kj + c * LANES);
+        si[j] = lane_sum(a) * scale;
+      }
+    }
+  }
+  for (int64_t i = 0; i < g; ++i) softmax(scores + i * n, n);
+  for (int64_t x = 0; x < g * HD; ++x) y[x] = 0.0f;
+  for (int64_t j0 = 0; j0 < n; j0 += CHUNK) {
+    const int64_t j1 = std::min(n, j0 + CHUNK);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* si = scores + i * n;
+      v16 acc[V];
+      for (int c = 0; c < V; ++c) acc[c] = load(y + i * HD + c * LANES);
+      for (int64_t j = j0; j < j1; ++j) {
+        const v16 p = splat(si[j]);
         const float* vj = v + j * vs;
-        for (int64_t d = 0; d < HD; ++d) {
-          acc[d] += p * vj[d];
-        }
+        for (int c = 0; c < V; ++c) acc[c] += p * load(vj + c * LANES);
       }
-      for (int64_t d = 0; d < HD; ++d) {
-        yi[d] = acc[d];
-      }
-    } else {
-      for (int64_t d = 0; d < hd; ++d) {
-        yi[d] = 0.0f;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = scores[j] * inv;
-        const float* vj = v + j * vs;
-        for (int64_t d = 0; d < hd; ++d) {
-          yi[d] += p * vj[d];
-        }
-      }
+      for (int c = 0; c < V; ++c) store(y + i * HD + c * LANES, acc[c]);
     }
   }
 }
@@ -115,15 +222,15 @@ TOPR_CLONES void attend_group(const float* q, const float* k, const float* v, in
 using Group = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                        float*, float*);
 
-// The task's code for this head size: unrolled for 64 and 128 (most Llama models), generic else.
+// The task's code for this head size: vectors for 64 and 128 (most Llama models), scalar else.
 Group group_for(int64_t hd) {
   switch (hd) {
     case 64:
-      return attend_group<64>;
+      return attend_vectors<64>;
     case 128:
-      return attend_group<128>;
+      return attend_vectors<128>;
     default:
-      return attend_group<0>;
+      return attend_scalar;
   }
 }
 
@@ -161,7 +268,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   float* yp = y.data_ptr<float>();
   const Group attend = group_for(hd);
   at::parallel_for(0, slots * nkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(longest));
+    std::vector<float> scores(static_cast<size_t>(g * longest));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / nkv, h = task % nkv;
       const int64_t n = l[s] - f[s] + 1;
