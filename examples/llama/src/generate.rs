@@ -628,7 +628,10 @@ impl<'a> Decoder<'a> {
     /// from its logits, records it, and feeds it through the model.
     fn advance(&mut self, keys: i64) -> Result<()> {
         let live = self.ended.logical_not(); // [S]
-        let finite = self.logits.isfinite().all_dim(-1, false);
+        // A row's sum in f64 is finite iff every entry is (NaN and ±∞ carry into it; f32's
+        // largest magnitudes times any vocabulary sum far below f64's range): one pass, where
+        // `isfinite().all()` takes four.
+        let finite = self.logits.sum_dim_intlist(-1, false, Kind::Double).isfinite();
         let newly_bad = self.bad.eq(0).logical_and(&live).logical_and(&finite.logical_not());
         self.bad.copy_(&(&self.len + 1).where_self(&newly_bad, &self.bad));
         let logp = self.logits.log_softmax(-1, Kind::Float);
