@@ -38,27 +38,35 @@ namespace {
 
 constexpr int64_t LANES = 16;
 
-// `e^x` for `x ≤ 0` (a softmax's shifted scores), written so that the compiler vectorises a loop
-// of it: Cephes' `expf` (range reduction by ln 2, a degree-6 polynomial, the power of two set in
-// the exponent bits), within about 2 ulp of `std::exp`; 0 below −87 (where `e^x` is below f32's
-// normal range), NaN for NaN.
-inline float exp_nonpositive(float x) {
-  const float big = x < -87.0f;
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+// `e^r` of the remainder `r = x − n·ln 2` (ln 2 in two parts, for exactness) of a whole `n`
+// (x·log₂e rounded): Cephes' degree-6 polynomial for `expf`. `T` is `float` or a vector of floats.
+template <typename T>
+__attribute__((always_inline)) inline T exp_remainder(T x, T n) {
+  T r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// `e^x` for `x ≤ 0` (a softmax's shifted scores), written so that the compiler vectorises a loop
+// of it: Cephes' `expf` (range reduction by ln 2, the polynomial above, the power of two set in
+// the exponent bits), within about 2 ulp of `std::exp`; 0 below −87 (where `e^x` is below f32's
+// normal range), NaN for NaN (which never reaches the integer conversion).
+inline float exp_nonpositive(float x) {
+  const bool nan = x != x;
+  const bool big = x < -87.0f;
+  x = big || nan ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float e = exp_remainder(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return big != 0.0f ? 0.0f : e * two_n;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : big ? 0.0f : e * two_n;
 }
 
 // One (slot, key head) task: `g` queries `q [g, hd]` (rows `hd` apart) over `n` keys and values
@@ -131,24 +139,17 @@ __attribute__((always_inline)) inline float lane_sum(v16 x) {
 // `exp_nonpositive` on 16 lanes at once.
 __attribute__((always_inline)) inline v16 exp_nonpositive(v16 x) {
   const v16 lowest = splat(-87.0f);
+  const auto nan = x != x;
   const auto big = x < lowest;
-  x = big ? lowest : x;
+  x = (big | nan) ? lowest : x;
   const v16 t = x * 1.44269504088896341f + 0.5f;
   v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);  // toward zero
   n = t < n ? n - 1.0f : n;                                                 // floor
-  v16 r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16 e = p * r * r + r + 1.0f;
+  const v16 e = exp_remainder(x, n);
   const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
   v16 two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return big ? splat(0.0f) : e * two_n;
+  return nan ? splat(std::numeric_limits<float>::quiet_NaN()) : big ? splat(0.0f) : e * two_n;
 }
 
 // The softmax of `s [n]` in place.

@@ -120,7 +120,11 @@ mod tests {
     fn spread_inputs(s: i64, nh: i64, nkv: i64, p: i64, hd: i64, seed: i64, spread: f64) -> (Tensor, Tensor, Tensor) {
         tch::manual_seed(seed);
         let o = (Kind::Float, Device::Cpu);
-        (Tensor::randn([s, nh, 1, hd], o) * spread, Tensor::randn([s, nkv, p, hd], o), Tensor::randn([s, nkv, p, hd], o))
+        (
+            Tensor::randn([s, nh, 1, hd], o) * spread,
+            Tensor::randn([s, nkv, p, hd], o),
+            Tensor::randn([s, nkv, p, hd], o),
+        )
     }
 
     fn inputs(s: i64, nh: i64, nkv: i64, p: i64, hd: i64, seed: i64) -> (Tensor, Tensor, Tensor) {
@@ -131,8 +135,9 @@ mod tests {
     /// and about 60 (most of a row's exponentials then underflow to 0, as in f64 they round to).
     #[test]
     fn matches_the_formula_in_f64_for_every_head_size_and_spread_of_scores() {
-        for ((nh, nkv, hd), spread) in
-            [(9, 3, 64), (8, 2, 128), (4, 2, 20), (2, 2, 16), (6, 1, 33)].into_iter().flat_map(|c| [(c, 2.0), (c, 60.0)])
+        for ((nh, nkv, hd), spread) in [(9, 3, 64), (8, 2, 128), (4, 2, 20), (2, 2, 16), (6, 1, 33)]
+            .into_iter()
+            .flat_map(|c| [(c, 2.0), (c, 60.0)])
         {
             let (s, p) = (5, 37);
             let (q, k, v) = spread_inputs(s, nh, nkv, p, hd, hd, spread);
@@ -184,12 +189,29 @@ mod tests {
         assert!(worst < 1e-5, "largest difference {worst}");
     }
 
+    /// A NaN key reaches its own slot's output as NaN (which generation then refuses), not as a
+    /// finite number, and leaves the other slots alone.
+    #[test]
+    fn a_nan_key_makes_its_slots_output_nan_and_no_other() {
+        for hd in [64, 20] {
+            let (q, k, v) = inputs(2, 4, 2, 8, hd, 5);
+            let _ = k.get(1).get(0).get(3).get(0).fill_(f64::NAN);
+            let y =
+                decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64, 0]), &Tensor::from_slice(&[0i64, 7])).unwrap();
+            // Slot 1, query heads 0 and 1 (key head 0): NaN everywhere; key head 1 finite.
+            assert!(bool::try_from(y.get(1).narrow(0, 0, 2).isnan().all()).unwrap(), "head size {hd}");
+            assert!(bool::try_from(y.get(1).narrow(0, 2, 2).isfinite().all()).unwrap(), "head size {hd}");
+            assert!(bool::try_from(y.get(0).isfinite().all()).unwrap(), "head size {hd}");
+        }
+    }
+
     #[test]
     fn refuses_bad_ranges_kinds_and_shapes_naming_them() {
         let (q, k, v) = inputs(2, 4, 2, 8, 16, 1);
         let ok = Tensor::from_slice(&[0i64, 0]);
         let msg = |r: Result<Tensor>| format!("{:#}", r.unwrap_err());
-        let bad_range = msg(decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64, 5]), &Tensor::from_slice(&[3i64, 4])));
+        let bad_range =
+            msg(decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64, 5]), &Tensor::from_slice(&[3i64, 4])));
         assert!(bad_range.contains("slot 1 attends to positions 5..=4"), "{bad_range}");
         let past = msg(decode_attention(&q, &k, &v, &ok, &Tensor::from_slice(&[0i64, 8])));
         assert!(past.contains("of a cache of 8"), "{past}");

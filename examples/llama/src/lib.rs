@@ -14,6 +14,7 @@
 //! |---|---|
 //! | [`config`] | `config.json`: fields, defaults, both rope layouts, refusal of unsupported settings |
 //! | [`model`] | the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, KV cache |
+//! | [`attention`] | the decoding step's attention on the CPU, slot by slot over each slot's own keys |
 //! | [`checkpoint`] | loading and saving the Hugging Face layout (single or sharded safetensors) |
 //! | [`tokenizer`] | `tokenizer.json`, the chat template, every EOS id |
 //! | [`generate`] | batched generation (greedy or sampled), teacher-forced scoring |
@@ -38,11 +39,11 @@
 //! | [`demo`] | the README's demo |
 //! | [`verify`] | the generative verifier: trained with TOPR to judge solutions, then picking among k |
 
+pub mod attention;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
 pub mod cuda_graph;
-pub mod attention;
 pub mod dataset;
 pub mod demo;
 pub mod eval;

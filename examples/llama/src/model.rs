@@ -710,8 +710,6 @@ impl Linears for Packed {
     }
 }
 
-
-
 /// Position of each token among the real tokens of its row: `cumsum(mask) − 1`, 0 on padding.
 pub fn positions_from_mask(mask: &Tensor) -> Tensor {
     (mask.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0)
