@@ -105,7 +105,7 @@ void attend_scalar(const float* q, const float* k, const float* v, int64_t ks, i
 // Head sizes 64 and 128: the same computation written on 16-float vectors (GCC's and Clang's
 // vector extensions: one AVX-512 register, two AVX2 or four SSE registers), so that a query, an
 // output row and the partial sums stay in registers. The order of every sum is fixed: a dot
-// product adds its 16-entry blocks in turn and then the lanes in a fixed tree (as `dot` does),
+// product adds its 16-entry blocks in turn and then the lanes in a fixed tree (`lane_sum`),
 // a maximum or a total runs 16 lanes over the keys then combines them, an output entry adds the
 // keys in order.
 typedef float v16 __attribute__((vector_size(64)));

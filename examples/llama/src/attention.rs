@@ -34,9 +34,9 @@ unsafe extern "C" {
     ) -> *mut c_void;
 }
 
-/// Whether [`decode_attention`] takes these queries: on the CPU, in f32.
-pub fn supports(q: &Tensor) -> bool {
-    q.device() == Device::Cpu && q.kind() == Kind::Float
+/// Whether [`decode_attention`] takes queries on `device` in `kind`: on the CPU, in f32.
+pub fn supports(device: Device, kind: Kind) -> bool {
+    device == Device::Cpu && kind == Kind::Float
 }
 
 /// Attention of one query per slot: `q [S, nh, 1, hd]` (rotary embedding applied) over the
@@ -221,6 +221,6 @@ mod tests {
         assert!(heads.contains("multiple of key heads"), "{heads}");
         let slots = msg(decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64]), &ok));
         assert!(slots.contains("one entry per slot"), "{slots}");
-        assert!(supports(&q) && !supports(&q.to_kind(Kind::BFloat16)));
+        assert!(supports(q.device(), q.kind()) && !supports(q.device(), Kind::BFloat16));
     }
 }

@@ -411,9 +411,11 @@ impl Llama {
         let s = ids.size()[0];
         let (nkv, hd) = (self.cfg.num_kv_heads(), self.cfg.head_dim());
         let packed = cache.packed.clone();
-        let j = || Tensor::arange(keys, (Kind::Int64, ids.device())).unsqueeze(0); // [1, keys]
-        let allowed = || j().ge_tensor(&first.unsqueeze(1)).logical_and(&j().le_tensor(&write.unsqueeze(1))); // [S, keys]
-        let attend = if packed.is_some() && self.kind == Kind::Float {
+        let allowed = || {
+            let j = Tensor::arange(keys, (Kind::Int64, ids.device())).unsqueeze(0); // [1, keys]
+            j.ge_tensor(&first.unsqueeze(1)).logical_and(&j.le_tensor(&write.unsqueeze(1))) // [S, keys]
+        };
+        let attend = if packed.is_some() && crate::attention::supports(ids.device(), self.kind) {
             Attend::Ranges { first: first.shallow_clone(), last: write.shallow_clone() }
         } else if ids.device() == tch::Device::Cpu {
             let bias = Tensor::zeros([s, keys], (Kind::Float, ids.device()));
