@@ -11,11 +11,14 @@
 // nothing but its own query, keys and values (not on the other slots, the batch size or the
 // cache's capacity), summed in a fixed order.
 //
-// Head sizes 64 and 128 (most Llama models) are written on 16-float vectors, which GCC and Clang on
-// x86-64 Linux compile three times (AVX-512, AVX2 with FMA, the baseline) and pick from at load time
-// for the CPU at hand: the bits are the same from run to run on one machine, not from one CPU kind
-// to another. Other head sizes take plain loops. The softmax's exponential is a polynomial
-// (Cephes' `expf`), so that it vectorises too.
+// Head sizes 64 and 128 (most Llama models) are written on groups of 16 float lanes, held in the
+// CPU's own vectors: one AVX-512 register, two AVX2 ones or four SSE ones, a version for each
+// compiled here and the widest the CPU at hand has picked at run time. Every version computes the
+// same sums in the same order (the 16 lanes' arithmetic does not depend on how they are held), so
+// the bits are the same from run to run on one machine; from one CPU kind to another they may
+// differ where the compiler fuses a product and a sum (FMA, not in the SSE baseline). Other head
+// sizes take plain loops. The softmax's exponential is a polynomial (Cephes' `expf`), so that it
+// vectorises too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "c_boundary.hpp"
@@ -31,9 +34,7 @@
 namespace {
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define TOPR_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
-#else
-#define TOPR_CLONES
+#define TOPR_X86_DISPATCH 1
 #endif
 
 constexpr int64_t LANES = 16;
@@ -102,80 +103,139 @@ void attend_scalar(const float* q, const float* k, const float* v, int64_t ks, i
   }
 }
 
-// Head sizes 64 and 128: the same computation written on 16-float vectors (GCC's and Clang's
-// vector extensions: one AVX-512 register, two AVX2 or four SSE registers), so that a query, an
-// output row and the partial sums stay in registers. The order of every sum is fixed: a dot
-// product adds its 16-entry blocks in turn and then the lanes in a fixed tree (`lane_sum`),
-// a maximum or a total runs 16 lanes over the keys then combines them, an output entry adds the
-// keys in order.
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+// Head sizes 64 and 128: the same computation on groups of 16 lanes, each held as `16 / N` native
+// vectors of `N` floats (GCC's and Clang's vector extensions), so that a query, an output row and
+// the partial sums stay in registers. (A 16-float vector type on a CPU with narrower registers
+// compiles to stores and reloads through the stack, which cost two thirds of the kernel's time on
+// AVX2.) The order of every sum is fixed by the 16 lanes: a dot product adds its 16-entry blocks
+// in turn and then the lanes in a fixed tree (`Lanes::sum`), a maximum or a total runs 16 lanes
+// over the keys then combines them, an output entry adds the keys in order.
+template <int N>
+struct Native;
+template <>
+struct Native<16> {
+  typedef float f __attribute__((vector_size(64)));
+  typedef int32_t i __attribute__((vector_size(64)));
+};
+template <>
+struct Native<8> {
+  typedef float f __attribute__((vector_size(32)));
+  typedef int32_t i __attribute__((vector_size(32)));
+};
+template <>
+struct Native<4> {
+  typedef float f __attribute__((vector_size(16)));
+  typedef int32_t i __attribute__((vector_size(16)));
+};
+typedef Native<8>::f v8;
+typedef Native<4>::f v4;
 
-__attribute__((always_inline)) inline v16 load(const float* p) {
-  v16 x;
+template <typename T>
+__attribute__((always_inline)) inline T load_as(const float* p) {
+  T x;
   std::memcpy(&x, p, sizeof x);
   return x;
 }
 
-__attribute__((always_inline)) inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
-
-__attribute__((always_inline)) inline v16 splat(float a) { return v16{} + a; }
-
-// The lanes' sum: halves added, then quarters, then the last four in pairs.
-__attribute__((always_inline)) inline float lane_sum(v16 x) {
-  v8 lo, hi;
-  std::memcpy(&lo, &x, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
-  const v8 h = lo + hi;
-  v4 a, b;
-  std::memcpy(&a, &h, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof a, sizeof b);
-  const v4 c = a + b;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+template <typename T>
+__attribute__((always_inline)) inline void store_as(float* p, T x) {
+  std::memcpy(p, &x, sizeof x);
 }
 
-// `exp_nonpositive` on 16 lanes at once.
-__attribute__((always_inline)) inline v16 exp_nonpositive(v16 x) {
-  const v16 lowest = splat(-87.0f);
+// `e^x` for `x ≤ 0` on a native vector: `exp_nonpositive` lane by lane.
+template <int N>
+__attribute__((always_inline)) inline typename Native<N>::f exp_lanes(typename Native<N>::f x) {
+  typedef typename Native<N>::f F;
+  typedef typename Native<N>::i I;
+  const F lowest = F{} - 87.0f;
   const auto nan = x != x;
   const auto big = x < lowest;
   x = (big | nan) ? lowest : x;
-  const v16 t = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);  // toward zero
-  n = t < n ? n - 1.0f : n;                                                 // floor
-  const v16 e = exp_remainder(x, n);
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  v16 two_n;
+  const F t = x * 1.44269504088896341f + 0.5f;
+  F n = __builtin_convertvector(__builtin_convertvector(t, I), F);  // toward zero
+  n = t < n ? n - 1.0f : n;                                         // floor
+  const F e = exp_remainder(x, n);
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return nan ? splat(std::numeric_limits<float>::quiet_NaN()) : big ? splat(0.0f) : e * two_n;
+  return nan ? F{} + std::numeric_limits<float>::quiet_NaN() : big ? F{} : e * two_n;
 }
 
+// 16 float lanes as `P = 16 / N` native vectors: lanes `p·N .. p·N + N` in `x[p]`.
+template <int N>
+struct Lanes {
+  typedef typename Native<N>::f F;
+  static constexpr int P = 16 / N;
+  F x[P];
+
+  __attribute__((always_inline)) static Lanes load(const float* s) {
+    Lanes r;
+    for (int p = 0; p < P; ++p) r.x[p] = load_as<F>(s + p * N);
+    return r;
+  }
+  __attribute__((always_inline)) void store(float* s) const {
+    for (int p = 0; p < P; ++p) store_as(s + p * N, x[p]);
+  }
+  __attribute__((always_inline)) static Lanes splat(float a) {
+    Lanes r;
+    for (int p = 0; p < P; ++p) r.x[p] = F{} + a;
+    return r;
+  }
+  // The lanes' sum: halves added (lanes 0–7 and 8–15), then quarters, then the last four in pairs.
+  __attribute__((always_inline)) float sum() const {
+    v8 h;
+    if constexpr (N == 16) {
+      h = __builtin_shufflevector(x[0], x[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(x[0], x[0], 8, 9, 10, 11, 12, 13, 14, 15);
+    } else if constexpr (N == 8) {
+      h = x[0] + x[1];
+    } else {
+      const v4 a = x[0] + x[2], b = x[1] + x[3];
+      h = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7);
+    }
+    const v4 c = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+  }
+  __attribute__((always_inline)) float max() const {
+    float m = x[0][0];
+    for (int p = 0; p < P; ++p)
+      for (int u = 0; u < N; ++u) m = x[p][u] > m ? x[p][u] : m;
+    return m;
+  }
+};
+
 // The softmax of `s [n]` in place.
+template <int N>
 __attribute__((always_inline)) inline void softmax(float* s, int64_t n) {
+  typedef Lanes<N> L;
   const int64_t whole = n / LANES * LANES;
-  v16 mv = splat(-std::numeric_limits<float>::infinity());
+  L mv = L::splat(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < whole; j += LANES) {
-    const v16 x = load(s + j);
-    mv = x > mv ? x : mv;
+    const L x = L::load(s + j);
+    for (int p = 0; p < L::P; ++p) mv.x[p] = x.x[p] > mv.x[p] ? x.x[p] : mv.x[p];
   }
-  float m = mv[0];
-  for (int u = 1; u < LANES; ++u) m = mv[u] > m ? mv[u] : m;
+  float m = mv.max();
   for (int64_t j = whole; j < n; ++j) m = s[j] > m ? s[j] : m;
-  v16 tv = splat(0.0f);
+  L tv = L::splat(0.0f);
   for (int64_t j = 0; j < whole; j += LANES) {
-    const v16 e = exp_nonpositive(load(s + j) - m);
-    store(s + j, e);
-    tv += e;
+    L e = L::load(s + j);
+    for (int p = 0; p < L::P; ++p) {
+      e.x[p] = exp_lanes<N>(e.x[p] - m);
+      tv.x[p] += e.x[p];
+    }
+    e.store(s + j);
   }
-  float total = lane_sum(tv);
+  float total = tv.sum();
   for (int64_t j = whole; j < n; ++j) {
     s[j] = exp_nonpositive(s[j] - m);
     total += s[j];
   }
   const float inv = 1.0f / total;
-  for (int64_t j = 0; j < whole; j += LANES) store(s + j, load(s + j) * inv);
+  for (int64_t j = 0; j < whole; j += LANES) {
+    L e = L::load(s + j);
+    for (int p = 0; p < L::P; ++p) e.x[p] *= inv;
+    e.store(s + j);
+  }
   for (int64_t j = whole; j < n; ++j) s[j] *= inv;
 }
 
@@ -183,53 +243,103 @@ __attribute__((always_inline)) inline void softmax(float* s, int64_t n) {
 // stay in the L1 cache while every query of the group uses them: each row comes from memory once.
 constexpr int64_t CHUNK = 32;
 
-// `attend_scalar` for head size `HD` (64 or 128), on vectors.
-template <int64_t HD>
-TOPR_CLONES void attend_vectors(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, int64_t g,
-                                int64_t n, int64_t, float scale, float* scores, float* y) {
-  constexpr int V = HD / LANES;
+// `attend_scalar` for head size `HD` (64 or 128) on native vectors of `N` floats.
+template <int64_t HD, int N>
+__attribute__((always_inline)) inline void attend_lanes(const float* q, const float* k, const float* v, int64_t ks,
+                                                        int64_t vs, int64_t g, int64_t n, float scale, float* scores,
+                                                        float* y) {
+  typedef typename Native<N>::f F;
+  typedef Lanes<N> L;
+  constexpr int V = HD / N;  // native vectors in a row
   for (int64_t j0 = 0; j0 < n; j0 += CHUNK) {
     const int64_t j1 = std::min(n, j0 + CHUNK);
     for (int64_t i = 0; i < g; ++i) {
-      v16 qi[V];
-      for (int c = 0; c < V; ++c) qi[c] = load(q + i * HD + c * LANES);
+      F qi[V];
+      for (int c = 0; c < V; ++c) qi[c] = load_as<F>(q + i * HD + c * N);
       float* si = scores + i * n;
       for (int64_t j = j0; j < j1; ++j) {
         const float* kj = k + j * ks;
-        v16 a = qi[0] * load(kj);
-        for (int c = 1; c < V; ++c) a += qi[c] * load(kj + c * LANES);
-        si[j] = lane_sum(a) * scale;
+        L a;
+        for (int p = 0; p < L::P; ++p) a.x[p] = qi[p] * load_as<F>(kj + p * N);
+        for (int c = L::P; c < V; ++c) a.x[c % L::P] += qi[c] * load_as<F>(kj + c * N);
+        si[j] = a.sum() * scale;
       }
     }
   }
-  for (int64_t i = 0; i < g; ++i) softmax(scores + i * n, n);
+  for (int64_t i = 0; i < g; ++i) softmax<N>(scores + i * n, n);
   for (int64_t x = 0; x < g * HD; ++x) y[x] = 0.0f;
   for (int64_t j0 = 0; j0 < n; j0 += CHUNK) {
     const int64_t j1 = std::min(n, j0 + CHUNK);
     for (int64_t i = 0; i < g; ++i) {
       const float* si = scores + i * n;
-      v16 acc[V];
-      for (int c = 0; c < V; ++c) acc[c] = load(y + i * HD + c * LANES);
+      F acc[V];
+      for (int c = 0; c < V; ++c) acc[c] = load_as<F>(y + i * HD + c * N);
       for (int64_t j = j0; j < j1; ++j) {
-        const v16 p = splat(si[j]);
+        const F p = F{} + si[j];
         const float* vj = v + j * vs;
-        for (int c = 0; c < V; ++c) acc[c] += p * load(vj + c * LANES);
+        for (int c = 0; c < V; ++c) acc[c] += p * load_as<F>(vj + c * N);
       }
-      for (int c = 0; c < V; ++c) store(y + i * HD + c * LANES, acc[c]);
+      for (int c = 0; c < V; ++c) store_as(y + i * HD + c * N, acc[c]);
     }
   }
+}
+
+// One version a vector width, each compiled for the instructions it needs.
+#ifdef TOPR_X86_DISPATCH
+template <int64_t HD>
+__attribute__((target("avx512f"))) void attend_avx512(const float* q, const float* k, const float* v, int64_t ks,
+                                                      int64_t vs, int64_t g, int64_t n, int64_t, float scale,
+                                                      float* scores, float* y) {
+  attend_lanes<HD, 16>(q, k, v, ks, vs, g, n, scale, scores, y);
+}
+
+template <int64_t HD>
+__attribute__((target("arch=x86-64-v3"))) void attend_avx2(const float* q, const float* k, const float* v, int64_t ks,
+                                                           int64_t vs, int64_t g, int64_t n, int64_t, float scale,
+                                                           float* scores, float* y) {
+  attend_lanes<HD, 8>(q, k, v, ks, vs, g, n, scale, scores, y);
+}
+#endif
+
+template <int64_t HD>
+void attend_base(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, int64_t g, int64_t n, int64_t,
+                 float scale, float* scores, float* y) {
+  attend_lanes<HD, 4>(q, k, v, ks, vs, g, n, scale, scores, y);
 }
 
 using Group = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                        float*, float*);
 
-// The task's code for this head size: vectors for 64 and 128 (most Llama models), scalar else.
-Group group_for(int64_t hd) {
+// Whether this CPU runs the version on native vectors of `width` floats (4: every CPU).
+bool runs_width(int width) {
+#ifdef TOPR_X86_DISPATCH
+  if (width == 16) return __builtin_cpu_supports("avx512f");
+  if (width == 8) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return width == 4;
+}
+
+template <int64_t HD>
+Group lanes_of(int width) {
+#ifdef TOPR_X86_DISPATCH
+  if (width == 16) return attend_avx512<HD>;
+  if (width == 8) return attend_avx2<HD>;
+#endif
+  return attend_base<HD>;
+}
+
+// The task's code for this head size: lanes for 64 and 128 (most Llama models) on native vectors
+// of `width` floats (0: the widest this CPU has), scalar loops for other head sizes (or with
+// `width` −1, for tests).
+Group group_for(int64_t hd, int width) {
+  if (width == 0) width = runs_width(16) ? 16 : runs_width(8) ? 8 : 4;
+  TORCH_CHECK(width == -1 || runs_width(width), "this CPU has no version on vectors of ", width, " floats");
+  if (width == -1) return attend_scalar;
   switch (hd) {
     case 64:
-      return attend_vectors<64>;
+      return lanes_of<64>(width);
     case 128:
-      return attend_vectors<128>;
+      return lanes_of<128>(width);
     default:
       return attend_scalar;
   }
@@ -238,7 +348,7 @@ Group group_for(int64_t hd) {
 // `q [S, nh, 1, hd]`, the caches `k`, `v [S, nkv, P, hd]` (last dimension contiguous), `first`,
 // `last [S]` (int64): `[S, nh, 1, hd]`, slot `s` attending to its positions `first[s]..=last[s]`.
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& first_in,
-                            const at::Tensor& last_in) {
+                            const at::Tensor& last_in, int width) {
   TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode attention runs on the CPU");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode attention takes f32 queries, keys and values");
@@ -267,7 +377,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const Group attend = group_for(hd);
+  const Group attend = group_for(hd, width);
   at::parallel_for(0, slots * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(g * longest));
     for (int64_t task = begin; task < end; ++task) {
@@ -286,12 +396,16 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
 
 extern "C" {
 
-// See `decode_attention`. NULL with `err` set on failure (bad shapes, a range outside the cache).
+// See `decode_attention` (`width`: see `group_for`). NULL with `err` set on failure (bad shapes,
+// a range outside the cache, a width this CPU lacks).
 at::Tensor* topr_decode_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* first,
-                                  const at::Tensor* last, char* err, size_t cap) {
+                                  const at::Tensor* last, int width, char* err, size_t cap) {
   at::Tensor* out = nullptr;
-  topr::guarded(err, cap, [&] { out = new at::Tensor(decode_attention(*q, *k, *v, *first, *last)); });
+  topr::guarded(err, cap, [&] { out = new at::Tensor(decode_attention(*q, *k, *v, *first, *last, width)); });
   return out;
 }
+
+// Whether this CPU runs the version on native vectors of `width` floats (for tests).
+bool topr_decode_attention_runs_width(int width) { return runs_width(width); }
 
 } // extern "C"

@@ -29,9 +29,12 @@ unsafe extern "C" {
         v: *const c_void,
         first: *const c_void,
         last: *const c_void,
+        width: i32,
         err: *mut c_char,
         cap: usize,
     ) -> *mut c_void;
+    #[cfg(test)]
+    fn topr_decode_attention_runs_width(width: i32) -> bool;
 }
 
 /// Whether [`decode_attention`] takes queries on `device` in `kind`: on the CPU, in f32.
@@ -62,6 +65,12 @@ pub fn supports(device: Device, kind: Kind) -> bool {
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, first: &Tensor, last: &Tensor) -> Result<Tensor> {
+    attend_on(q, k, v, first, last, 0)
+}
+
+/// [`decode_attention`] on native vectors of `width` floats (4, 8 or 16, refused where the CPU
+/// lacks them), 0 for the widest the CPU has, −1 for the scalar loops.
+fn attend_on(q: &Tensor, k: &Tensor, v: &Tensor, first: &Tensor, last: &Tensor, width: i32) -> Result<Tensor> {
     let mut err = [0u8; 1024];
     // SAFETY: live tensors; the shim checks shapes, kinds and ranges before reading, and catches
     // every C++ exception.
@@ -72,6 +81,7 @@ pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, first: &Tensor, last
             v.as_ptr().cast(),
             first.as_ptr().cast(),
             last.as_ptr().cast(),
+            width,
             err.as_mut_ptr().cast(),
             err.len(),
         )
@@ -131,10 +141,17 @@ mod tests {
         spread_inputs(s, nh, nkv, p, hd, seed, 2.0)
     }
 
+    /// The versions this CPU runs: the scalar loops (−1) and each vector width it has.
+    fn widths() -> Vec<i32> {
+        // SAFETY: a query of the CPU's features, no arguments to get wrong.
+        [-1, 4, 8, 16].into_iter().filter(|&w| w == -1 || unsafe { topr_decode_attention_runs_width(w) }).collect()
+    }
+
     /// Head sizes 64 and 128 (the vector code), others (plain loops); scores of spread about 2
-    /// and about 60 (most of a row's exponentials then underflow to 0, as in f64 they round to).
+    /// and about 60 (most of a row's exponentials then underflow to 0, as in f64 they round to);
+    /// every version this CPU runs, and the one picked by default.
     #[test]
-    fn matches_the_formula_in_f64_for_every_head_size_and_spread_of_scores() {
+    fn matches_the_formula_in_f64_for_every_head_size_spread_of_scores_and_version() {
         for ((nh, nkv, hd), spread) in [(9, 3, 64), (8, 2, 128), (4, 2, 20), (2, 2, 16), (6, 1, 33)]
             .into_iter()
             .flat_map(|c| [(c, 2.0), (c, 60.0)])
@@ -143,11 +160,40 @@ mod tests {
             let (q, k, v) = spread_inputs(s, nh, nkv, p, hd, hd, spread);
             let first = [0i64, 3, 36, 10, 0];
             let last = [36i64, 3, 36, 30, 0];
-            let y = decode_attention(&q, &k, &v, &Tensor::from_slice(&first), &Tensor::from_slice(&last)).unwrap();
             let want = reference(&q, &k, &v, &first, &last);
-            let got = Vec::<f64>::try_from(y.to_kind(Kind::Double).view(-1)).unwrap();
-            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-            assert!(worst < 1e-5, "nh {nh} nkv {nkv} hd {hd} spread {spread}: largest difference {worst}");
+            for width in [0].into_iter().chain(widths()) {
+                let (f, l) = (Tensor::from_slice(&first), Tensor::from_slice(&last));
+                let y = attend_on(&q, &k, &v, &f, &l, width).unwrap();
+                let got = Vec::<f64>::try_from(y.to_kind(Kind::Double).view(-1)).unwrap();
+                let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                // f32 scores carry an error that grows with their size; so does the output's
+                // for a peaked softmax (the scalar loops, one running sum, reach 1.4e-5 at 60).
+                let tolerance = 1e-5 * (1.0 + spread / 30.0);
+                assert!(
+                    worst < tolerance,
+                    "nh {nh} nkv {nkv} hd {hd} spread {spread} width {width}: largest difference {worst}"
+                );
+            }
+        }
+    }
+
+    /// The 16 lanes' sums run in one order whatever vectors hold them: the AVX2 and AVX-512
+    /// versions (both fusing products and sums) give the same bits, where the CPU runs both; the
+    /// default is the widest.
+    #[test]
+    fn the_vector_widths_with_fused_products_give_the_same_bits() {
+        let (q, k, v) = inputs(3, 8, 2, 80, 128, 11);
+        let (first, last) = (Tensor::from_slice(&[0i64, 17, 79]), Tensor::from_slice(&[79i64, 60, 79]));
+        let on = |w| attend_on(&q, &k, &v, &first, &last, w).unwrap();
+        let fused: Vec<i32> = widths().into_iter().filter(|&w| w >= 8).collect();
+        for pair in fused.windows(2) {
+            assert!(on(pair[0]).equal(&on(pair[1])), "widths {pair:?}");
+        }
+        assert!(on(0).equal(&on(*widths().last().unwrap())));
+        let lacking = [8, 16].into_iter().find(|w| !widths().contains(w));
+        if let Some(w) = lacking {
+            let msg = format!("{:#}", attend_on(&q, &k, &v, &first, &last, w).unwrap_err());
+            assert!(msg.contains(&format!("vectors of {w} floats")), "{msg}");
         }
     }
 
@@ -193,15 +239,15 @@ mod tests {
     /// finite number, and leaves the other slots alone.
     #[test]
     fn a_nan_key_makes_its_slots_output_nan_and_no_other() {
-        for hd in [64, 20] {
+        for (hd, width) in [64, 20].into_iter().flat_map(|hd| widths().into_iter().map(move |w| (hd, w))) {
             let (q, k, v) = inputs(2, 4, 2, 8, hd, 5);
             let _ = k.get(1).get(0).get(3).get(0).fill_(f64::NAN);
-            let y =
-                decode_attention(&q, &k, &v, &Tensor::from_slice(&[0i64, 0]), &Tensor::from_slice(&[0i64, 7])).unwrap();
+            let (first, last) = (Tensor::from_slice(&[0i64, 0]), Tensor::from_slice(&[0i64, 7]));
+            let y = attend_on(&q, &k, &v, &first, &last, width).unwrap();
             // Slot 1, query heads 0 and 1 (key head 0): NaN everywhere; key head 1 finite.
-            assert!(bool::try_from(y.get(1).narrow(0, 0, 2).isnan().all()).unwrap(), "head size {hd}");
-            assert!(bool::try_from(y.get(1).narrow(0, 2, 2).isfinite().all()).unwrap(), "head size {hd}");
-            assert!(bool::try_from(y.get(0).isfinite().all()).unwrap(), "head size {hd}");
+            assert!(bool::try_from(y.get(1).narrow(0, 0, 2).isnan().all()).unwrap(), "head size {hd} width {width}");
+            assert!(bool::try_from(y.get(1).narrow(0, 2, 2).isfinite().all()).unwrap(), "head size {hd} width {width}");
+            assert!(bool::try_from(y.get(0).isfinite().all()).unwrap(), "head size {hd} width {width}");
         }
     }
 
