@@ -3,8 +3,10 @@
 //!
 //! 1. `csrc/onednn_linear.cpp`, compiled against libtorch's headers: oneDNN's packed linear layer
 //!    for generation and training on the CPU (`src/onednn.rs`), which tch does not wrap.
-//!    With it `csrc/decode_attention.cpp`: the decoding step's attention on the CPU
-//!    (`src/attention.rs`), always optimised (its loops are vectorised by the compiler).
+//!    With it `csrc/decode_attention.cpp` and `csrc/next_tokens.cpp`: the decoding step's
+//!    attention and its choice of the next tokens on the CPU (`src/attention.rs`,
+//!    `src/next_tokens.rs`), always optimised (their loops are vectorised by the compiler, on
+//!    the vectors of `csrc/lanes.hpp`).
 //! 2. `csrc/cuda_graph.cpp` (`src/cuda_graph.rs`), when the libtorch is a CUDA build: libtorch's
 //!    CUDA graphs, with the CUDA runtime's headers that topr-dist's build script found (beside
 //!    a torch wheel, in `CUDA_HOME` or in `/usr/local/cuda`); it sets the `topr_cuda_graphs` cfg.
@@ -32,6 +34,7 @@ fn main() {
         .cpp(true)
         .file("csrc/onednn_linear.cpp")
         .file("csrc/decode_attention.cpp")
+        .file("csrc/next_tokens.cpp")
         .include(shared)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))

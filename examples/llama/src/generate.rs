@@ -623,33 +623,51 @@ impl<'a> Decoder<'a> {
         Ok(())
     }
 
+    /// Each slot's next token from its logits, with `log π` and `log q` of it and whether the
+    /// logits are finite, all `[S]`: in one pass a row on the CPU ([`crate::next_tokens`]), as
+    /// libtorch operations elsewhere (the same formulas; the draws agree but for rounding).
+    fn next_tokens(&self) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let u = match &self.s.decoding {
+            Decoding::Greedy => None,
+            Decoding::Sample(_) => Some(uniform_tensor(&self.hi, &self.lo, &self.len)),
+        };
+        let z = match &self.s.decoding {
+            Decoding::Sample(params) if *params != SamplingParams::default() => Some(sampling_logits(&self.logits, params)),
+            _ => None,
+        };
+        if crate::next_tokens::supports(self.logits.device()) {
+            let n = crate::next_tokens::next_tokens(&self.logits, z.as_ref(), u.as_ref())?;
+            return Ok((n.token, n.logp, n.logq, n.finite));
+        }
+        // A row's sum in f64 is finite iff every entry is (NaN and ±∞ carry into it; f32's
+        // largest magnitudes times any vocabulary sum far below f64's range): one pass, where
+        // `isfinite().all()` takes four.
+        let finite = self.logits.sum_dim_intlist(-1, false, Kind::Double).isfinite();
+        let logp = self.logits.log_softmax(-1, Kind::Float);
+        let (next, lq) = match u {
+            None => (self.logits.argmax(-1, false), self.len.zeros_like().to_kind(Kind::Float)),
+            Some(u) => {
+                // The model's own distribution needs no second normalisation.
+                let logq = match &z {
+                    None => logp.shallow_clone(),
+                    Some(z) => z.log_softmax(-1, Kind::Float),
+                };
+                let next = draw(&logq, &u);
+                (next.shallow_clone(), logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1))
+            }
+        };
+        let lp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+        Ok((next, lp, lq, finite))
+    }
+
     /// The device's part of a step, on fixed shapes (`keys` attended positions), every state
     /// tensor updated in place and nothing read back to the host: draws each slot's next token
     /// from its logits, records it, and feeds it through the model.
     fn advance(&mut self, keys: i64) -> Result<()> {
         let live = self.ended.logical_not(); // [S]
-        // A row's sum in f64 is finite iff every entry is (NaN and ±∞ carry into it; f32's
-        // largest magnitudes times any vocabulary sum far below f64's range): one pass, where
-        // `isfinite().all()` takes four.
-        let finite = self.logits.sum_dim_intlist(-1, false, Kind::Double).isfinite();
+        let (next, lp, lq, finite) = self.next_tokens()?;
         let newly_bad = self.bad.eq(0).logical_and(&live).logical_and(&finite.logical_not());
         self.bad.copy_(&(&self.len + 1).where_self(&newly_bad, &self.bad));
-        let logp = self.logits.log_softmax(-1, Kind::Float);
-        let (next, lq) = match &self.s.decoding {
-            Decoding::Greedy => (self.logits.argmax(-1, false), self.len.zeros_like().to_kind(Kind::Float)),
-            Decoding::Sample(params) => {
-                // The model's own distribution needs no second normalisation.
-                let logq = if *params == SamplingParams::default() {
-                    logp.shallow_clone()
-                } else {
-                    sampling_logits(&self.logits, params).log_softmax(-1, Kind::Float)
-                };
-                let next = draw(&logq, &uniform_tensor(&self.hi, &self.lo, &self.len));
-                let lq = logq.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-                (next, lq)
-            }
-        };
-        let lp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
         let at = self.len.unsqueeze(1);
         let _ = self.tokens.scatter_(1, &at, &next.unsqueeze(1));
         let _ = self.lp.scatter_(1, &at, &lp.unsqueeze(1));
@@ -658,7 +676,11 @@ impl<'a> Decoder<'a> {
         let is_eos = next.unsqueeze(1).eq_tensor(&self.eos.unsqueeze(0)).any_dim(1, false);
         let _ = self.ended.logical_or_(&is_eos.logical_or(&self.len.ge(self.s.max_new_tokens)));
         let logits = self.model.decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?;
-        self.logits.copy_(&logits);
+        if self.graphs || logits.kind() != Kind::Float {
+            self.logits.copy_(&logits); // a recorded step reads and writes fixed addresses
+        } else {
+            self.logits = logits;
+        }
         let advance = self.ended.logical_not().to_kind(Kind::Int64);
         let _ = self.pos.g_add_(&advance);
         let _ = self.write.g_add_(&advance);

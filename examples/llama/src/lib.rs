@@ -15,6 +15,7 @@
 //! | [`config`] | `config.json`: fields, defaults, both rope layouts, refusal of unsupported settings |
 //! | [`model`] | the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, KV cache |
 //! | [`attention`] | the decoding step's attention on the CPU, slot by slot over each slot's own keys |
+//! | [`next_tokens`] | the decoding step's next tokens on the CPU, from the logits in one pass a row |
 //! | [`checkpoint`] | loading and saving the Hugging Face layout (single or sharded safetensors) |
 //! | [`tokenizer`] | `tokenizer.json`, the chat template, every EOS id |
 //! | [`generate`] | batched generation (greedy or sampled), teacher-forced scoring |
@@ -56,6 +57,7 @@ pub mod layout;
 pub mod memory;
 pub mod metrics;
 pub mod model;
+pub mod next_tokens;
 pub mod onednn;
 pub mod optim;
 pub mod parallel;
