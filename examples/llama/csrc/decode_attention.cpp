@@ -36,7 +36,6 @@ namespace {
 
 using namespace topr::lanes;
 
-constexpr int64_t LANES = 16;
 
 // One (slot, key head) task: `g` queries `q [g, hd]` (rows `hd` apart) over `n` keys and values
 // whose rows are `ks` resp. `vs` apart; output `y [g, hd]`. `scores` holds `g · n` floats. Every

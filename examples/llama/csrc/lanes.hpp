@@ -16,6 +16,9 @@
 
 namespace topr::lanes {
 
+// The lanes of a group (`Lanes`): the width every version's sums are written for.
+constexpr int64_t LANES = 16;
+
 // Whether this CPU runs a kernel's version on native vectors of `width` floats (4: every CPU).
 inline bool runs_width(int width) {
 #ifdef TOPR_X86_DISPATCH
@@ -61,7 +64,7 @@ __attribute__((always_inline)) inline void store_as(float* p, T x) {
 template <int N>
 struct Lanes {
   typedef typename Native<N>::f F;
-  static constexpr int P = 16 / N;
+  static constexpr int P = LANES / N;
   F x[P];
 
   __attribute__((always_inline)) static Lanes load(const float* s) {

@@ -27,7 +27,6 @@ namespace {
 
 using namespace topr::lanes;
 
-constexpr int64_t LANES = 16;
 constexpr int64_t BLOCK = 64;  // entries a block: four groups of 16 lanes
 
 // The maximum of `x [v]` (NaN entries skipped) and whether every entry is finite.
