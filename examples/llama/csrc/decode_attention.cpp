@@ -77,6 +77,7 @@ void attend_scalar(const float* q, const float* k, const float* v, int64_t ks, i
 // AVX2.) The order of every sum is fixed by the 16 lanes: a dot product adds its 16-entry blocks
 // in turn and then the lanes in a fixed tree (`Lanes::sum`), a maximum or a total runs 16 lanes
 // over the keys then combines them, an output entry adds the keys in order.
+
 // The softmax of `s [n]` in place.
 template <int N>
 __attribute__((always_inline)) inline void softmax(float* s, int64_t n) {
@@ -196,7 +197,7 @@ Group lanes_of(int width) {
 // of `width` floats (0: the widest this CPU has), scalar loops for other head sizes (or with
 // `width` −1, for tests).
 Group group_for(int64_t hd, int width) {
-  if (width == 0) width = runs_width(16) ? 16 : runs_width(8) ? 8 : 4;
+  width = chosen_width(width);
   TORCH_CHECK(width == -1 || runs_width(width), "this CPU has no version on vectors of ", width, " floats");
   if (width == -1) return attend_scalar;
   switch (hd) {

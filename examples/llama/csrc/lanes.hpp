@@ -28,6 +28,12 @@ inline bool runs_width(int width) {
   return width == 4;
 }
 
+// `width`, or for 0 the widest vectors this CPU has.
+inline int chosen_width(int width) {
+  if (width != 0) return width;
+  return runs_width(16) ? 16 : runs_width(8) ? 8 : 4;
+}
+
 template <int N>
 struct Native;
 template <>

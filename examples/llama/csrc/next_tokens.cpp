@@ -179,7 +179,7 @@ void row_base(const float* l, const float* z, int64_t v, double u, double* b, in
 }
 
 Row row_for(int width) {
-  if (width == 0) width = runs_width(16) ? 16 : runs_width(8) ? 8 : 4;
+  width = chosen_width(width);
   TORCH_CHECK(runs_width(width), "this CPU has no version on vectors of ", width, " floats");
 #ifdef TOPR_X86_DISPATCH
   if (width == 16) return row_avx512;

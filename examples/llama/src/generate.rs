@@ -627,13 +627,13 @@ impl<'a> Decoder<'a> {
     /// logits are finite, all `[S]`: in one pass a row on the CPU ([`crate::next_tokens`]), as
     /// libtorch operations elsewhere (the same formulas; the draws agree but for rounding).
     fn next_tokens(&self) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-        let u = match &self.s.decoding {
-            Decoding::Greedy => None,
-            Decoding::Sample(_) => Some(uniform_tensor(&self.hi, &self.lo, &self.len)),
-        };
-        let z = match &self.s.decoding {
-            Decoding::Sample(params) if *params != SamplingParams::default() => Some(sampling_logits(&self.logits, params)),
-            _ => None,
+        // The uniform numbers (None: greedy) and the sampling logits (None: the model's own).
+        let (u, z) = match &self.s.decoding {
+            Decoding::Greedy => (None, None),
+            Decoding::Sample(params) => (
+                Some(uniform_tensor(&self.hi, &self.lo, &self.len)),
+                (*params != SamplingParams::default()).then(|| sampling_logits(&self.logits, params)),
+            ),
         };
         if crate::next_tokens::supports(self.logits.device()) {
             let n = crate::next_tokens::next_tokens(&self.logits, z.as_ref(), u.as_ref())?;

@@ -115,7 +115,10 @@ mod tests {
 
     /// The widths this CPU runs.
     fn widths() -> Vec<i32> {
-        [4, 8, 16].into_iter().filter(|&w| next_on(&Tensor::zeros([1, 3], (Kind::Float, Device::Cpu)), None, None, w).is_ok()).collect()
+        [4, 8, 16]
+            .into_iter()
+            .filter(|&w| next_on(&Tensor::zeros([1, 3], (Kind::Float, Device::Cpu)), None, None, w).is_ok())
+            .collect()
     }
 
     /// Logits of `s` rows and `v` entries, spread `spread` times a standard normal.
@@ -131,11 +134,12 @@ mod tests {
         let w: Vec<f64> = z.iter().map(|&x| (x as f64 - m).exp()).collect();
         let target = u * w.iter().sum::<f64>();
         let mut cum = 0.0;
-        w.iter().position(|x| {
-            cum += x;
-            cum > target
-        })
-        .unwrap_or(w.len() - 1)
+        w.iter()
+            .position(|x| {
+                cum += x;
+                cum > target
+            })
+            .unwrap_or(w.len() - 1)
     }
 
     #[test]
