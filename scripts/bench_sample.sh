@@ -5,7 +5,7 @@
 #   scripts/bench_sample.sh [REPEATS] [PROMPTS] [THREADS] [OTHER_LLAMA]
 #
 # SmolLM2-135M-Instruct (scripts/smollm2.sh builds it), the synthetic task, 4 samples per prompt,
-# temperature 1, a 128-token budget. Ours runs twice a round: with its default batching (16
+# temperature 1, a 128-token budget. Ours runs twice a round: with its default batching (32
 # prompts × 4 samples in flight, "topr-loss") and with 4 prompts × 4 ("topr-loss-16-slots"), the
 # batching of the other build's default and of the transformers side (4 prompts × 4 samples a
 # batch);

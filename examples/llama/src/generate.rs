@@ -239,17 +239,39 @@ pub struct Batching {
     /// batching). False gives the draining batches of earlier versions — the next `slots` jobs
     /// start only once every slot has ended — for comparison.
     pub refill: bool,
-    /// Whether the slots still running move to a batch half as large once they fit in it, when
-    /// the jobs have run out (default false). It saves the empty slots' work at the end, but the
-    /// batch's row count then changes, and with it the rounding of the matrix products: a
-    /// resumed or sharded run would no longer reproduce an uninterrupted one bit for bit.
-    pub shrink: bool,
+    /// Whether the batch sheds its empty slots once the jobs have run out ([`Shrink`]; default
+    /// [`Shrink::WhenExact`]).
+    pub shrink: Shrink,
 }
 
+/// What [`run`] does with the slots that empty once no job is left to take them. The work of a
+/// decoding step grows with its rows, empty or not: on one CPU thread, with 128 completions of
+/// uneven lengths on 64 slots, about a sixth of the rows computed were empty ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shrink {
+    /// The batch keeps its rows to the end: every step on the same shapes.
+    Never,
+    /// The running slots move into a smaller batch, as [`Shrink::Always`], but only where that
+    /// changes no bit: where the step's matrix products give every row the same bits at the
+    /// smaller size as at the full one ([`SlotCache::rows_agree`], tried once per size; on the
+    /// CPU with the packed weights). Elsewhere (on a GPU, with the plain kernels) as
+    /// [`Shrink::Never`]. A resumed or sharded run then still reproduces an uninterrupted one.
+    WhenExact,
+    /// Once the jobs have run out, the running slots move into a smaller batch after every
+    /// collection: the next multiple of [`SHRINK_ROWS`] rows that holds them (with CUDA graphs,
+    /// half the batch, repeatedly, while they fit: one recording per size). The products' rounding
+    /// may then change with the batch size, and a resumed or sharded run may draw differently
+    /// from an uninterrupted one where a draw falls within that rounding of a boundary.
+    Always,
+}
+
+/// The sizes a shrinking batch takes: multiples of this many rows (or the full batch).
+pub const SHRINK_ROWS: usize = 8;
+
 impl Default for Batching {
-    /// Every job at once, the device's default reads, continuous batching.
+    /// Every job at once, the device's default reads, continuous batching, shrinking where exact.
     fn default() -> Self {
-        Self { slots: 0, sync_every: 0, refill: true, shrink: false }
+        Self { slots: 0, sync_every: 0, refill: true, shrink: Shrink::WhenExact }
     }
 }
 
@@ -354,8 +376,8 @@ pub fn run(
                 if d.occupied.iter().all(Option::is_none) {
                     return Ok(());
                 }
-                if next_job == jobs.len() && batching.shrink {
-                    d.shrink();
+                if next_job == jobs.len() {
+                    d.shrink(batching.shrink)?;
                 }
             }
             d.step()?;
@@ -412,6 +434,8 @@ struct Decoder<'a> {
     lp: Tensor,
     lq: Tensor,
     occupied: Vec<Option<Occupant>>,
+    /// The slots it started with (a shrunk batch has fewer).
+    full: i64,
     /// Whether steps replay CUDA graphs ([`Llama::cuda_graphs`] on a CUDA device); the graph of
     /// the current batch size, and whether a step has run eagerly at that size.
     graphs: bool,
@@ -445,6 +469,7 @@ impl<'a> Decoder<'a> {
             lp: row(Kind::Float),
             lq: row(Kind::Float),
             occupied: vec![None; slots as usize],
+            full: slots,
             graphs: model.cuda_graphs() && dev.is_cuda(),
             graph: None,
             warm: false,
@@ -554,25 +579,35 @@ impl<'a> Decoder<'a> {
         Ok(())
     }
 
-    /// Moves the occupied slots into a batch half as large (repeatedly) while they fit in it.
-    fn shrink(&mut self) {
+    /// Moves the occupied slots into a smaller batch, as `mode` allows ([`Shrink`]): the slots
+    /// past the new size move into the free ones below it, the others stay where they are.
+    fn shrink(&mut self, mode: Shrink) -> Result<()> {
         let size = self.occupied.len();
-        let used = self.occupied.iter().filter(|o| o.is_some()).count();
-        let mut to = size;
-        while to > 1 && used <= to / 2 {
-            to /= 2;
+        let used = self.occupied.iter().flatten().count();
+        let to = if self.graphs {
+            let mut to = size;
+            while to > 1 && used <= to / 2 {
+                to /= 2;
+            }
+            to
+        } else {
+            used.div_ceil(SHRINK_ROWS).max(1) * SHRINK_ROWS
+        };
+        if used == 0 || to >= size || mode == Shrink::Never {
+            return Ok(());
         }
-        if to == size {
-            return;
+        if mode == Shrink::WhenExact && !self.cache.rows_agree(to as i64, self.full)? {
+            return Ok(());
         }
-        let keep: Vec<i64> = (0..size).filter(|&i| self.occupied[i].is_some()).map(|i| i as i64).collect();
-        let keep = Tensor::from_slice(&keep).to_device(self.model.device());
-        // The kept slots first, then empty ones up to the new size (taken from slot rows that
-        // are then marked ended).
-        let pad = to - used;
-        let empty: Vec<i64> = (0..size).filter(|&i| self.occupied[i].is_none()).take(pad).map(|i| i as i64).collect();
-        let rows = Tensor::cat(&[keep, Tensor::from_slice(&empty).to_device(self.model.device())], 0);
-        self.cache.keep(&rows);
+        let holes = (0..to).filter(|&i| self.occupied[i].is_none());
+        let moves: Vec<(usize, usize)> = (to..size).filter(|&i| self.occupied[i].is_some()).zip(holes).collect();
+        let dev = self.model.device();
+        let index = |f: fn(&(usize, usize)) -> usize| {
+            Tensor::from_slice(&moves.iter().map(|m| f(m) as i64).collect::<Vec<_>>()).to_device(dev)
+        };
+        let (from, into) = (index(|m| m.0), index(|m| m.1));
+        let reach = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
+        self.cache.compact(&from, &into, to as i64, whole_blocks(reach));
         for t in [
             &mut self.logits,
             &mut self.pos,
@@ -587,14 +622,18 @@ impl<'a> Decoder<'a> {
             &mut self.lp,
             &mut self.lq,
         ] {
-            *t = t.index_select(0, &rows);
+            let moved = t.index_select(0, &from);
+            let _ = t.index_copy_(0, &into, &moved);
+            *t = t.narrow(0, 0, to as i64);
         }
-        // New tensors: the graph recorded on the old ones goes.
+        for &(f, i) in &moves {
+            self.occupied[i] = self.occupied[f].take();
+        }
+        self.occupied.truncate(to);
+        // Other tensors: the graph recorded on the old ones goes.
         self.graph = None;
         self.warm = false;
-        let mut occupied: Vec<Option<Occupant>> = self.occupied.iter().flatten().map(|o| Some(*o)).collect();
-        occupied.resize(to, None);
-        self.occupied = occupied;
+        Ok(())
     }
 
     /// One decoding step of every slot: eager, over the blocks of [`KEY_BLOCK`] keys any slot can
@@ -675,7 +714,9 @@ impl<'a> Decoder<'a> {
         let _ = self.len.g_add_(&live.to_kind(Kind::Int64));
         let is_eos = next.unsqueeze(1).eq_tensor(&self.eos.unsqueeze(0)).any_dim(1, false);
         let _ = self.ended.logical_or_(&is_eos.logical_or(&self.len.ge(self.s.max_new_tokens)));
-        let logits = self.model.decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?;
+        // An ended slot's output goes unused: it attends to one key instead of its whole range.
+        let first = self.first.where_self(&self.ended.logical_not(), &self.write);
+        let logits = self.model.decode(&next, &self.pos, &self.write, &first, keys, &mut self.cache)?;
         if self.graphs || logits.kind() != Kind::Float {
             self.logits.copy_(&logits); // a recorded step reads and writes fixed addresses
         } else {

@@ -162,11 +162,31 @@ impl SlotCache {
         }
     }
 
-    /// Keeps the slots `rows [R]` (indices into the current slots), in that order: the cache of a
-    /// smaller batch.
-    pub fn keep(&mut self, rows: &Tensor) {
+    /// Slots in the cache.
+    pub fn slots(&self) -> i64 {
+        self.k.first().map_or(0, |t| t.size()[0])
+    }
+
+    /// The cache of a smaller batch of `to` slots, in place: slot `from[i]` (at or past `to`)
+    /// moves to slot `into[i]` (below `to`), its first `positions` positions copied; the slots
+    /// below `to` that move nothing stay as they are, the slots from `to` on go. Only the moved
+    /// slots are copied.
+    pub fn compact(&mut self, from: &Tensor, into: &Tensor, to: i64, positions: i64) {
         for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-            *t = t.index_select(0, rows);
+            let mut kept = t.narrow(2, 0, positions.min(t.size()[2]));
+            let moved = kept.index_select(0, from);
+            let _ = kept.index_copy_(0, into, &moved);
+            *t = t.narrow(0, 0, to);
+        }
+    }
+
+    /// Whether the products of a decoding step give every row the same bits in a batch of `rows`
+    /// rows as in one of `of` rows, wherever the row stands in either ([`Packed::rows_agree`]):
+    /// false without packed weights (libtorch's products promise nothing of the kind).
+    pub fn rows_agree(&self, rows: i64, of: i64) -> Result<bool> {
+        match &self.packed {
+            Some(p) => p.rows_agree(rows, of),
+            None => Ok(false),
         }
     }
 }
@@ -667,6 +687,8 @@ struct PackedLayer {
 pub struct Packed {
     layers: Vec<PackedLayer>,
     lm_head: PackedLinear,
+    /// [`Packed::rows_agree`]'s answers, by `(rows, of)`.
+    agree: Mutex<std::collections::HashMap<(i64, i64), bool>>,
 }
 
 // SAFETY: a `Packed` is written once, when made, and only read afterwards (oneDNN reads the
@@ -689,7 +711,46 @@ impl Packed {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)? })
+        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)?, agree: Mutex::default() })
+    }
+
+    /// Whether every product of the decoding step gives a row the same bits in a batch of `rows`
+    /// rows as in one of `of` rows, wherever the row stands in either. oneDNN promises nothing of
+    /// the kind, and whether it holds depends on the CPU and on the sizes (its kernels and their
+    /// blocking are chosen per shape; one CPU measured gave different bits at one row only): so
+    /// it is tried, once per `(rows, of)` and kept, on each shape the step multiplies by (every
+    /// layer has the same ones), with `of` fixed pseudo-random rows against `rows` of them taken
+    /// in reverse order. It costs the products of `rows + of` rows, about a decoding step's.
+    pub fn rows_agree(&self, rows: i64, of: i64) -> Result<bool> {
+        if let Some(&known) = self.agree.lock().unwrap_or_else(|e| e.into_inner()).get(&(rows, of)) {
+            return Ok(known);
+        }
+        let agree = tch::no_grad(|| self.try_rows(rows, of))?;
+        self.agree.lock().unwrap_or_else(|e| e.into_inner()).insert((rows, of), agree);
+        Ok(agree)
+    }
+
+    fn try_rows(&self, rows: i64, of: i64) -> Result<bool> {
+        if rows < 1 || rows > of {
+            return Ok(rows == of);
+        }
+        let mut shapes = vec![&self.lm_head];
+        if let Some(l) = self.layers.first() {
+            shapes.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
+        }
+        // The small batch: rows of..of-rows of the large one, reversed (every row moves).
+        let back = Tensor::arange_start_step(of - 1, of - 1 - rows, -1, (Kind::Int64, Device::Cpu));
+        for lin in shapes {
+            let k = lin.in_features();
+            let x = (Tensor::arange(of * k, (Kind::Float, Device::Cpu)) * 0.618_034).sin().view([of, k]);
+            let x = x.to_kind(lin.kind());
+            let all = lin.forward(&x)?;
+            let some = lin.forward(&x.index_select(0, &back))?;
+            if !some.equal(&all.index_select(0, &back)) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 }
 

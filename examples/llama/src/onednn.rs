@@ -65,6 +65,7 @@ pub struct PackedLinear {
     packed: Tensor,
     in_features: i64,
     out_features: i64,
+    kind: Kind,
 }
 
 impl PackedLinear {
@@ -84,7 +85,22 @@ impl PackedLinear {
         let mut err = [0u8; ERR_CAP];
         // SAFETY: `w` outlives the call; `err` holds ERR_CAP bytes.
         let raw = unsafe { topr_onednn_pack(w.as_ptr().cast(), err.as_mut_ptr().cast(), ERR_CAP) };
-        Ok(Self { packed: take(raw, &err, "packing a weight")?, in_features: size[1], out_features: size[0] })
+        Ok(Self {
+            packed: take(raw, &err, "packing a weight")?,
+            in_features: size[1],
+            out_features: size[0],
+            kind: weight.kind(),
+        })
+    }
+
+    /// `K`, the features of an input row.
+    pub fn in_features(&self) -> i64 {
+        self.in_features
+    }
+
+    /// The weight's dtype (that of the inputs it takes).
+    pub fn kind(&self) -> Kind {
+        self.kind
     }
 
     /// `x [.., K] · Wᵀ`: `[.., N]`.

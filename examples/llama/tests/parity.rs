@@ -418,7 +418,7 @@ fn completions_do_not_depend_on_slots_or_reads() {
                     &jobs,
                     &s,
                     &eos,
-                    Batching { slots, sync_every, refill, shrink: true },
+                    Batching { slots, sync_every, refill, shrink: generate::Shrink::Always },
                     || (),
                 )
                 .unwrap()
@@ -500,6 +500,50 @@ fn a_completion_depends_on_nothing_beside_it() {
                     assert!((u - v).abs() <= 1e-5, "{kernels:?}, {slots} slots: job {j} log-probs {u} vs {v}");
                 }
             }
+        }
+    }
+}
+
+/// Shedding the empty slots once the jobs run out ([`generate::Shrink`]): where the packed
+/// products give a row the same bits at the smaller sizes ([`model::SlotCache::rows_agree`]),
+/// `WhenExact` shrinks and changes no bit of any completion; `Always` shrinks regardless and
+/// changes at most rounding; without packed weights nothing is claimed to agree. 40 jobs of
+/// uneven lengths on 24 slots: the batch goes down through 16 and 8 rows.
+#[test]
+fn shrinking_the_batch_where_exact_changes_no_bit() {
+    use generate::{Batching, Job, Sampling, SamplingParams, Shrink, Stream};
+    let dir = wide_checkpoint("shrink_bits", "4");
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let prompts: Vec<Vec<i64>> =
+        (0..10).map(|i| (0..5 + 3 * (i % 4)).map(|t| 200 + ((t * 5 + i) % 40)).collect()).collect();
+    let jobs: Vec<Job> =
+        (0..40).map(|j| Job { prompt: j % 10, stream: Stream::new(2, (j % 10) as u64, (j / 10) as u64) }).collect();
+    let s = Sampling::sample(SamplingParams::default(), 16);
+    let eos: Vec<i64> = (200..206).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let run = |m: &model::Llama, shrink| {
+        let batching = Batching { slots: 24, shrink, ..Batching::default() };
+        generate::collect(m, &prompts, &jobs, &s, &eos, batching, || ()).unwrap()
+    };
+    m.set_kernels(Kernels::Plain);
+    assert!(!m.new_slots(24, 64).unwrap().rows_agree(8, 24).unwrap(), "plain kernels claim no agreement");
+    m.set_kernels(Kernels::Onednn);
+    let fixed = run(&m, Shrink::Never);
+    let lengths: std::collections::BTreeSet<usize> = fixed.iter().map(|c| c.tokens.len()).collect();
+    assert!(lengths.len() >= 3, "completions of different lengths, got {lengths:?}");
+    let cache = m.new_slots(24, 64).unwrap();
+    let agree = [8, 16].map(|r| cache.rows_agree(r, 24).unwrap());
+    eprintln!("packed products agree at 8 and 16 rows of 24: {agree:?}");
+    for (j, (p, q)) in run(&m, Shrink::WhenExact).iter().zip(&fixed).enumerate() {
+        assert_eq!(p.tokens, q.tokens, "job {j}");
+        assert_eq!(bits(&p.logp_model), bits(&q.logp_model), "job {j}");
+        assert_eq!(bits(&p.logp_sampling), bits(&q.logp_sampling), "job {j}");
+    }
+    for (j, (p, q)) in run(&m, Shrink::Always).iter().zip(&fixed).enumerate() {
+        assert_eq!(p.tokens, q.tokens, "job {j}");
+        assert_eq!(p.stop, q.stop, "job {j}");
+        for (u, v) in p.logp_model.iter().zip(&q.logp_model).chain(p.logp_sampling.iter().zip(&q.logp_sampling)) {
+            assert!((u - v).abs() <= 1e-5, "job {j}: log-probs {u} vs {v}");
         }
     }
 }

@@ -86,10 +86,12 @@ pub enum Command {
         samples_per_prompt: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
-        /// Completions in flight: this many prompts' samples (>= 1; 16 prompts × 4 samples, 64
+        /// Completions in flight: this many prompts' samples (>= 1; 32 prompts × 4 samples, 128
         /// slots, by default). Continuous batching: an ended completion's slot takes the next
-        /// one. Another value changes speed, memory and the rounding of the batched products.
-        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        /// one; once none is left, the batch sheds its empty slots where that changes no bit.
+        /// Another value changes speed, memory and, on some CPUs, the rounding of the batched
+        /// products.
+        #[arg(long, default_value_t = 32, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_prompts: usize,
         #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
