@@ -687,13 +687,16 @@ struct PackedLayer {
 pub struct Packed {
     layers: Vec<PackedLayer>,
     lm_head: PackedLinear,
-    /// [`Packed::rows_agree`]'s answers, by `(rows, of)`.
+    /// [`Packed::rows_agree`]'s answers, by `(rows, of)`, and its last full batch: `of`, then
+    /// each shape's input rows and products.
     agree: Mutex<std::collections::HashMap<(i64, i64), bool>>,
+    probe: Mutex<Option<(i64, Vec<(Tensor, Tensor)>)>>,
 }
 
-// SAFETY: a `Packed` is written once, when made, and only read afterwards (oneDNN reads the
-// packed weights; libtorch's reference counts are atomic), so sharing it between threads is
-// sound; tch's `Tensor` is not `Sync` only because its methods can write in place.
+// SAFETY: a `Packed`'s weights are written once, when made, and only read afterwards (oneDNN
+// reads the packed weights; libtorch's reference counts are atomic), and its probe's tensors are
+// touched only under their mutex, so sharing it between threads is sound; tch's `Tensor` is not
+// `Sync` only because its methods can write in place.
 unsafe impl Sync for Packed {}
 
 impl Packed {
@@ -711,7 +714,7 @@ impl Packed {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)?, agree: Mutex::default() })
+        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)?, agree: Mutex::default(), probe: Mutex::default() })
     }
 
     /// Whether every product of the decoding step gives a row the same bits in a batch of `rows`
@@ -720,7 +723,8 @@ impl Packed {
     /// blocking are chosen per shape; one CPU measured gave different bits at one row only): so
     /// it is tried, once per `(rows, of)` and kept, on each shape the step multiplies by (every
     /// layer has the same ones), with `of` fixed pseudo-random rows against `rows` of them taken
-    /// in reverse order. It costs the products of `rows + of` rows, about a decoding step's.
+    /// in reverse order. A size costs the products of its `rows` rows (those of the `of` rows once,
+    /// kept while the same `of` is asked).
     pub fn rows_agree(&self, rows: i64, of: i64) -> Result<bool> {
         if let Some(&known) = self.agree.lock().unwrap_or_else(|e| e.into_inner()).get(&(rows, of)) {
             return Ok(known);
@@ -738,15 +742,26 @@ impl Packed {
         if let Some(l) = self.layers.first() {
             shapes.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        // The small batch: rows of..of-rows of the large one, reversed (every row moves).
+        // The full batch's products, computed once for every size tried against it.
+        let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        if probe.as_ref().map(|p| p.0) != Some(of) {
+            let full = shapes
+                .iter()
+                .map(|lin| {
+                    let k = lin.in_features();
+                    let x = (Tensor::arange(of * k, (Kind::Float, Device::Cpu)) * 0.618_034).sin().view([of, k]);
+                    let x = x.to_kind(lin.kind());
+                    let y = lin.forward(&x)?;
+                    Ok((x, y))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            *probe = Some((of, full));
+        }
+        // The small batch: rows of-1 down to of-rows of the large one (every row moves).
         let back = Tensor::arange_start_step(of - 1, of - 1 - rows, -1, (Kind::Int64, Device::Cpu));
-        for lin in shapes {
-            let k = lin.in_features();
-            let x = (Tensor::arange(of * k, (Kind::Float, Device::Cpu)) * 0.618_034).sin().view([of, k]);
-            let x = x.to_kind(lin.kind());
-            let all = lin.forward(&x)?;
-            let some = lin.forward(&x.index_select(0, &back))?;
-            if !some.equal(&all.index_select(0, &back)) {
+        let full = probe.as_ref().map_or(&[][..], |p| &p.1[..]);
+        for (lin, (x, all)) in shapes.iter().zip(full) {
+            if !lin.forward(&x.index_select(0, &back))?.equal(&all.index_select(0, &back)) {
                 return Ok(false);
             }
         }
