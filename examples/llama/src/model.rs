@@ -690,8 +690,11 @@ pub struct Packed {
     /// [`Packed::rows_agree`]'s answers, by `(rows, of)`, and its last full batch: `of`, then
     /// each shape's input rows and products.
     agree: Mutex<std::collections::HashMap<(i64, i64), bool>>,
-    probe: Mutex<Option<(i64, Vec<(Tensor, Tensor)>)>>,
+    probe: Mutex<Option<Probe>>,
 }
+
+/// A full batch's probe: its row count, then each shape's input rows and their products.
+type Probe = (i64, Vec<(Tensor, Tensor)>);
 
 // SAFETY: a `Packed`'s weights are written once, when made, and only read afterwards (oneDNN
 // reads the packed weights; libtorch's reference counts are atomic), and its probe's tensors are
