@@ -496,6 +496,9 @@ impl<'a> Decoder<'a> {
             Tensor::from_slice(&rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(self.model.device());
         let cpu = |t: &Tensor| t.index_select(0, &idx).to_device(tch::Device::Cpu);
         let (tokens, lp, lq, len) = (cpu(&self.tokens), cpu(&self.lp), cpu(&self.lq), cpu(&self.len));
+        // A freed slot's output goes unused until a job takes it or the batch sheds it: it
+        // attends to one key instead of its whole range.
+        let _ = self.first.index_copy_(0, &idx, &self.write.index_select(0, &idx));
         let width = self.s.max_new_tokens as usize + 1;
         let (tokens, lp, lq, len) = (
             Vec::<i64>::try_from(tokens.view([-1]))?,
@@ -602,10 +605,8 @@ impl<'a> Decoder<'a> {
         let holes = (0..to).filter(|&i| self.occupied[i].is_none());
         let moves: Vec<(usize, usize)> = (to..size).filter(|&i| self.occupied[i].is_some()).zip(holes).collect();
         let dev = self.model.device();
-        let index = |f: fn(&(usize, usize)) -> usize| {
-            Tensor::from_slice(&moves.iter().map(|m| f(m) as i64).collect::<Vec<_>>()).to_device(dev)
-        };
-        let (from, into) = (index(|m| m.0), index(|m| m.1));
+        let (from, into): (Vec<i64>, Vec<i64>) = moves.iter().map(|&(f, i)| (f as i64, i as i64)).unzip();
+        let (from, into) = (Tensor::from_slice(&from).to_device(dev), Tensor::from_slice(&into).to_device(dev));
         let reach = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
         self.cache.compact(&from, &into, to as i64, whole_blocks(reach));
         for t in [
@@ -714,9 +715,7 @@ impl<'a> Decoder<'a> {
         let _ = self.len.g_add_(&live.to_kind(Kind::Int64));
         let is_eos = next.unsqueeze(1).eq_tensor(&self.eos.unsqueeze(0)).any_dim(1, false);
         let _ = self.ended.logical_or_(&is_eos.logical_or(&self.len.ge(self.s.max_new_tokens)));
-        // An ended slot's output goes unused: it attends to one key instead of its whole range.
-        let first = self.first.where_self(&self.ended.logical_not(), &self.write);
-        let logits = self.model.decode(&next, &self.pos, &self.write, &first, keys, &mut self.cache)?;
+        let logits = self.model.decode(&next, &self.pos, &self.write, &self.first, keys, &mut self.cache)?;
         if self.graphs || logits.kind() != Kind::Float {
             self.logits.copy_(&logits); // a recorded step reads and writes fixed addresses
         } else {

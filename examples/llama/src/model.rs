@@ -162,11 +162,6 @@ impl SlotCache {
         }
     }
 
-    /// Slots in the cache.
-    pub fn slots(&self) -> i64 {
-        self.k.first().map_or(0, |t| t.size()[0])
-    }
-
     /// The cache of a smaller batch of `to` slots, in place: slot `from[i]` (at or past `to`)
     /// moves to slot `into[i]` (below `to`), its first `positions` positions copied; the slots
     /// below `to` that move nothing stay as they are, the slots from `to` on go. Only the moved
@@ -687,14 +682,17 @@ struct PackedLayer {
 pub struct Packed {
     layers: Vec<PackedLayer>,
     lm_head: PackedLinear,
-    /// [`Packed::rows_agree`]'s answers, by `(rows, of)`, and its last full batch: `of`, then
-    /// each shape's input rows and products.
-    agree: Mutex<std::collections::HashMap<(i64, i64), bool>>,
+    /// [`Packed::rows_agree`]'s last full batch and its answers.
     probe: Mutex<Option<Probe>>,
 }
 
-/// A full batch's probe: its row count, then each shape's input rows and their products.
-type Probe = (i64, Vec<(Tensor, Tensor)>);
+/// A full batch of [`Packed::rows_agree`]: its row count `of`, each shape's input rows and their
+/// products, and the answers found so far, by smaller row count.
+struct Probe {
+    of: i64,
+    full: Vec<(Tensor, Tensor)>,
+    agree: std::collections::HashMap<i64, bool>,
+}
 
 // SAFETY: a `Packed`'s weights are written once, when made, and only read afterwards (oneDNN
 // reads the packed weights; libtorch's reference counts are atomic), and its probe's tensors are
@@ -717,58 +715,66 @@ impl Packed {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)?, agree: Mutex::default(), probe: Mutex::default() })
+        Ok(Self { layers, lm_head: PackedLinear::new(&m.lm_head)?, probe: Mutex::default() })
     }
 
     /// Whether every product of the decoding step gives a row the same bits in a batch of `rows`
     /// rows as in one of `of` rows, wherever the row stands in either. oneDNN promises nothing of
     /// the kind, and whether it holds depends on the CPU and on the sizes (its kernels and their
     /// blocking are chosen per shape; one CPU measured gave different bits at one row only): so
-    /// it is tried, once per `(rows, of)` and kept, on each shape the step multiplies by (every
-    /// layer has the same ones), with `of` fixed pseudo-random rows against `rows` of them taken
-    /// in reverse order. A size costs the products of its `rows` rows (those of the `of` rows once,
-    /// kept while the same `of` is asked).
+    /// it is tried on each shape the step multiplies by (every layer has the same ones), with
+    /// `of` fixed pseudo-random rows against `rows` of them taken in reverse order. The full
+    /// batch's products and the answers are kept while the same `of` is asked: a size then costs
+    /// the products of its own `rows` rows, once.
     pub fn rows_agree(&self, rows: i64, of: i64) -> Result<bool> {
-        if let Some(&known) = self.agree.lock().unwrap_or_else(|e| e.into_inner()).get(&(rows, of)) {
-            return Ok(known);
-        }
-        let agree = tch::no_grad(|| self.try_rows(rows, of))?;
-        self.agree.lock().unwrap_or_else(|e| e.into_inner()).insert((rows, of), agree);
-        Ok(agree)
-    }
-
-    fn try_rows(&self, rows: i64, of: i64) -> Result<bool> {
         if rows < 1 || rows > of {
             return Ok(rows == of);
         }
+        let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        let p = match probe.take() {
+            Some(p) if p.of == of => probe.insert(p),
+            _ => probe.insert(tch::no_grad(|| self.full_batch(of))?),
+        };
+        if let Some(&known) = p.agree.get(&rows) {
+            return Ok(known);
+        }
+        // The small batch: rows of-1 down to of-rows of the large one (every row moves).
+        let back = Tensor::arange_start_step(of - 1, of - 1 - rows, -1, (Kind::Int64, Device::Cpu));
+        let mut agree = true;
+        for (lin, (x, all)) in self.shapes().into_iter().zip(&p.full) {
+            let some = tch::no_grad(|| lin.forward(&x.index_select(0, &back)))?;
+            if !some.equal(&all.index_select(0, &back)) {
+                agree = false;
+                break;
+            }
+        }
+        p.agree.insert(rows, agree);
+        Ok(agree)
+    }
+
+    /// One of each product shape of the decoding step (every layer has the same ones).
+    fn shapes(&self) -> Vec<&PackedLinear> {
         let mut shapes = vec![&self.lm_head];
         if let Some(l) = self.layers.first() {
             shapes.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        // The full batch's products, computed once for every size tried against it.
-        let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
-        if probe.as_ref().map(|p| p.0) != Some(of) {
-            let full = shapes
-                .iter()
-                .map(|lin| {
-                    let k = lin.in_features();
-                    let x = (Tensor::arange(of * k, (Kind::Float, Device::Cpu)) * 0.618_034).sin().view([of, k]);
-                    let x = x.to_kind(lin.kind());
-                    let y = lin.forward(&x)?;
-                    Ok((x, y))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            *probe = Some((of, full));
-        }
-        // The small batch: rows of-1 down to of-rows of the large one (every row moves).
-        let back = Tensor::arange_start_step(of - 1, of - 1 - rows, -1, (Kind::Int64, Device::Cpu));
-        let full = probe.as_ref().map_or(&[][..], |p| &p.1[..]);
-        for (lin, (x, all)) in shapes.iter().zip(full) {
-            if !lin.forward(&x.index_select(0, &back))?.equal(&all.index_select(0, &back)) {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+        shapes
+    }
+
+    /// The probe's full batch: `of` fixed pseudo-random rows through each shape.
+    fn full_batch(&self, of: i64) -> Result<Probe> {
+        let full = self
+            .shapes()
+            .into_iter()
+            .map(|lin| {
+                let k = lin.in_features();
+                let x = (Tensor::arange(of * k, (Kind::Float, Device::Cpu)) * 0.618_034).sin().view([of, k]);
+                let x = x.to_kind(lin.kind());
+                let y = lin.forward(&x)?;
+                Ok((x, y))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Probe { of, full, agree: Default::default() })
     }
 }
 
