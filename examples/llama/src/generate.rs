@@ -769,16 +769,17 @@ pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f3
     let ids = Tensor::from_slice(&all).view([1, n]).to_device(device);
     let mask = Tensor::ones([1, n], (Kind::Bool, device));
     let logp = tch::no_grad(|| -> Result<Tensor> {
-        let logits = model.logits(&ids, &mask)?.to_kind(Kind::Float); // [1, n, V]
+        let p = prompt.len() as i64;
+        let c = completion.len() as i64;
+        // The token at position t is predicted by the logits at t − 1: those of positions
+        // p − 1 .. n − 1, [1, c, V].
+        let logits = model.next_token_logits(&ids, &mask, p - 1)?.to_kind(Kind::Float);
         if !bool::try_from(logits.isfinite().all())? {
             bail!(
                 "the model's logits are not finite (NaN or infinite): its weights overflow in this dtype, or are broken"
             );
         }
-        let p = prompt.len() as i64;
-        let c = completion.len() as i64;
-        // The token at position t is predicted by the logits at t − 1.
-        let pred = logits.narrow(1, p - 1, c).log_softmax(-1, Kind::Float);
+        let pred = logits.log_softmax(-1, Kind::Float);
         let labels = ids.narrow(1, p, c).unsqueeze(2);
         Ok(pred.gather(2, &labels, false).view([c]))
     })?;

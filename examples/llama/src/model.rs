@@ -487,9 +487,27 @@ impl Llama {
 
     /// Logits `[B, T, V]` of a padded batch (the training forward), in the model's dtype.
     pub fn logits(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        self.output(&self.hidden(ids, mask)?)
+    }
+
+    /// The next-token logits `[B, T − 1 − from, V]` at positions `from..T−1` of a padded batch
+    /// `ids [B, T]`, each predicting the token after it: the training forward where the
+    /// positions before `from` predict nothing that is trained (a prompt's). The layers see
+    /// every position; only the output layer (and the log-softmax after it) skips the first
+    /// `from`. Refused unless `0 ≤ from < T`.
+    pub fn next_token_logits(&self, ids: &Tensor, mask: &Tensor, from: i64) -> Result<Tensor> {
+        let t = ids.size().get(1).copied().unwrap_or(0);
+        if !(0..t).contains(&from) {
+            anyhow::bail!("next_token_logits: from = {from} is outside the batch's {t} positions");
+        }
         let h = self.hidden(ids, mask)?;
+        self.output(&h.narrow(1, from, t - 1 - from).contiguous())
+    }
+
+    /// The output layer on hidden states `[…, H]`.
+    fn output(&self, h: &Tensor) -> Result<Tensor> {
         if self.trains_with_onednn() {
-            onednn::train_linear(&h, &self.lm_head)
+            onednn::train_linear(h, &self.lm_head)
         } else {
             Ok(h.matmul(&self.lm_head.tr()))
         }

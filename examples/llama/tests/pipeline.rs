@@ -5,7 +5,7 @@ mod common;
 
 use common::random_checkpoint;
 use std::path::PathBuf;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 use topr_llama::generate::SamplingParams;
 use topr_llama::shard::Shard;
 use topr_llama::{checkpoint, eval, generate, model, sample, task, tokenizer, train};
@@ -127,6 +127,67 @@ fn evaluation_metrics_are_consistent() {
     // maj@k by hand.
     assert_eq!(eval::majority(&[Some(3.0), None, Some(4.0), Some(3.0)]), Some(3.0));
     assert_eq!(eval::majority(&[None, None]), None);
+}
+
+/// A micro-batch of prompts of different lengths: the training forward makes logits from the
+/// shortest prompt's last position on only, and each completion token's log-prob there is the
+/// one of its own sequence's full forward (no padding, no other row); the mask and μ's log-probs
+/// sit in the same columns.
+#[test]
+fn a_micro_batch_trains_on_its_completions_logits_only() {
+    let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
+    let (m, tok, dir) = setup("pipeline_from");
+    let problems = task::synthetic_problems(17, 4, 1);
+    let s = generate::Sampling::sample(SamplingParams::default(), 7);
+    let path = dir.with_extension("data.jsonl");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(sample::run_file(&path));
+    let settings =
+        sample::SampleSettings { samples_per_prompt: 1, sampling: s, seed: 5, batch_prompts: 4, shard: Shard::WHOLE };
+    sample::sample_dataset(&m, &tok, &dir, &problems, &eval::PromptStyle::Chat, &settings, &path).unwrap();
+    let (mut data, _) = sample::read_dataset(&path, false).unwrap();
+    // Prompts cut by 0, 5, 10 and 15 tokens, completions of 1 to 4 tokens: the shortest prompt
+    // is not the first row's, and the longest sequence is not the shortest prompt's.
+    for (i, d) in data.iter_mut().enumerate() {
+        d.prompt_ids.drain(..5 * i);
+        d.completion_ids.truncate(1 + (i * 3) % 4);
+        d.logp_mu = (0..d.completion_ids.len()).map(|k| -(i as f32) - k as f32 / 8.0).collect();
+    }
+    let rows: Vec<(&topr_llama::dataset::Sample, f32)> = data.iter().map(|d| (d, 1.0)).collect();
+    let p = train::micro_batch(&rows, Device::Cpu);
+    let shortest = data.iter().map(|d| d.prompt_ids.len()).min().unwrap() as i64;
+    let longest = data.iter().map(|d| d.prompt_ids.len() + d.completion_ids.len()).max().unwrap() as i64;
+    assert_eq!(p.from, shortest - 1);
+    assert_eq!(p.mask.size(), [4, longest - 1 - p.from]);
+    let logits = tch::no_grad(|| m.next_token_logits(&p.ids, &p.attn, p.from)).unwrap();
+    assert_eq!(logits.size(), [4, longest - 1 - p.from, m.cfg.vocab_size]);
+    let cfg = topr_loss::LogProbConfig::default();
+    let lp = topr_loss::token_logprobs(&logits, &p.labels, Some(&p.mask), &cfg).unwrap();
+    let at = |t: &Tensor, r: usize, c: i64| t.double_value(&[r as i64, c]);
+    let mut seen = 0;
+    for (r, d) in data.iter().enumerate() {
+        let all: Vec<i64> = d.prompt_ids.iter().chain(&d.completion_ids).copied().collect();
+        let n = all.len() as i64;
+        let ids = Tensor::from_slice(&all).view([1, n]);
+        let full = tch::no_grad(|| m.logits(&ids, &Tensor::ones([1, n], (Kind::Bool, Device::Cpu)))).unwrap();
+        let own = full.log_softmax(-1, Kind::Double);
+        let pl = d.prompt_ids.len() as i64;
+        for (k, &y) in d.completion_ids.iter().enumerate() {
+            let col = pl + k as i64 - 1 - p.from;
+            assert!(bool::try_from(p.mask.get(r as i64).get(col)).unwrap(), "row {r} token {k}");
+            assert_eq!(at(&p.labels, r, col), y as f64);
+            assert_eq!(at(&p.logp_mu, r, col), f64::from(d.logp_mu[k]));
+            let want = own.double_value(&[0, pl + k as i64 - 1, y]);
+            let got = at(&lp.logp, r, col);
+            assert!((got - want).abs() < 1e-4, "row {r} token {k}: {got} against its own forward's {want}");
+            seen += 1;
+        }
+    }
+    // Nothing else is a completion token.
+    assert_eq!(p.mask.sum(Kind::Int64).int64_value(&[]), seen);
+    // from must lie inside the batch.
+    assert!(m.next_token_logits(&p.ids, &p.attn, longest).is_err());
+    assert!(m.next_token_logits(&p.ids, &p.attn, -1).is_err());
 }
 
 /// The gradient of one optimiser step is the same whatever the micro-batch size, for every ratio

@@ -185,8 +185,8 @@ fn arm_train(arm: &Arm, seed: u64) -> Result<TrainSettings> {
 }
 
 /// A real-model arm's `iterate` settings: the sizes of [`Scale::real`], batches of 16 completions
-/// in micro-batches of 8, the arm's learning rate ([`claims::REAL_LR`]), 8 prompts a generation
-/// batch and 32 held-out questions an evaluation batch.
+/// in micro-batches of 8, the arm's learning rate ([`claims::REAL_LR`]), 32 prompts a generation
+/// batch (128 completions in flight) and 128 completions in flight in an evaluation.
 fn real_arm_settings(dir: &SeedDir, seed: u64, arm: &Arm) -> Result<IterateSettings> {
     let scale = Scale::real();
     let train = TrainSettings { batch_size: 16, micro_batch_size: 8, ..arm_train(arm, seed)? };
@@ -194,8 +194,8 @@ fn real_arm_settings(dir: &SeedDir, seed: u64, arm: &Arm) -> Result<IterateSetti
         curate: arm.curate,
         iterations: arm.iterations(scale.iterations),
         shared: Some(dir.shared()),
-        batch_prompts: 8,
-        eval_batch_size: 32,
+        batch_prompts: 32,
+        eval_batch_size: 128,
         ..demo::iterate_settings(dir.arm(&arm.name).path().to_path_buf(), scale, seed, train)
     })
 }

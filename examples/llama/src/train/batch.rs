@@ -39,13 +39,12 @@ fn proximal(
     let Loss::DecoupledPpo(_, how) = loss else { return Ok(None) };
     Ok(Some(match (how, at.start) {
         (Proximal::Recompute, Some(start)) => tch::no_grad(|| -> Result<Tensor, LossError> {
-            let logits = start.logits(&p.ids, &p.attn).map_err(|e| LossError::InvalidConfig {
+            let logits = start.next_token_logits(&p.ids, &p.attn, p.from).map_err(|e| LossError::InvalidConfig {
                 field: "proximal",
                 value: f64::NAN,
                 reason: format!("the start model's forward pass failed: {e:#}"),
             })?;
-            let l = p.ids.size()[1];
-            Ok(token_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &LogProbConfig::default())?.logp)
+            Ok(token_logprobs(&logits, &p.labels, Some(&p.mask), &LogProbConfig::default())?.logp)
         })?,
         (Proximal::Recompute, None) => {
             return Err(LossError::InvalidConfig {
@@ -96,9 +95,9 @@ pub fn accumulate(
     let pairs_in_step = counts[2];
     // The logits of the largest micro-batch, their log-softmax and their gradient (f32): a lower
     // bound of what the step holds, refused when even that cannot fit.
-    if let Some(p) = parts.iter().max_by_key(|p| p.ids.numel()) {
-        let (n, l) = (p.ids.size()[0], p.ids.size()[1]);
-        let bytes = (p.ids.numel() as u64) * (model.cfg.vocab_size as u64) * 12;
+    if let Some(p) = parts.iter().max_by_key(|p| p.labels.numel()) {
+        let (n, l) = (p.labels.size()[0], p.labels.size()[1]);
+        let bytes = (p.labels.numel() as u64) * (model.cfg.vocab_size as u64) * 12;
         crate::memory::fits(
             model.device(),
             bytes,
@@ -109,9 +108,8 @@ pub fn accumulate(
     let mut tally = Tally::default();
     let (mut values, mut tokens) = (vec![], vec![]);
     for (k, p) in parts.iter().enumerate() {
-        let logits = model.logits(&p.ids, &p.attn)?;
-        let l = p.ids.size()[1];
-        let value = backward_through_logprobs(&logits.narrow(1, 0, l - 1), &p.labels, Some(&p.mask), &lp_cfg, |lp| {
+        let logits = model.next_token_logits(&p.ids, &p.attn, p.from)?;
+        let value = backward_through_logprobs(&logits, &p.labels, Some(&p.mask), &lp_cfg, |lp| {
             // Keyed by the rank's first unit and the micro-batch's index: distinct across ranks.
             let keys_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add((share.start + k) as u64);
             let prox = proximal(loss, lp, p, at)?;

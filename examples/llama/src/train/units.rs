@@ -184,11 +184,20 @@ fn correctness(groups: &[Vec<&Sample>], g: i64, k: i64) -> Tensor {
 }
 
 /// Right-padded tensors of a micro-batch: `ids [b, L]`, attention mask `[b, L]`, and, aligned with
-/// the next-token predictions at positions `0..L−1`, the labels, the completion mask, μ's
-/// log-probs `[b, L−1]` and the per-row values `[b]` (rewards or advantages).
+/// the next-token predictions at positions `from..L−1`, the labels, the completion mask, μ's
+/// log-probs `[b, L−1−from]`, with the per-row values `[b]` (rewards or advantages).
+///
+/// `from` is the first position whose prediction a completion needs (the shortest prompt's
+/// length − 1): the prompt positions before it predict prompt tokens only, so the training
+/// forward makes no logits there ([`crate::model::Llama::next_token_logits`]). With prompts of
+/// about the completions' length, that is about half of the output layer's products and of the
+/// log-softmax's passes over the vocabulary (verl and OpenRLHF keep the response's logits only,
+/// too).
 pub struct MicroBatch {
     pub ids: Tensor,
     pub attn: Tensor,
+    /// The first prediction position of `labels`, `mask` and `logp_mu`.
+    pub from: i64,
     pub labels: Tensor,
     pub mask: Tensor,
     pub logp_mu: Tensor,
@@ -198,31 +207,36 @@ pub struct MicroBatch {
 }
 
 pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
-    let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1);
-    let b = rows.len();
+    let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1).max(1);
+    // A record's prompt holds at least one token (`Sample::check`): its last position predicts
+    // the first completion token.
+    let from = rows.iter().map(|(s, _)| s.prompt_ids.len().max(1) - 1).min().unwrap_or(0).min(len - 1);
+    let (b, w) = (rows.len(), len - 1 - from);
     let mut ids = vec![0i64; b * len];
     let mut attn = vec![0i64; b * len];
-    let mut mask = vec![false; b * (len - 1)];
-    let mut mu = vec![0f32; b * (len - 1)];
+    let mut mask = vec![false; b * w];
+    let mut mu = vec![0f32; b * w];
     for (r, (s, _)) in rows.iter().enumerate() {
         let all: Vec<i64> = s.prompt_ids.iter().chain(&s.completion_ids).copied().collect();
         ids[r * len..r * len + all.len()].copy_from_slice(&all);
         attn[r * len..r * len + all.len()].iter_mut().for_each(|a| *a = 1);
-        // Completion token k sits at position p + k and is predicted at position p + k − 1.
+        // Completion token k sits at position p + k and is predicted at position p + k − 1,
+        // column p + k − 1 − from.
         let p = s.prompt_ids.len();
         for (k, lp) in s.logp_mu.iter().enumerate() {
-            mask[r * (len - 1) + p + k - 1] = true;
-            mu[r * (len - 1) + p + k - 1] = *lp;
+            mask[r * w + p + k - 1 - from] = true;
+            mu[r * w + p + k - 1 - from] = *lp;
         }
     }
-    let (b, l) = (b as i64, len as i64);
+    let (b, l, from, w) = (b as i64, len as i64, from as i64, w as i64);
     let ids = Tensor::from_slice(&ids).view([b, l]).to_device(device);
     MicroBatch {
-        labels: ids.narrow(1, 1, l - 1),
+        labels: ids.narrow(1, from + 1, w),
         ids,
         attn: Tensor::from_slice(&attn).view([b, l]).to_device(device),
-        mask: Tensor::from_slice(&mask).view([b, l - 1]).to_device(device),
-        logp_mu: Tensor::from_slice(&mu).view([b, l - 1]).to_device(device),
+        from,
+        mask: Tensor::from_slice(&mask).view([b, w]).to_device(device),
+        logp_mu: Tensor::from_slice(&mu).view([b, w]).to_device(device),
         values: Tensor::from_slice(&rows.iter().map(|r| r.1).collect::<Vec<_>>()).to_device(device),
         correct: Tensor::from_slice(&rows.iter().map(|r| r.0.correct).collect::<Vec<_>>()).to_device(device),
     }
