@@ -168,7 +168,18 @@ fn peak_and_bench_report_what_the_mfu_needs() {
         "2",
         "--train-len",
         "8",
+        "--prompt-pairs",
+        "2",
     ]);
+    // The prompt pairs: half of each sequence prompt, both ways timed, their ratio.
+    let pairs: Vec<&serde_json::Value> = r.iter().filter(|x| x["what"] == "train_prompt_pair").collect();
+    assert_eq!(pairs.len(), 2);
+    for x in &pairs {
+        let (all, completion) = (x["all_positions_s"].as_f64().unwrap(), x["completion_positions_s"].as_f64().unwrap());
+        assert!(all > 0.0 && completion > 0.0 && x["prompt"] == 4, "{x}");
+        assert!((x["ratio"].as_f64().unwrap() - completion / all).abs() <= 1e-12, "{x}");
+    }
+    let r: Vec<serde_json::Value> = r.into_iter().filter(|x| x["what"] != "train_prompt_pair").collect();
     let batches: Vec<i64> =
         r.iter().filter(|x| x["what"] == "generate").map(|x| x["batch"].as_i64().unwrap()).collect();
     assert_eq!(batches, [1, 3]);

@@ -645,7 +645,7 @@ pub struct LoopArgs {
     pub samples_per_prompt: usize,
     /// Completions in flight while sampling: this many prompts' samples (>= 1; continuous
     /// batching).
-    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
+    #[arg(long, default_value_t = 32, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub batch_prompts: usize,
     /// Which samples are trained on.
     #[arg(long, value_enum, default_value_t = CurateArg::All)]
@@ -660,8 +660,8 @@ pub struct LoopArgs {
     /// Held-out problems evaluated (>= 1; at most this many of --eval-data).
     #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
     pub eval_n: usize,
-    /// Questions per evaluation batch (>= 1).
-    #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
+    /// Completions in flight while evaluating (>= 1; continuous batching).
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = whole(1usize, MAX_BATCH))]
     pub eval_batch_size: usize,
 }
 

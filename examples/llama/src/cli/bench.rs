@@ -4,7 +4,9 @@
 //! measurement on stdout. The roofline: a first line gives the machine's peak, a matrix product
 //! in the model's dtype timed in the same run, and every throughput line carries the model FLOPs
 //! a token, the achieved TFLOP/s and their share of that peak. With `--kernel-pairs N`, N
-//! alternating pairs of training steps with the two kernels of training, in the same process.
+//! alternating pairs of training steps with the two kernels of training, in the same process;
+//! with `--prompt-pairs N`, N alternating pairs of a step on half-prompt sequences through every
+//! position's logits and through the completion's only.
 //! On a CUDA device, generation is measured eagerly and with CUDA graphs, side by side, with
 //! the share of the memory-bandwidth limit each achieves.
 
@@ -222,6 +224,47 @@ pub fn kernel_pairs(m: &mut Llama, train_batch: i64, train_len: i64, pairs: usiz
         );
     }
     m.set_kernels(before);
+    Ok(())
+}
+
+/// `pairs` alternating pairs of a training step on sequences whose first half is prompt (RL
+/// fine-tuning's shape: a prompt, then the completion trained on), after one warm-up step each:
+/// the completion's next-token NLL through `backward_through_logprobs` on the logits of every
+/// position (the training forward before 2026-12-04), then on the logits from the prompt's last
+/// position on only ([`Llama::next_token_logits`], the training forward now). In one process,
+/// because the machine's drift between runs is larger than the difference.
+pub fn prompt_pairs(m: &Llama, train_batch: i64, train_len: i64, pairs: usize) -> Result<()> {
+    if pairs == 0 {
+        return Ok(());
+    }
+    let (ids, mask) = training_batch(m, train_batch, train_len);
+    let from = train_len / 2 - 1;
+    let width = train_len - 1 - from;
+    let labels = ids.narrow(1, from + 1, width);
+    let cfg = topr_loss::LogProbConfig::default();
+    let timed = |all_positions: bool| -> Result<f64> {
+        let t0 = Instant::now();
+        let logits = match all_positions {
+            true => m.logits(&ids, &mask)?.narrow(1, from, width),
+            false => m.next_token_logits(&ids, &mask, from)?,
+        };
+        let _ = topr_loss::backward_through_logprobs(&logits, &labels, None, &cfg, |lp| {
+            Ok::<_, topr_loss::LossError>(-lp.logp.mean(Kind::Float))
+        })?;
+        sync(m.device());
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    timed(true)?;
+    timed(false)?;
+    for pair in 0..pairs {
+        let all = timed(true)?;
+        let completion = timed(false)?;
+        println!(
+            "{}",
+            serde_json::json!({"what": "train_prompt_pair", "impl": "topr-loss", "pair": pair, "batch": train_batch, "len": train_len,
+                "prompt": from + 1, "all_positions_s": all, "completion_positions_s": completion, "ratio": completion / all})
+        );
+    }
     Ok(())
 }
 

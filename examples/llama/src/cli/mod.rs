@@ -58,8 +58,9 @@ pub enum Command {
         /// Samples per question for sampled pass@1, maj@K and pass@K (0: greedy only).
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 4096))]
         samples: usize,
-        /// Questions per generation batch (>= 1).
-        #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        /// Completions in flight (>= 1; continuous batching: greedy, then sampled), and the
+        /// questions in each batch that --shard deals out.
+        #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         batch_size: usize,
         #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
         seed: i64,
@@ -249,6 +250,11 @@ pub enum Command {
         /// with both throughputs and their ratio (0: none).
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
         kernel_pairs: usize,
+        /// Also time this many alternating pairs of a training step on sequences whose first
+        /// half is prompt: through the logits of every position, then through those from the
+        /// prompt's last position on (the training forward); one line per pair (0: none).
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
+        prompt_pairs: usize,
         /// Also time a sampling workload of this many synthetic prompts (4 samples each, uneven
         /// lengths), with continuous batching and with draining batches (0: none).
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0usize, 100_000))]
@@ -556,12 +562,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             train_batch,
             train_len,
             kernel_pairs,
+            prompt_pairs,
             sample_prompts,
             sample_slots,
         } => {
             let (mut m, tok) = c::load(&model)?;
             bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
             bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens)?;
+            bench::prompt_pairs(&m, train_batch, train_len, prompt_pairs)?;
             bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)
         }
         Command::Check { what } => match what {
