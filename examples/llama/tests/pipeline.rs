@@ -129,6 +129,26 @@ fn evaluation_metrics_are_consistent() {
     assert_eq!(eval::majority(&[None, None]), None);
 }
 
+/// A fresh data set of `problems`, `samples_per_prompt` each, sampled by the checkpoint `name`
+/// (`budget` tokens, seed `seed`, `batch_prompts` in flight), read back; with the model.
+fn sampled_data(
+    name: &str,
+    problems: &[task::Problem],
+    samples_per_prompt: usize,
+    budget: i64,
+    seed: i64,
+    batch_prompts: usize,
+) -> (model::Llama, Vec<topr_llama::dataset::Sample>) {
+    let (m, tok, dir) = setup(name);
+    let s = generate::Sampling::sample(SamplingParams::default(), budget);
+    let path = dir.with_extension("data.jsonl");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(sample::run_file(&path));
+    let settings = sample::SampleSettings { samples_per_prompt, sampling: s, seed, batch_prompts, shard: Shard::WHOLE };
+    sample::sample_dataset(&m, &tok, &dir, problems, &eval::PromptStyle::Chat, &settings, &path).unwrap();
+    (m, sample::read_dataset(&path, false).unwrap().0)
+}
+
 /// A micro-batch of prompts of different lengths: the training forward makes logits from the
 /// shortest prompt's last position on only, and each completion token's log-prob there is the
 /// one of its own sequence's full forward (no padding, no other row); the mask and μ's log-probs
@@ -136,16 +156,7 @@ fn evaluation_metrics_are_consistent() {
 #[test]
 fn a_micro_batch_trains_on_its_completions_logits_only() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
-    let (m, tok, dir) = setup("pipeline_from");
-    let problems = task::synthetic_problems(17, 4, 1);
-    let s = generate::Sampling::sample(SamplingParams::default(), 7);
-    let path = dir.with_extension("data.jsonl");
-    let _ = std::fs::remove_file(&path);
-    let _ = std::fs::remove_file(sample::run_file(&path));
-    let settings =
-        sample::SampleSettings { samples_per_prompt: 1, sampling: s, seed: 5, batch_prompts: 4, shard: Shard::WHOLE };
-    sample::sample_dataset(&m, &tok, &dir, &problems, &eval::PromptStyle::Chat, &settings, &path).unwrap();
-    let (mut data, _) = sample::read_dataset(&path, false).unwrap();
+    let (m, mut data) = sampled_data("pipeline_from", &task::synthetic_problems(17, 4, 1), 1, 7, 5, 4);
     // Prompts cut by 0, 5, 10 and 15 tokens, completions of 1 to 4 tokens: the shortest prompt
     // is not the first row's, and the longest sequence is not the shortest prompt's.
     for (i, d) in data.iter_mut().enumerate() {
@@ -195,16 +206,7 @@ fn a_micro_batch_trains_on_its_completions_logits_only() {
 #[test]
 fn gradient_accumulation_does_not_depend_on_the_micro_batch_size() {
     let _one_at_a_time = SAMPLING.lock().unwrap_or_else(|e| e.into_inner());
-    let (m, tok, dir) = setup("pipeline_accumulate");
-    let problems = task::synthetic_problems(13, 3, 1);
-    let s = generate::Sampling::sample(SamplingParams::default(), 9);
-    let path = dir.with_extension("data.jsonl");
-    let _ = std::fs::remove_file(&path);
-    let _ = std::fs::remove_file(sample::run_file(&path));
-    let settings =
-        sample::SampleSettings { samples_per_prompt: 2, sampling: s, seed: 3, batch_prompts: 3, shard: Shard::WHOLE };
-    sample::sample_dataset(&m, &tok, &dir, &problems, &eval::PromptStyle::Chat, &settings, &path).unwrap();
-    let (mut data, _) = sample::read_dataset(&path, false).unwrap();
+    let (m, mut data) = sampled_data("pipeline_accumulate", &task::synthetic_problems(13, 3, 1), 2, 9, 3, 3);
     // Mixed rewards and lengths, so that every branch and the padding are exercised.
     for (i, d) in data.iter_mut().enumerate() {
         d.reward = if i % 3 == 0 { 1.0 } else { -1.0 };
