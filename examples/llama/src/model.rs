@@ -55,7 +55,7 @@ pub struct Llama {
 type PackedCopy = (Vec<(usize, i64)>, Arc<Packed>);
 
 /// The matrix products of the model: generation's (the cached forward of [`Llama::step`]) and
-/// training's ([`Llama::hidden`], [`Llama::logits`]).
+/// training's ([`Llama::hidden`], [`Llama::next_token_logits`], [`Llama::logits`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kernels {
     /// libtorch's `matmul` (MKL's `sgemm` on the CPU) everywhere.
@@ -299,7 +299,8 @@ impl Llama {
         self.uses_onednn()
     }
 
-    /// Whether the training forward ([`Llama::hidden`], [`Llama::logits`]) multiplies with
+    /// Whether the training forward ([`Llama::hidden`], [`Llama::next_token_logits`],
+    /// [`Llama::logits`]) multiplies with
     /// [`onednn::train_linear`]: as [`Llama::packs_for_generation`], for models of hidden size
     /// [`ONEDNN_TRAINING_MIN_HIDDEN`] or more.
     pub fn trains_with_onednn(&self) -> bool {
@@ -485,7 +486,8 @@ impl Llama {
         }
     }
 
-    /// Logits `[B, T, V]` of a padded batch (the training forward), in the model's dtype.
+    /// Logits `[B, T, V]` of a padded batch, every position's, in the model's dtype (training
+    /// takes [`Llama::next_token_logits`], which skips the prompt's).
     pub fn logits(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
         self.output(&self.hidden(ids, mask)?)
     }
@@ -500,8 +502,12 @@ impl Llama {
         if !(0..t).contains(&from) {
             anyhow::bail!("next_token_logits: from = {from} is outside the batch's {t} positions");
         }
-        let h = self.hidden(ids, mask)?;
-        self.output(&h.narrow(1, from, t - 1 - from).contiguous())
+        let h = self.hidden(ids, mask)?.narrow(1, from, t - 1 - from).contiguous();
+        if h.numel() == 0 {
+            // No position to predict (from = T − 1): an empty product, not one of no rows.
+            return Ok(h.matmul(&self.lm_head.tr()));
+        }
+        self.output(&h)
     }
 
     /// The output layer on hidden states `[…, H]`.

@@ -127,8 +127,9 @@ fn sizes_beyond_the_memory_are_refused_naming_them() {
     let last = err.lines().last().unwrap_or_default();
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(last.starts_with("error: the KV cache of 4096 slot(s) × 7232 positions (256 layers) would take"), "{err}");
-    // Training whose micro-batch logits (256 × ~300 tokens × a million ids, about 0.9 TB with
-    // their log-softmax and gradient) the memory cannot hold: refused before the first forward.
+    // Training whose micro-batch logits (256 completions × their predicted positions × a million
+    // ids, hundreds of GB with their log-softmax and gradient) the memory cannot hold: refused
+    // before the first forward.
     let wide = dir.join("wide");
     let size = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
     let out = llama(&[&["init", "--out", wide.to_str().unwrap(), "--vocab-size", "1000000"][..], &size[..]].concat());

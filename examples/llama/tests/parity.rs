@@ -337,6 +337,36 @@ fn training_kernels_agree_on_logits_and_gradients() {
             assert!(d <= 1e-4 * scale, "{name}: gradient differs by {d} (scale {scale})");
         }
     }
+    // The training forward from a position on (the prompt's predictions skipped), through
+    // oneDNN's products: the logits and every gradient of the full forward narrowed there.
+    m.set_kernels(Kernels::Onednn);
+    let (from, mask) = (2, &padded[0]);
+    let lmask = mask.narrow(1, from + 1, 6 - from).to_kind(Kind::Float);
+    let labels = ids.narrow(1, from + 1, 6 - from).unsqueeze(2);
+    let mut run = |skip: bool| -> (Tensor, Vec<(String, Tensor)>) {
+        let logits = match skip {
+            true => m.next_token_logits(&ids, mask, from).unwrap(),
+            false => m.logits(&ids, mask).unwrap().narrow(1, from, 6 - from),
+        };
+        let lp = logits.log_softmax(-1, Kind::Float).gather(2, &labels, false);
+        (lp.squeeze_dim(2) * &weights * &lmask).sum(Kind::Float).backward();
+        let mut g: Vec<(String, Tensor)> = m.vs.variables().into_iter().map(|(k, t)| (k, t.grad().copy())).collect();
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, t) in m.vs.variables() {
+            let _ = t.grad().zero_();
+        }
+        (logits.detach(), g)
+    };
+    let (full, full_grads) = run(false);
+    let (skipped, skipped_grads) = run(true);
+    assert_eq!(skipped.size(), [2, 6 - from, m.cfg.vocab_size]);
+    let d = ((&full - &skipped) * lmask.unsqueeze(2)).abs().max().double_value(&[]);
+    assert!(d < 1e-4, "next_token_logits differ from the full forward's by {d}");
+    for ((name, a), (_, b)) in full_grads.iter().zip(&skipped_grads) {
+        let d = (a - b).abs().max().double_value(&[]);
+        let scale = a.abs().max().double_value(&[]).max(1e-3);
+        assert!(d <= 1e-4 * scale, "{name}: gradient from next_token_logits differs by {d} (scale {scale})");
+    }
 }
 
 /// Generation with oneDNN's packed weights equals generation with libtorch's matmul; rows that

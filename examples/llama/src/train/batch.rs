@@ -101,7 +101,10 @@ pub fn accumulate(
         crate::memory::fits(
             model.device(),
             bytes,
-            &format!("the logits of a micro-batch of {n} completion(s) × {l} tokens × {} ids", model.cfg.vocab_size),
+            &format!(
+                "the logits of a micro-batch of {n} completion(s) × {l} predicted positions × {} ids",
+                model.cfg.vocab_size
+            ),
         )?;
     }
     let lp_cfg = LogProbConfig::default().with_entropy(extras.needs_entropy());
