@@ -343,7 +343,7 @@ fn training_kernels_agree_on_logits_and_gradients() {
     let (from, mask) = (2, &padded[0]);
     let lmask = mask.narrow(1, from + 1, 6 - from).to_kind(Kind::Float);
     let labels = ids.narrow(1, from + 1, 6 - from).unsqueeze(2);
-    let mut run = |skip: bool| -> (Tensor, Vec<(String, Tensor)>) {
+    let run = |skip: bool| -> (Tensor, Vec<(String, Tensor)>) {
         let logits = match skip {
             true => m.next_token_logits(&ids, mask, from).unwrap(),
             false => m.logits(&ids, mask).unwrap().narrow(1, from, 6 - from),
