@@ -502,17 +502,13 @@ impl Llama {
         if !(0..t).contains(&from) {
             anyhow::bail!("next_token_logits: from = {from} is outside the batch's {t} positions");
         }
-        let h = self.hidden(ids, mask)?.narrow(1, from, t - 1 - from).contiguous();
-        if h.numel() == 0 {
-            // No position to predict (from = T − 1): an empty product, not one of no rows.
-            return Ok(h.matmul(&self.lm_head.tr()));
-        }
-        self.output(&h)
+        self.output(&self.hidden(ids, mask)?.narrow(1, from, t - 1 - from).contiguous())
     }
 
-    /// The output layer on hidden states `[…, H]`.
+    /// The output layer on hidden states `[…, H]` (no rows: an empty product, which oneDNN's
+    /// training product is not given).
     fn output(&self, h: &Tensor) -> Result<Tensor> {
-        if self.trains_with_onednn() {
+        if self.trains_with_onednn() && h.numel() > 0 {
             onednn::train_linear(h, &self.lm_head)
         } else {
             Ok(h.matmul(&self.lm_head.tr()))
