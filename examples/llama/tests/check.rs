@@ -127,26 +127,26 @@ fn sizes_beyond_the_memory_are_refused_naming_them() {
     let last = err.lines().last().unwrap_or_default();
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(last.starts_with("error: the KV cache of 4096 slot(s) × 7232 positions (256 layers) would take"), "{err}");
-    // Training whose micro-batch logits (256 completions × their predicted positions × a million
-    // ids, hundreds of GB with their log-softmax and gradient) the memory cannot hold: refused
-    // before the first forward.
+    // Training whose micro-batch logits (1,024 completions × their predicted positions × a
+    // million ids, about half a TB with their log-softmax and gradient) the memory cannot hold:
+    // refused before the first forward.
     let wide = dir.join("wide");
     let size = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"];
     let out = llama(&[&["init", "--out", wide.to_str().unwrap(), "--vocab-size", "1000000"][..], &size[..]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let sft = dir.join("sft.jsonl");
     let out =
-        llama(&["sft-data", "--model", wide.to_str().unwrap(), "--out", sft.to_str().unwrap(), "--synthetic-n", "256"]);
+        llama(&["sft-data", "--model", wide.to_str().unwrap(), "--out", sft.to_str().unwrap(), "--synthetic-n", "1024"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let trained = dir.join("trained");
     let (w, d, t) = (wide.to_str().unwrap(), sft.to_str().unwrap(), trained.to_str().unwrap());
-    let args = ["train", "--model", w, "--data", d, "--out", t, "--objective", "sft", "--batch-size", "256"];
-    let out = llama(&[&args[..], &["--micro-batch-size", "256"]].concat());
+    let args = ["train", "--model", w, "--data", d, "--out", t, "--objective", "sft", "--batch-size", "1024"];
+    let out = llama(&[&args[..], &["--micro-batch-size", "1024"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     let last = err.lines().last().unwrap_or_default();
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        last.starts_with("error: the logits of a micro-batch of 256 completion(s) ×") && last.contains("available"),
+        last.starts_with("error: the logits of a micro-batch of 1024 completion(s) ×") && last.contains("available"),
         "{err}"
     );
     assert!(!trained.join("model.safetensors").exists());

@@ -199,6 +199,21 @@ fn a_micro_batch_trains_on_its_completions_logits_only() {
     // from must lie inside the batch.
     assert!(m.next_token_logits(&p.ids, &p.attn, longest).is_err());
     assert!(m.next_token_logits(&p.ids, &p.attn, -1).is_err());
+    // Empty completions behind prompts of one length keep one masked column, not a width of zero
+    // that the losses would refuse as an empty batch.
+    let n = data.iter().map(|d| d.prompt_ids.len()).min().unwrap().min(5);
+    assert!(n >= 2);
+    for d in data.iter_mut() {
+        d.prompt_ids.truncate(n);
+        d.completion_ids.clear();
+        d.logp_mu.clear();
+    }
+    let rows: Vec<(&topr_llama::dataset::Sample, f32)> = data.iter().map(|d| (d, 1.0)).collect();
+    let p = train::micro_batch(&rows, Device::Cpu);
+    assert_eq!((p.from, p.mask.size()), (n as i64 - 2, vec![4, 1]));
+    assert_eq!(p.mask.sum(Kind::Int64).int64_value(&[]), 0);
+    let logits = tch::no_grad(|| m.next_token_logits(&p.ids, &p.attn, p.from)).unwrap();
+    assert_eq!(logits.size(), [4, 1, m.cfg.vocab_size]);
 }
 
 /// The gradient of one optimiser step is the same whatever the micro-batch size, for every ratio

@@ -190,9 +190,11 @@ fn correctness(groups: &[Vec<&Sample>], g: i64, k: i64) -> Tensor {
 /// `from` is the first position whose prediction a completion needs (the shortest prompt's
 /// length − 1): the prompt positions before it predict prompt tokens only, so the training
 /// forward makes no logits there ([`crate::model::Llama::next_token_logits`]). With prompts of
-/// about the completions' length, that is about half of the output layer's products and of the
-/// log-softmax's passes over the vocabulary (verl and OpenRLHF keep the response's logits only,
-/// too).
+/// about the completions' length, that is about half of the output layer's products (forward and
+/// backward) and of the `[b·L, vocab]` logits and their gradient; the log-softmax ran on the
+/// completion's tokens only before, too (verl and OpenRLHF keep the response's logits only,
+/// too). With every completion empty and the prompts of one length, `from` is the last position
+/// but one, so that the tensors keep one (masked) column rather than none.
 pub struct MicroBatch {
     pub ids: Tensor,
     pub attn: Tensor,
@@ -210,7 +212,7 @@ pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
     let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1).max(1);
     // A record's prompt holds at least one token (`Sample::check`): its last position predicts
     // the first completion token.
-    let from = rows.iter().map(|(s, _)| s.prompt_ids.len().max(1) - 1).min().unwrap_or(0).min(len - 1);
+    let from = rows.iter().map(|(s, _)| s.prompt_ids.len().max(1) - 1).min().unwrap_or(0).min(len.saturating_sub(2));
     let (b, w) = (rows.len(), len - 1 - from);
     let mut ids = vec![0i64; b * len];
     let mut attn = vec![0i64; b * len];
