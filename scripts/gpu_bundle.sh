@@ -42,9 +42,11 @@ font=${TOPR_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}
 [ -f "$font" ] && cp "$font" "$tmp/font.ttf"
 echo "$version" > "$tmp/TORCH_VERSION"
 git -C "$root" describe --always --dirty > "$tmp/COMMIT" 2>/dev/null || echo unknown > "$tmp/COMMIT"
+# A GPU machine lent through a 64 MiB transfer takes the repository's tracked files (about 19 MiB
+# on 2026-12-04) with the bundle: 40 MiB leaves room for both.
 size=$(du -sm "$tmp" | cut -f1)
-if [ "$size" -gt 48 ]; then
-    echo "gpu_bundle.sh: the bundle is $size MiB, more than the 48 MiB that can be carried" >&2
+if [ "$size" -gt 40 ]; then
+    echo "gpu_bundle.sh: the bundle is $size MiB, more than the 40 MiB that can be carried beside the repository" >&2
     exit 1
 fi
 mv "$tmp"/* "$out/"

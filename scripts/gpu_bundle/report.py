@@ -62,7 +62,9 @@ def main():
     stages = lines(os.path.join(out, "stages.jsonl"))
     by_stage = {s["stage"]: s for s in stages}
     get = lambda name: lines(os.path.join(logs, f"{name}.out"))
-    failed = [s["stage"] for s in stages if s["status"] != "ok"]
+    failed = [s["stage"] for s in stages if s["status"] not in ("ok", "skipped")]
+    # Stages run.sh skipped at its deadline: not measured, not failed.
+    skipped = [s["stage"] for s in stages if s["status"] == "skipped"]
     rows = []  # (section, measurement, value, note)
 
     parity = next((r for r in get("parity") if r.get("what") == "parity"), None)
@@ -85,8 +87,10 @@ def main():
     peak = next((r for r in get("peak") if r.get("what") == "peak"), None)
     if peak:
         rows.append(("throughput", f"{peak.get('kind', 'bf16')} matrix product {peak['n']}³", f"{peak['tflops']:.1f} TFLOP/s", "the MFU denominator, measured"))
-    cfg_path = os.path.join(out, "work", "big", "config.json")
-    cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
+    # run.sh copies the model's config and each training's metrics out of its work folder
+    # (results of 2026-11-30 still hold that folder as work/).
+    cfg_path = next((p for p in (os.path.join(out, "big-config.json"), os.path.join(out, "work", "big", "config.json")) if os.path.exists(p)), None)
+    cfg = json.load(open(cfg_path)) if cfg_path else None
     # transformers' figures on the same model, sizes and dtype (bench-transformers), by measurement.
     hf = {(r["what"], r.get("batch")): r for r in get("bench-transformers") if r.get("impl") == "transformers"}
     compiled = {r.get("batch"): r for r in get("bench-transformers-compiled") if r.get("what") == "generate"}
@@ -142,7 +146,7 @@ def main():
     for s in stages:
         if s["stage"].startswith("train-"):
             _, objective, optimizer = s["stage"].split("-", 2)
-            steps = lines(os.path.join(out, "work", s["stage"], "metrics.jsonl"))
+            steps = lines(os.path.join(logs, f"{s['stage']}.metrics.jsonl")) or lines(os.path.join(out, "work", s["stage"], "metrics.jsonl"))
             last = steps[-1]["stats"]["loss"] if steps else None
             rows.append(("objectives", f"train {objective}, {optimizer}", s["status"], f"{len(steps)} steps, last loss {fmt(last)}, {s['seconds']:.1f} s, peak {s['peak_mib'] or '—'} MiB"))
 
@@ -160,10 +164,12 @@ def main():
     table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     if failed:
         table += ["", "Failed stages: " + ", ".join(failed) + " (see logs/)."]
+    if skipped:
+        table += ["", "Skipped at the deadline (not measured): " + ", ".join(skipped) + "."]
     text = "\n".join(table) + "\n"
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text)
-    summary = {"machine": machine, "stages": stages, "failed": failed, "parity_ok": parity_ok,
+    summary = {"machine": machine, "stages": stages, "failed": failed, "skipped": skipped, "parity_ok": parity_ok,
                "rows": [dict(zip(["section", "measurement", "value", "note"], r)) for r in rows]}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

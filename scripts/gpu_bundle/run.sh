@@ -3,16 +3,27 @@
 # Needs only bash, python3 with the torch the bundle was built against (a CUDA build for a GPU
 # run), and nvidia-smi for the memory column: no Rust, no network, no download.
 #
-#   ./run.sh OUT_DIR                            # on the GPU: the measured check (at most ~8 min on one H200)
+#   ./run.sh OUT_DIR                            # on the GPU: the measured check (at most 9 min on one H200)
 #   ./run.sh OUT_DIR --device cpu --size tiny   # the same stages at toy sizes on the CPU (CI)
+#   ./run.sh OUT_DIR --pack RESULTS.tgz         # also OUT_DIR packed into one file after every stage
 #
-# PYTHON (default python3) names the interpreter whose torch provides libtorch.
+# --deadline S: the stages' time in all (default 510 s at full size, none at tiny): each stage's
+# limit is cut to what is left, and a stage that would get under 30 s is skipped (status
+# "skipped" in stages.jsonl), so that a run ends inside a machine's time however slow a stage is.
+# The stages run in the order of what matters most: the generation figures, transformers eager,
+# the demo, transformers compiled, parity, the objectives and data parallelism, the losses.
+# --pack FILE: after every stage, OUT_DIR (without the models, which live elsewhere) is written to
+# FILE as a gzipped tar, replaced atomically: a run killed at any point leaves one whole file of
+# what had finished, for machines that send back only a few files. report.py can redraw the
+# table from the unpacked folder.
+# PYTHON (default python3) names the interpreter whose torch provides libtorch. The models and
+# training folders go to a temporary folder (TMPDIR), removed at the end.
 # Writes to OUT_DIR: stages.jsonl (one line per stage: seconds, peak GPU MiB, exit status),
 # logs/STAGE.out and .err (each stage's JSON lines and log), summary.json and table.md (made
 # by report.py from them), and plots/ (the demo's). Exits 1 when a stage failed.
 set -uo pipefail
 
-usage() { echo "usage: $0 OUT_DIR [--device cuda|cpu] [--size full|tiny]" >&2; exit 2; }
+usage() { echo "usage: $0 OUT_DIR [--device cuda|cpu] [--size full|tiny] [--deadline S] [--pack FILE]" >&2; exit 2; }
 die() { echo "run.sh: $*" >&2; exit 2; }
 # limited SECONDS COMMAND...: COMMAND under a time limit, killed 10 s after its SIGTERM if it
 # ignores it (exit 124 on the limit, 137 when it had to be killed). Every step runs under one.
@@ -22,13 +33,22 @@ limited() { local limit=$1; shift; timeout -k 10 "$limit" "$@"; }
 out=$1; shift
 device=cuda
 size=full
+deadline=
+pack=
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) [ $# -ge 2 ] || usage; device=$2; shift 2 ;;
         --size) [ $# -ge 2 ] || usage; size=$2; shift 2 ;;
+        --deadline) [ $# -ge 2 ] || usage; deadline=$2; shift 2 ;;
+        --pack) [ $# -ge 2 ] || usage; pack=$2; shift 2 ;;
         *) usage ;;
     esac
 done
+case "$deadline" in '' | *[!0-9]*) [ -z "$deadline" ] || die "--deadline: expected whole seconds, got '$deadline'" ;; esac
+if [ -n "$pack" ]; then
+    pack_dir=$(cd "$(dirname "$pack")" 2>/dev/null && pwd) || die "--pack: the folder of '$pack' does not exist"
+    pack="$pack_dir/$(basename "$pack")"
+fi
 case "$device" in cpu|cuda|cuda:[0-9]*) ;; *) die "--device: expected cpu, cuda or cuda:N, got '$device'" ;; esac
 case "$size" in full|tiny) ;; *) die "--size: expected full or tiny, got '$size'" ;; esac
 
@@ -53,8 +73,7 @@ if [ -e "$out" ] && [ -n "$(ls -A "$out" 2>/dev/null)" ]; then
 fi
 mkdir -p "$out/logs" "$out/plots" || die "cannot create $out"
 out=$(cd "$out" && pwd)
-W="$out/work"
-mkdir -p "$W"
+W=$(mktemp -d "${TMPDIR:-/tmp}/topr-gpu-check.XXXXXX") || die "cannot create a work folder in ${TMPDIR:-/tmp}"
 start=$(date +%s)
 
 # The sizes. full: Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 query and 8 key-value heads,
@@ -70,7 +89,7 @@ if [ "$size" = full ]; then
     peak=(--n 8192)
     losses=(--batch 512 --len 2048 --iters 20)
     demo=(--scale gpu)
-    problems=128; demo_limit=300
+    problems=128; demo_limit=300; deadline=${deadline:-510}
 else
     big=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --max-positions 256 --vocab-size 2048)
     small=(--layers 1 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 --max-positions 256)
@@ -90,8 +109,14 @@ failed=0
 # The background memory poller of the running stage, stopped however the run ends.
 poll=""
 stop_poll() { [ -n "$poll" ] && { kill "$poll" 2>/dev/null; wait "$poll" 2>/dev/null; }; poll=""; }
-trap 'stop_poll' EXIT
-trap 'stop_poll; exit 130' INT TERM
+trap 'stop_poll; rm -rf "$W"' EXIT
+trap 'stop_poll; rm -rf "$W"; exit 130' INT TERM
+
+# packed: OUT_DIR into --pack's file (written beside it, then renamed over it).
+packed() {
+    [ -n "$pack" ] || return 0
+    tar -czf "$pack.part" -C "$(dirname "$out")" "$(basename "$out")" 2>/dev/null && mv -f "$pack.part" "$pack"
+}
 
 # A TCP port free on the loopback now, for a launched group's rendezvous.
 free_port() { limited 20 "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -101,6 +126,16 @@ free_port() { limited 20 "$PY" -c 'import socket; s = socket.socket(); s.bind(("
 stage() {
     local name=$1 limit=$2; shift 2
     local t0 t1 rc peak="null"
+    if [ -n "$deadline" ]; then
+        local left=$(( deadline - ($(date +%s) - start) ))
+        if [ "$left" -lt 30 ]; then
+            echo "[$(( $(date +%s) - start )) s] $name: skipped ($left s left of the ${deadline} s deadline)" >&2
+            printf '{"stage":"%s","status":"skipped","exit":0,"seconds":0,"peak_mib":null}\n' "$name" >> "$out/stages.jsonl"
+            packed
+            return 1
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     if [ "$device" != cpu ] && command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$out/logs/$name.mem" 2>/dev/null &
         poll=$!
@@ -121,6 +156,9 @@ stage() {
     printf '{"stage":"%s","status":"%s","exit":%d,"seconds":%s,"peak_mib":%s}\n' \
         "$name" "$status" "$rc" "$(limited 20 "$PY" -c "print(round($t1 - $t0, 2))")" "$peak" >> "$out/stages.jsonl"
     [ $rc -eq 0 ] || echo "  $name: $status (exit $rc): $(tail -2 "$out/logs/$name.err" | tr '\n' ' ')" >&2
+    # A training's metrics, for the report (the work folder is not kept).
+    [ -f "$W/$name/metrics.jsonl" ] && cp "$W/$name/metrics.jsonl" "$out/logs/$name.metrics.jsonl"
+    packed
     return $rc
 }
 
@@ -136,6 +174,7 @@ print(json.dumps(info))
 PY
 
 stage init-big 300 "$bin" init --out "$W/big" "${big[@]}"
+cp "$W/big/config.json" "$out/big-config.json" 2>/dev/null
 stage init-small 60 "$bin" init --out "$W/small" "${small[@]}"
 stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
 # Generation eager and replaying CUDA graphs of the decoding step, side by side (--cuda-graphs:
@@ -147,19 +186,20 @@ stage bench 300 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[
 if limited 120 "$PY" -c 'import transformers' 2>/dev/null; then
     stage bench-transformers 240 "$PY" "$here/bench_hf.py" "$W/big" "${bench_hf[@]}" --device "${device/cuda:*/cuda}" \
         --dtype "${half[1]}"
-    # Its fastest decoding (static cache + torch.compile, CUDA graphs), on the GPU only: on the CPU
-    # compiling needs a C++ toolchain the bundle does not assume.
-    if [ "$device" != cpu ]; then
-        stage bench-transformers-compiled 240 "$PY" "$here/bench_hf.py" "$W/big" "${bench_hf_compiled[@]}" \
-            --device "${device/cuda:*/cuda}" --dtype "${half[1]}"
-    fi
+fi
+# The demo: a model from scratch, the sloppy teacher's warm-up, then TOPR iterations (at most 5
+# minutes; a demo stopped by its limit still reports the iterations it finished).
+stage demo "$demo_limit" "$bin" demo --work "$W/demo" "${dev[@]}" "${demo[@]}" --cuda-graphs
+cp "$W"/demo/topr/*.png "$W"/demo/warm-up/*.png "$out/plots/" 2>/dev/null
+cp "$W/demo/topr/iterations.jsonl" "$out/demo-iterations.jsonl" 2>/dev/null
+packed
+# transformers' fastest decoding (static cache + torch.compile, CUDA graphs), on the GPU only: on
+# the CPU compiling needs a C++ toolchain the bundle does not assume.
+if [ "$device" != cpu ] && limited 120 "$PY" -c 'import transformers' 2>/dev/null; then
+    stage bench-transformers-compiled 240 "$PY" "$here/bench_hf.py" "$W/big" "${bench_hf_compiled[@]}" \
+        --device "${device/cuda:*/cuda}" --dtype "${half[1]}"
 fi
 stage parity 240 "$bin" check parity --model "$W/big" "${dev[@]}" "${parity[@]}"
-stage losses 120 "$bin" check losses "${dev[@]}" "${losses[@]}"
-# The PyTorch side gets the allocator settings the llama binary gives itself (main.rs,
-# keep_freed_memory), so that on the CPU both sides allocate alike.
-stage losses-pytorch 120 env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 \
-    MALLOC_TOP_PAD_=67108864 "$PY" "$here/losses_torch.py" --device "${device/cuda:*/cuda}" "${losses[@]}"
 
 # Every objective a few steps, with AdamW and with Adafactor, on the small model's graded samples.
 # A random model answers nothing right: the first completion of every question is marked correct,
@@ -197,17 +237,14 @@ PY
     done
 fi
 
-# The demo: a model from scratch, the sloppy teacher's warm-up, then TOPR iterations. On the GPU it
-# gets what is left of 7.5 minutes (at least one): a demo stopped by its limit still reports the
-# iterations it finished.
-if [ "$size" = full ]; then
-    demo_limit=$(( 450 - ($(date +%s) - start) ))
-    [ "$demo_limit" -ge 60 ] || demo_limit=60
-fi
-stage demo "$demo_limit" "$bin" demo --work "$W/demo" "${dev[@]}" "${demo[@]}" --cuda-graphs
-cp "$W"/demo/topr/*.png "$W"/demo/warm-up/*.png "$out/plots/" 2>/dev/null
-cp "$W/demo/topr/iterations.jsonl" "$out/demo-iterations.jsonl" 2>/dev/null
+
+stage losses 120 "$bin" check losses "${dev[@]}" "${losses[@]}"
+# The PyTorch side gets the allocator settings the llama binary gives itself (main.rs,
+# keep_freed_memory), so that on the CPU both sides allocate alike.
+stage losses-pytorch 120 env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 \
+    MALLOC_TOP_PAD_=67108864 "$PY" "$here/losses_torch.py" --device "${device/cuda:*/cuda}" "${losses[@]}"
 
 limited 120 "$PY" "$here/report.py" "$out" || failed=1
+packed
 echo "[$(( $(date +%s) - start )) s] done: $out/table.md" >&2
 exit $failed
