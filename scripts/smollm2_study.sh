@@ -50,6 +50,25 @@ copy_records() {
         mkdir -p "$out/$(dirname "$f")"
         cp "$work/$f" "$out/$f"
     done
+    # A record the work directory no longer has is a stage the study made again (an iteration
+    # whose rebuilt training differed from its record, and the iterations after it): it goes, so
+    # that a restore never brings back a result of the model before. A data set sampled in a clone
+    # elsewhere stays: it is never restored here, so its absence says nothing (a data set sampled
+    # from a model of this work directory, a later iteration's, is this grid's own).
+    local model here
+    model="\"path\": \"$(pwd -P)/models/smollm2-135m-instruct\""
+    here="\"path\": \"$(cd "$work" && pwd -P)/"
+    local gone
+    gone=$(cd "$out" && find . -type f ! -path ./commit.txt -print0 | while IFS= read -r -d '' f; do
+        [ -e "$work/$f" ] && continue
+        case "$f" in
+            *data.jsonl) grep -qF -e "$model" -e "$here" "$f.run.json" 2>/dev/null || continue ;;
+            *data.jsonl.run.json) grep -qF -e "$model" -e "$here" "$f" || continue ;;
+        esac
+        printf '%s\n' "$f"
+    done)
+    [ -z "$gone" ] || (cd "$out" && printf '%s\n' "$gone" | while IFS= read -r f; do rm -f "$f"; done)
+    find "$out" -mindepth 1 -type d -empty -delete
 }
 restore_records() {
     local from=$records

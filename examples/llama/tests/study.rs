@@ -197,5 +197,19 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     script("--restore-records", &back);
     let restored: Vec<&str> = copied.iter().copied().filter(|f| !f.starts_with("seed-1")).collect();
     assert_eq!(listed(&back), restored);
+    // A stage made again (a rebuilt iteration 1 that differed from its record): the study removed
+    // its later iteration from the work directory, and the records drop it too, so that a restore
+    // never brings it back; another clone's data set, which is never restored here, stays.
+    for f in ["seed-0/arm/iter-2/data.jsonl", "seed-0/arm/iter-2/data.jsonl.run.json"] {
+        std::fs::remove_file(work.join(f)).unwrap();
+    }
+    std::fs::remove_dir_all(work.join("seed-1")).unwrap();
+    std::fs::write(work.join("seed-0/arm/iter-1/train.done.json"), "{\"again\": true}").unwrap();
+    script("--copy-records", &work);
+    let kept: Vec<&str> = copied.iter().copied().filter(|f| !f.starts_with("seed-0/arm/iter-2")).collect();
+    assert_eq!(listed(&records), kept);
+    let done = std::fs::read_to_string(records.join("seed-0/arm/iter-1/train.done.json")).unwrap();
+    assert_eq!(done, "{\"again\": true}");
+    assert!(!records.join("seed-0/arm/iter-2").exists());
     std::fs::remove_dir_all(&tmp).unwrap();
 }
