@@ -110,6 +110,8 @@ def main():
                 note += f"; {r['achieved_tflops']:.3g} TFLOP/s, {mfu:.2%} of the measured peak"
             if r.get("bandwidth_share") is not None:
                 note += f"; {r['bandwidth_share']:.1%} of the copy-bandwidth limit"
+            if r.get("steady_tokens_per_s") is not None:
+                note += f"; the decoding steps alone (without prefill, first step and recording) {r['steady_tokens_per_s']:.0f} tokens/s"
             how = "CUDA graphs" if r.get("cuda_graphs") else "eager"
             rows.append(("throughput", f"generation, batch {r['batch']}, {how}", f"{r['tokens_per_s']:.0f} tokens/s", note))
         elif r.get("what") == "copy_bandwidth":

@@ -82,7 +82,7 @@ start=$(date +%s)
 if [ "$size" = full ]; then
     big=(--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --max-positions 2048 --vocab-size 128256)
     small=(--layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --max-positions 512)
-    bench=(--new-tokens 128 --gen-batch 1,16,64,256 --train-batch 16 --train-len 1024 --sample-prompts 64 --sample-slots 64)
+    bench=(--new-tokens 128 --gen-batch 1,16,64,256 --train-batch 16 --train-len 1024 --sample-prompts 64 --sample-slots 64 --sample-stop-every 64)
     bench_hf=(128 16 1024 --gen-batch 1,16,64,256)
     bench_hf_compiled=(128 16 1024 --gen-batch 1,64 --mode static-compile)
     parity=(--prompts 4 --len 64 --new-tokens 32)
@@ -93,7 +93,7 @@ if [ "$size" = full ]; then
 else
     big=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --max-positions 256 --vocab-size 2048)
     small=(--layers 1 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 --max-positions 256)
-    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64 --sample-prompts 4 --sample-slots 4)
+    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64 --sample-prompts 4 --sample-slots 4 --sample-stop-every 64)
     bench_hf=(8 2 64 --gen-batch 1,4)
     bench_hf_compiled=(8 2 64 --gen-batch 1 --mode static-compile)
     parity=(--prompts 2 --len 16 --new-tokens 8)

@@ -78,6 +78,12 @@ pub fn flops_per_token(m: &Llama, len: i64) -> f64 {
 /// side; each line also gives the share of the memory-bandwidth limit achieved: the bytes a
 /// decoding step reads (every weight it multiplies by, and the cached keys and values at the
 /// mean context) per second, over a device-to-device copy's bandwidth measured in the same run.
+///
+/// `tokens_per_s` is the whole call's (prefill, the first step and, with graphs, their
+/// recording included, as transformers' side is timed); `steady_tokens_per_s` is the decoding
+/// steps' alone: the tokens of the second half of the budget over the time they added, from a
+/// second run of half the budget on the same shapes (the cache's capacity held equal by a prompt
+/// that no job decodes), so that what both runs pay once cancels.
 fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<()> {
     let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
     let s = Sampling::greedy(new_tokens);
@@ -100,12 +106,13 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
             let secs = t0.elapsed().as_secs_f64();
             let n: usize = out.iter().map(|c| c.tokens.len()).sum();
             let tokens_per_s = n as f64 / secs;
+            let steady = steady_tokens_per_s(m, &prompts, new_tokens, secs)?;
             let step_bytes = decode_step_bytes(m, batch as f64, ctx as f64);
             let share = step_bytes * (tokens_per_s / batch as f64) / bandwidth;
             println!(
                 "{}",
                 with(
-                    serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": tokens_per_s, "bytes_per_step": step_bytes, "bandwidth_share": share}),
+                    serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": tokens_per_s, "steady_tokens_per_s": steady, "bytes_per_step": step_bytes, "bandwidth_share": share}),
                     roofline(generation_flops_per_token(m, ctx), tokens_per_s, peak)
                 )
             );
@@ -115,12 +122,42 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
     Ok(())
 }
 
+/// The decoding steps' tokens/s of [`generation`]: `prompts` (one completion each, greedy) run for
+/// `new_tokens − new_tokens / 2` tokens after a run of `new_tokens` that took `full_secs`, on the
+/// same cache capacity; `None` when the budget is too short to halve or the difference is not
+/// positive (noise larger than the steps' time).
+fn steady_tokens_per_s(m: &Llama, prompts: &[Vec<i64>], new_tokens: i64, full_secs: f64) -> Result<Option<f64>> {
+    let half = new_tokens / 2;
+    if half < 1 || prompts.is_empty() {
+        return Ok(None);
+    }
+    // A prompt longer by the tokens left out, which no job decodes: the capacity (the longest
+    // prompt plus the budget) is the full run's.
+    let mut padded = prompts.to_vec();
+    let mut longer = prompts[0].clone();
+    longer.extend(std::iter::repeat_n(*prompts[0].last().unwrap_or(&0), (new_tokens - half) as usize));
+    padded.push(longer);
+    let jobs: Vec<generate::Job> = (0..prompts.len())
+        .map(|i| generate::Job { prompt: i, stream: generate::Stream::new(0, i as u64, 0) })
+        .collect();
+    let s = Sampling::greedy(half);
+    sync(m.device());
+    let t0 = Instant::now();
+    let out = generate::collect(m, &padded, &jobs, &s, &[], generate::Batching::default(), || ())?;
+    sync(m.device());
+    let secs = t0.elapsed().as_secs_f64();
+    let half_tokens: usize = out.iter().map(|c| c.tokens.len()).sum();
+    let added = (new_tokens as usize * prompts.len()).saturating_sub(half_tokens) as f64;
+    Ok((full_secs > secs && added > 0.0).then(|| added / (full_secs - secs)))
+}
+
 /// A sampling workload with uneven lengths, with continuous batching and with draining batches
 /// side by side: `prompts` synthetic problems (chat prompts), 4 samples each at temperature 1,
-/// `new_tokens` at most, ending at the tokenizer's end-of-sequence tokens, `slots` in flight.
-/// One line per mode: completions, generated tokens, seconds, tokens/s, and the mean and
-/// largest completion length.
-pub fn sampling(m: &Llama, tok: &Tokenizer, prompts: usize, slots: usize, new_tokens: i64) -> Result<()> {
+/// `new_tokens` at most, ending at the tokenizer's end-of-sequence tokens (and, with
+/// `stop_every > 0`, at every id that is a multiple of it: see `bench --sample-stop-every`),
+/// `slots` in flight. One line per mode: completions, generated tokens, seconds, tokens/s, and
+/// the mean and largest completion length.
+pub fn sampling(m: &Llama, tok: &Tokenizer, prompts: usize, slots: usize, new_tokens: i64, stop_every: i64) -> Result<()> {
     if prompts == 0 {
         return Ok(());
     }
@@ -132,18 +169,22 @@ pub fn sampling(m: &Llama, tok: &Tokenizer, prompts: usize, slots: usize, new_to
         .flat_map(|i| (0..4).map(move |k| generate::Job { prompt: i, stream: generate::Stream::new(0, i as u64, k) }))
         .collect();
     let s = Sampling::sample(generate::SamplingParams::default(), new_tokens);
+    let mut eos = tok.eos_ids.clone();
+    if stop_every > 0 {
+        eos.extend((0..m.cfg.vocab_size).step_by(stop_every as usize).filter(|i| !tok.eos_ids.contains(i)));
+    }
     for refill in [true, false] {
         let batching = generate::Batching { slots, refill, ..generate::Batching::default() };
         sync(m.device());
         let t0 = Instant::now();
-        let out = generate::collect(m, &ids, &jobs, &s, &tok.eos_ids, batching, || ())?;
+        let out = generate::collect(m, &ids, &jobs, &s, &eos, batching, || ())?;
         sync(m.device());
         let secs = t0.elapsed().as_secs_f64();
         let lens: Vec<usize> = out.iter().map(|c| c.tokens.len()).collect();
         let n: usize = lens.iter().sum();
         println!(
             "{}",
-            serde_json::json!({"what": "sample", "impl": "topr-loss", "batching": if refill { "continuous" } else { "draining" }, "slots": slots, "cuda_graphs": m.cuda_graphs(), "completions": out.len(), "tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs, "mean_len": n as f64 / lens.len() as f64, "max_len": lens.iter().max()})
+            serde_json::json!({"what": "sample", "impl": "topr-loss", "batching": if refill { "continuous" } else { "draining" }, "slots": slots, "stop_every": stop_every, "cuda_graphs": m.cuda_graphs(), "completions": out.len(), "tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs, "mean_len": n as f64 / lens.len() as f64, "max_len": lens.iter().max()})
         );
     }
     Ok(())

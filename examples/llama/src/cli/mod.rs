@@ -262,6 +262,13 @@ pub enum Command {
         /// Completions in flight in the sampling workload.
         #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
         sample_slots: usize,
+        /// In the sampling workload, also end a completion at every token id that is a multiple
+        /// of this (0: only at the tokenizer's end-of-sequence tokens). A model with random
+        /// weights draws its end-of-sequence token almost never, so that every completion runs to
+        /// the budget; with 64, about one step in 64 ends a completion, giving the uneven lengths
+        /// that continuous batching is for.
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0i64, 1 << 30))]
+        sample_stop_every: i64,
     },
     /// The GPU check's own measurements (parity with the CPU, the bf16 peak, the losses' speed
     /// and host reads); one JSON line per measurement.
@@ -565,10 +572,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             prompt_pairs,
             sample_prompts,
             sample_slots,
+            sample_stop_every,
         } => {
             let (mut m, tok) = c::load(&model)?;
             bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
-            bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens)?;
+            bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens, sample_stop_every)?;
             bench::prompt_pairs(&m, train_batch, train_len, prompt_pairs)?;
             bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)
         }
