@@ -24,7 +24,16 @@ namespace {
 
 using topr::guarded;
 
-void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+// Waits for `work`. A collective on the GPU (NCCL) is waited for on the device: the current
+// stream waits for NCCL's, and the host goes on (ProcessGroupNCCL's watchdog enforces the
+// group's time-out there). Given a time-out, NCCL's `wait` would instead spin the host until the
+// collective ends: a device synchronisation per call. On the CPU (Gloo) the host waits, bounded
+// by the time-out.
+void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout, bool on_device = false) {
+  if (on_device) {
+    work->wait();
+    return;
+  }
   if (!work->wait(timeout)) {
     throw std::runtime_error("the collective did not complete within the time-out");
   }
@@ -76,7 +85,8 @@ int topr_pg_all_reduce_sum(topr_process_group* pg, at::Tensor* tensor, char* err
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     opts.timeout = pg->timeout;
-    wait(pg->for_tensor(*tensor).allreduce(tensors, opts), pg->timeout);
+    c10d::Backend& b = pg->for_tensor(*tensor);
+    wait(b.allreduce(tensors, opts), pg->timeout, &b != pg->backend.get());
   });
 }
 
@@ -87,7 +97,8 @@ int topr_pg_broadcast(topr_process_group* pg, at::Tensor* tensor, int root, char
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = pg->timeout;
-    wait(pg->for_tensor(*tensor).broadcast(tensors, opts), pg->timeout);
+    c10d::Backend& b = pg->for_tensor(*tensor);
+    wait(b.broadcast(tensors, opts), pg->timeout, &b != pg->backend.get());
   });
 }
 
