@@ -96,26 +96,40 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
         for cuda_graphs in [false, true].into_iter().filter(|g| !g || graphs) {
             m.set_cuda_graphs(cuda_graphs);
             let prompts = vec![prompt.clone(); batch];
-            // The warm-up runs enough steps to record the graph (the first step is eager).
-            let warm = Sampling { max_new_tokens: new_tokens.min(4), ..s };
-            generate::generate(m, &prompts, &warm, &[], 0)?;
-            sync(m.device());
-            let t0 = Instant::now();
-            let out = generate::generate(m, &prompts, &s, &[], 0)?;
-            sync(m.device());
-            let secs = t0.elapsed().as_secs_f64();
-            let n: usize = out.iter().map(|c| c.tokens.len()).sum();
-            let tokens_per_s = n as f64 / secs;
-            let steady = steady_tokens_per_s(m, &prompts, new_tokens, secs)?;
-            let step_bytes = decode_step_bytes(m, batch as f64, ctx as f64);
-            let share = step_bytes * (tokens_per_s / batch as f64) / bandwidth;
-            println!(
-                "{}",
-                with(
+            let one = |m: &mut Llama| -> Result<serde_json::Value> {
+                // The warm-up runs enough steps to record the graph (the first step is eager).
+                let warm = Sampling { max_new_tokens: new_tokens.min(4), ..s };
+                generate::generate(m, &prompts, &warm, &[], 0)?;
+                sync(m.device());
+                let t0 = Instant::now();
+                let out = generate::generate(m, &prompts, &s, &[], 0)?;
+                sync(m.device());
+                let secs = t0.elapsed().as_secs_f64();
+                let n: usize = out.iter().map(|c| c.tokens.len()).sum();
+                let tokens_per_s = n as f64 / secs;
+                let steady = steady_tokens_per_s(m, &prompts, new_tokens, secs)?;
+                let step_bytes = decode_step_bytes(m, batch as f64, ctx as f64);
+                let share = step_bytes * (tokens_per_s / batch as f64) / bandwidth;
+                Ok(with(
                     serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "new_tokens": new_tokens, "seconds": secs, "tokens_per_s": tokens_per_s, "steady_tokens_per_s": steady, "bytes_per_step": step_bytes, "bandwidth_share": share}),
-                    roofline(generation_flops_per_token(m, ctx), tokens_per_s, peak)
-                )
-            );
+                    roofline(generation_flops_per_token(m, ctx), tokens_per_s, peak),
+                ))
+            };
+            if !cuda_graphs {
+                println!("{}", one(m)?);
+                continue;
+            }
+            // A failure of the graphs (an error, or a panic of a libtorch operation while
+            // recording) is reported as a line and the other measurements go on: a GPU run is
+            // rare, and its eager figures should not be lost with it.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(m))) {
+                Ok(Ok(line)) => println!("{line}"),
+                Ok(Err(e)) => println!("{}", serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": format!("{e:#}")})),
+                Err(p) => {
+                    let e = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                    println!("{}", serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": e.unwrap_or_else(|| "a panic".into())}));
+                }
+            }
         }
     }
     m.set_cuda_graphs(before);
