@@ -153,7 +153,12 @@ def main():
             _, objective, optimizer = s["stage"].split("-", 2)
             steps = lines(os.path.join(logs, f"{s['stage']}.metrics.jsonl")) or lines(os.path.join(out, "work", s["stage"], "metrics.jsonl"))
             last = steps[-1]["stats"]["loss"] if steps else None
-            rows.append(("objectives", f"train {objective}, {optimizer}", s["status"], f"{len(steps)} steps, last loss {fmt(last)}, {s['seconds']:.1f} s, peak {s['peak_mib'] or '—'} MiB"))
+            note = f"{len(steps)} steps, last loss {fmt(last)}, {s['seconds']:.1f} s, peak {s['peak_mib'] or '—'} MiB"
+            # A launched group's engine, as the binary said it (the dp1 stages).
+            err = os.path.join(logs, f"{s['stage']}.err")
+            said = [l.strip() for l in open(err)] if os.path.exists(err) else []
+            note += "".join(f"; {l[len('data parallel: '):]}" for l in said if l.startswith("data parallel: "))
+            rows.append(("objectives", f"train {objective}, {optimizer}", s["status"], note))
 
     demo = lines(os.path.join(out, "demo-iterations.jsonl"))
     for r in demo:
