@@ -58,8 +58,11 @@ copy_records() {
     local model here
     model="\"path\": \"$(pwd -P)/models/smollm2-135m-instruct\""
     here="\"path\": \"$(cd "$work" && pwd -P)/"
+    # Only the kinds a restore brings back (settings, results, data sets: .json and .jsonl) in the
+    # seeds' folders, and only from a work directory the study has run in (its study.json).
+    [ -f "$work/study.json" ] || return 0
     local gone
-    gone=$(cd "$out" && find . -type f ! -path ./commit.txt -print0 | while IFS= read -r -d '' f; do
+    gone=$(cd "$out" && find . -path './seed-*' -type f \( -name '*.json' -o -name '*.jsonl' \) -print0 | while IFS= read -r -d '' f; do
         [ -e "$work/$f" ] && continue
         case "$f" in
             *data.jsonl) grep -qF -e "$model" -e "$here" "$f.run.json" 2>/dev/null || continue ;;

@@ -102,7 +102,7 @@ def main():
     for r in get("bench"):
         if r.get("what") == "generate" and "error" in r:
             how = "CUDA graphs" if r.get("cuda_graphs") else "eager"
-            rows.append(("throughput", f"generation, batch {r['batch']}, {how}", "**failed**", r["error"].splitlines()[0][:200]))
+            rows.append(("throughput", f"generation, batch {r['batch']}, {how}", "**failed**", (r["error"].splitlines() or [""])[0][:200]))
         elif r.get("what") == "generate":
             mfu = r["share_of_peak"] if "share_of_peak" in r else None
             note = f"greedy, {r['new_tokens']} new tokens" + versus("generate", r["batch"], r["tokens_per_s"])

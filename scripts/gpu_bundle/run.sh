@@ -45,6 +45,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$deadline" in '' | *[!0-9]*) [ -z "$deadline" ] || die "--deadline: expected whole seconds, got '$deadline'" ;; esac
+[ -z "$deadline" ] || deadline=$((10#$deadline))  # 08 and 0510 as decimal
 if [ -n "$pack" ]; then
     pack_dir=$(cd "$(dirname "$pack")" 2>/dev/null && pwd) || die "--pack: the folder of '$pack' does not exist"
     pack="$pack_dir/$(basename "$pack")"
@@ -71,8 +72,10 @@ export LD_LIBRARY_PATH="$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if [ -e "$out" ] && [ -n "$(ls -A "$out" 2>/dev/null)" ]; then
     die "$out exists and is not empty: choose a new folder"
 fi
-mkdir -p "$out/logs" "$out/plots" || die "cannot create $out"
+mkdir -p "$out" || die "cannot create $out"
 out=$(cd "$out" && pwd)
+case "$pack" in "$out"/*) rmdir "$out" 2>/dev/null; die "--pack: '$pack' lies inside $out, which it packs: choose a file outside it" ;; esac
+mkdir -p "$out/logs" "$out/plots" || die "cannot create $out"
 W=$(mktemp -d "${TMPDIR:-/tmp}/topr-gpu-check.XXXXXX") || die "cannot create a work folder in ${TMPDIR:-/tmp}"
 start=$(date +%s)
 

@@ -78,10 +78,13 @@ impl CudaGraph {
             &err,
             "capture",
         )?;
-        let recorded = body();
-        // SAFETY: as above; the capture is ended whether `body` succeeded or not.
+        // A panic of a libtorch operation inside `body` must not leave the stream capturing: the
+        // capture is ended first, then the panic goes on.
+        let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+        // SAFETY: as above; the capture is ended whether `body` succeeded, failed or panicked.
         let ended =
             check(unsafe { ffi::topr_cuda_graph_end(raw.as_ptr(), err.as_mut_ptr().cast(), ERR_CAP) }, &err, "capture");
+        let recorded = recorded.unwrap_or_else(|p| std::panic::resume_unwind(p));
         recorded?;
         ended?;
         Ok(graph)

@@ -152,6 +152,7 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     let here = format!("{{\"model\": {{\"path\": \"{}/models/smollm2-135m-instruct\"}}}}", repo.display());
     let elsewhere = "{\"model\": {\"path\": \"/elsewhere/models/smollm2-135m-instruct\"}}";
     let files: &[(&str, &str)] = &[
+        ("study.json", "{}"),
         ("seed-0/shared/h0/iter-1-data.jsonl", "{}\n"),
         ("seed-0/shared/h0/iter-1-data.jsonl.run.json", &here),
         ("seed-0/shared/h0/eval-initial.json", "{}"),
@@ -192,6 +193,7 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
         "seed-0/shared/h0/iter-1-data.jsonl.run.json",
         "seed-1/shared/h1/iter-1-data.jsonl",
         "seed-1/shared/h1/iter-1-data.jsonl.run.json",
+        "study.json",
     ];
     assert_eq!(listed(&records), copied);
     script("--restore-records", &back);
@@ -205,7 +207,10 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     }
     std::fs::remove_dir_all(work.join("seed-1")).unwrap();
     std::fs::write(work.join("seed-0/arm/iter-1/train.done.json"), "{\"again\": true}").unwrap();
+    // A plot, which a restore does not bring back, stays whether the work directory has it or not.
+    std::fs::write(records.join("seed-0/arm/iterations.png"), "png").unwrap();
     script("--copy-records", &work);
+    std::fs::remove_file(records.join("seed-0/arm/iterations.png")).unwrap();
     let kept: Vec<&str> = copied.iter().copied().filter(|f| !f.starts_with("seed-0/arm/iter-2")).collect();
     assert_eq!(listed(&records), kept);
     let done = std::fs::read_to_string(records.join("seed-0/arm/iter-1/train.done.json")).unwrap();

@@ -148,8 +148,8 @@ fn steady_tokens_per_s(m: &Llama, prompts: &[Vec<i64>], new_tokens: i64, full_se
     // A prompt longer by the tokens left out, which no job decodes: the capacity (the longest
     // prompt plus the budget) is the full run's.
     let mut padded = prompts.to_vec();
-    let mut longer = prompts[0].clone();
-    longer.extend(std::iter::repeat_n(*prompts[0].last().unwrap_or(&0), (new_tokens - half) as usize));
+    let mut longer = prompts.iter().max_by_key(|p| p.len()).cloned().unwrap_or_default();
+    longer.extend(std::iter::repeat_n(*longer.last().unwrap_or(&0), (new_tokens - half) as usize));
     padded.push(longer);
     let jobs: Vec<generate::Job> = (0..prompts.len())
         .map(|i| generate::Job { prompt: i, stream: generate::Stream::new(0, i as u64, 0) })

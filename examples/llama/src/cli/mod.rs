@@ -529,8 +529,8 @@ fn join(command: &Command, timeout: std::time::Duration) -> anyhow::Result<Optio
     // Which engine a GPU run's gradients take, said once (rank 0), so that a log shows it (on
     // the CPU it is always Gloo).
     if group.rank() == 0 && command.device().is_some_and(|d| d.is_cuda()) {
-        let engine = if group.uses_nccl() { "NCCL, device to device" } else { "Gloo" };
-        eprintln!("data parallel: {} rank(s), collectives on {engine}", group.world_size());
+        let engine = if group.uses_nccl() { "NCCL, device to device" } else { "Gloo, through the host" };
+        eprintln!("data parallel: {} rank(s), gradients on {engine}", group.world_size());
     }
     Ok(Some(group))
 }

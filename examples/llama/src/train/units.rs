@@ -193,8 +193,8 @@ fn correctness(groups: &[Vec<&Sample>], g: i64, k: i64) -> Tensor {
 /// about the completions' length, that is about half of the output layer's products (forward and
 /// backward) and of the `[b·L, vocab]` logits and their gradient; the log-softmax ran on the
 /// completion's tokens only before, too (verl and OpenRLHF keep the response's logits only,
-/// too). With every completion empty and the prompts of one length, `from` is the last position
-/// but one, so that the tensors keep one (masked) column rather than none.
+/// too). With every completion empty and the prompts of one length (two tokens or more), `from`
+/// is the last position but one, so that the tensors keep one (masked) column rather than none.
 pub struct MicroBatch {
     pub ids: Tensor,
     pub attn: Tensor,
