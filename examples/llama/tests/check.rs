@@ -135,8 +135,15 @@ fn sizes_beyond_the_memory_are_refused_naming_them() {
     let out = llama(&[&["init", "--out", wide.to_str().unwrap(), "--vocab-size", "1000000"][..], &size[..]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let sft = dir.join("sft.jsonl");
-    let out =
-        llama(&["sft-data", "--model", wide.to_str().unwrap(), "--out", sft.to_str().unwrap(), "--synthetic-n", "1024"]);
+    let out = llama(&[
+        "sft-data",
+        "--model",
+        wide.to_str().unwrap(),
+        "--out",
+        sft.to_str().unwrap(),
+        "--synthetic-n",
+        "1024",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let trained = dir.join("trained");
     let (w, d, t) = (wide.to_str().unwrap(), sft.to_str().unwrap(), trained.to_str().unwrap());

@@ -122,14 +122,22 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
             // A failure of the graphs (an error, or a panic of a libtorch operation while
             // recording) is reported as a line and the other measurements go on: a GPU run is
             // rare, and its eager figures should not be lost with it.
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(m))) {
-                Ok(Ok(line)) => println!("{line}"),
-                Ok(Err(e)) => println!("{}", serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": format!("{e:#}")})),
-                Err(p) => {
-                    let e = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                    println!("{}", serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": e.unwrap_or_else(|| "a panic".into())}));
+            let error = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(m))) {
+                Ok(Ok(line)) => {
+                    println!("{line}");
+                    continue;
                 }
-            }
+                Ok(Err(e)) => format!("{e:#}"),
+                Err(p) => p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "a panic".into()),
+            };
+            println!(
+                "{}",
+                serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": error})
+            );
         }
     }
     m.set_cuda_graphs(before);
@@ -171,7 +179,14 @@ fn steady_tokens_per_s(m: &Llama, prompts: &[Vec<i64>], new_tokens: i64, full_se
 /// `stop_every > 0`, at every id that is a multiple of it: see `bench --sample-stop-every`),
 /// `slots` in flight. One line per mode: completions, generated tokens, seconds, tokens/s, and
 /// the mean and largest completion length.
-pub fn sampling(m: &Llama, tok: &Tokenizer, prompts: usize, slots: usize, new_tokens: i64, stop_every: i64) -> Result<()> {
+pub fn sampling(
+    m: &Llama,
+    tok: &Tokenizer,
+    prompts: usize,
+    slots: usize,
+    new_tokens: i64,
+    stop_every: i64,
+) -> Result<()> {
     if prompts == 0 {
         return Ok(());
     }
