@@ -35,6 +35,11 @@ esac
 records="${TOPR_STUDY_RECORDS:-docs/study/real}"
 seeds="${1:-5}"
 work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
+# A data set's record names the model it was sampled from by its path: the base model's key in
+# this clone (records from a clone elsewhere name another path).
+base_model_key() {
+    printf '"path": "%s/models/smollm2-135m-instruct"' "$(pwd -P)"
+}
 copy_records() {
     local out=$records
     mkdir -p "$out"
@@ -56,7 +61,7 @@ copy_records() {
     # elsewhere stays: it is never restored here, so its absence says nothing (a data set sampled
     # from a model of this work directory, a later iteration's, is this grid's own).
     local model here
-    model="\"path\": \"$(pwd -P)/models/smollm2-135m-instruct\""
+    model=$(base_model_key)
     here="\"path\": \"$(cd "$work" && pwd -P)/"
     # Only the kinds a restore brings back (settings, results, data sets: .json and .jsonl) in the
     # seeds' folders, and only from a work directory the study has run in (its study.json).
@@ -79,7 +84,7 @@ restore_records() {
     # A data set's record names the model by its path: one sampled in a clone elsewhere would
     # be refused as sampled otherwise, so it is left out and sampled again.
     local model
-    model="\"path\": \"$(pwd -P)/models/smollm2-135m-instruct\""
+    model=$(base_model_key)
     (cd "$from" && find . -type f \( -name '*.json' -o -name '*.jsonl' \) -print0) | while IFS= read -r -d '' f; do
         case "$f" in
             *data.jsonl) grep -qF "$model" "$from/$f.run.json" 2>/dev/null || continue ;;
