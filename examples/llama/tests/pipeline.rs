@@ -214,6 +214,16 @@ fn a_micro_batch_trains_on_its_completions_logits_only() {
     assert_eq!(p.mask.sum(Kind::Int64).int64_value(&[]), 0);
     let logits = tch::no_grad(|| m.next_token_logits(&p.ids, &p.attn, p.from)).unwrap();
     assert_eq!(logits.size(), [4, 1, m.cfg.vocab_size]);
+    // So do one-token prompts: a padding position is added after them.
+    for d in data.iter_mut() {
+        d.prompt_ids.truncate(1);
+    }
+    let rows: Vec<(&topr_llama::dataset::Sample, f32)> = data.iter().map(|d| (d, 1.0)).collect();
+    let p = train::micro_batch(&rows, Device::Cpu);
+    assert_eq!((p.from, p.ids.size(), p.mask.size()), (0, vec![4, 2], vec![4, 1]));
+    assert_eq!((p.mask.sum(Kind::Int64).int64_value(&[]), p.attn.sum(Kind::Int64).int64_value(&[])), (0, 4));
+    let logits = tch::no_grad(|| m.next_token_logits(&p.ids, &p.attn, p.from)).unwrap();
+    assert_eq!(logits.size(), [4, 1, m.cfg.vocab_size]);
 }
 
 /// The gradient of one optimiser step is the same whatever the micro-batch size, for every ratio

@@ -122,7 +122,7 @@ fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
     let rewards: Vec<f64> = groups.iter().flatten().map(|s| s.reward).collect();
     let r = Tensor::from_slice(&rewards).view([g, k as i64]);
     let lens: Vec<i64> = groups.iter().flatten().map(|s| s.completion_ids.len() as i64).collect();
-    let t = lens.iter().copied().max().unwrap_or(1).max(1);
+    let t = lens.iter().copied().max().unwrap_or(1).max(2);
     let lengths = Tensor::from_slice(&lens);
     let mask = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0).lt_tensor(&lengths.unsqueeze(1));
     // Token-level estimators give every token of a completion the same value here
@@ -209,7 +209,9 @@ pub struct MicroBatch {
 }
 
 pub fn micro_batch(rows: &[(&Sample, f32)], device: tch::Device) -> MicroBatch {
-    let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1).max(1);
+    // At least two positions, so that the batch keeps one (masked) column even when every row is
+    // a one-token prompt with an empty completion: the second is padding, predicted by none.
+    let len = rows.iter().map(|(s, _)| s.prompt_ids.len() + s.completion_ids.len()).max().unwrap_or(1).max(2);
     // A record's prompt holds at least one token (`Sample::check`): its last position predicts
     // the first completion token.
     let from = rows.iter().map(|(s, _)| s.prompt_ids.len().max(1) - 1).min().unwrap_or(0).min(len.saturating_sub(2));
