@@ -5,6 +5,7 @@
 #
 #   scripts/smollm2_study.sh [SEEDS] [WORK]
 #   scripts/smollm2_study.sh --copy-records [WORK]      # only copy WORK's records to docs/study/real/
+#   scripts/smollm2_study.sh --report [WORK]            # copy them, then draw the tables and plots
 #   scripts/smollm2_study.sh --restore-records [WORK]   # only put docs/study/real/'s back into WORK
 #
 # TOPR_STUDY_RECORDS names another records folder than docs/study/real (for tests).
@@ -17,10 +18,12 @@
 # a model that an unfinished iteration starts from is trained again from its recorded seeds (on
 # its restored data set, or one sampled again), checked against its record.
 # After the study (or when interrupted), the records of what finished — settings, per-question
-# results, evaluation summaries, training metrics, the tables and plots, and the sampled data sets
+# results, evaluation summaries, training metrics, each arm's plot, and the sampled data sets
 # (each once: a seed's first, in its shared/ folder, and the iterated arm's later ones; about 4 MB
 # each), so that a restored grid need not sample them again; never model weights — are copied to
-# docs/study/real/.
+# docs/study/real/. The study's tables and plots there (study.md, study.jsonl, study-sampled.jsonl,
+# claim-*.png) are drawn from those records by `--report`, with this clone's `llama` (`study
+# --report-only`): the statistics are those of the current version, the runs those of the grid's.
 #
 # One binary for every seed: the grid's commit is docs/study/real/commit.txt (written by the
 # first run, from HEAD). The binary is built from that commit — here when HEAD is it, else in a
@@ -30,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 only=
 case "${1:-}" in
-    --copy-records | --restore-records) only=$1; shift; set -- 5 "$@" ;;
+    --copy-records | --restore-records | --report) only=$1; shift; set -- 5 "$@" ;;
 esac
 records="${TOPR_STUDY_RECORDS:-docs/study/real}"
 seeds="${1:-5}"
@@ -46,7 +49,8 @@ copy_records() {
     # A seed's arms hold copies of its shared first data set (iter-1/data.jsonl): the shared
     # folder's (iter-1-data.jsonl) is copied, theirs not.
     (cd "$work" && find . -type f ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
-        ! -path './bin/*' ! -path './src/*' \( \
+        ! -path './bin/*' ! -path './src/*' \
+        ! -path ./study.md ! -path ./study.jsonl ! -path ./study-sampled.jsonl ! -path './claim-*.png' \( \
         \( \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
             ! -name 'data.jsonl' ! -path '*/shared/*' \) \
         -o \( -path '*/shared/*' \( -name 'iter-1-data.jsonl' -o -name 'iter-1-data.jsonl.run.json' \) \) \
@@ -78,6 +82,14 @@ copy_records() {
     [ -z "$gone" ] || (cd "$out" && printf '%s\n' "$gone" | while IFS= read -r f; do rm -f "$f"; done)
     find "$out" -mindepth 1 -type d -empty -delete
 }
+# The tables and plots of the records, drawn by this clone's `llama` (built here) in the records
+# folder itself: every number in them can be recomputed from the files beside them.
+report() {
+    source scripts/env.sh > /dev/null
+    cargo build --release -p topr-llama -q
+    "${CARGO_TARGET_DIR:-target}/release/llama" study --work "$records" --model models/smollm2-135m-instruct \
+        --claims real-negatives,real-composition,real-iterated --seeds "$seeds" --report-only
+}
 restore_records() {
     local from=$records
     [ -d "$from" ] || return 0
@@ -98,6 +110,7 @@ restore_records() {
 }
 case "$only" in
     --copy-records) copy_records; exit 0 ;;
+    --report) copy_records; report; exit 0 ;;
     --restore-records) mkdir -p "$work"; restore_records; exit 0 ;;
 esac
 scripts/smollm2.sh

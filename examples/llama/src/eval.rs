@@ -38,11 +38,13 @@ pub struct Summary {
     pub mean_tokens_greedy: f64,
     pub samples_per_question: usize,
     pub pass1_sampled: Option<f64>,
+    /// The mean over questions of [`majority_credit`].
     pub maj_at_k: Option<f64>,
     pub pass_at_k: Option<f64>,
 }
 
-/// The most common valid answer (the first one reached on ties), if any.
+/// The most common valid answer (the first one reached on ties), if any: the generative
+/// verifier's majority vote. maj@k scores ties by [`majority_credit`] instead.
 pub fn majority(answers: &[Option<f64>]) -> Option<f64> {
     let mut best: Option<(f64, usize)> = None;
     for a in answers.iter().flatten() {
@@ -52,6 +54,33 @@ pub fn majority(answers: &[Option<f64>]) -> Option<f64> {
         }
     }
     best.map(|(a, _)| a)
+}
+
+/// One question's maj@k: a vote among its valid answers (invalid ones cast none), a tie between
+/// `t` leading answers scored `1/t` for each that is correct — the expected score of a vote that
+/// breaks ties at random, which depends neither on the samples' order nor on a rule of thumb; 0
+/// when no answer is valid. Answers that [`task::is_correct`] calls equal count as one.
+///
+/// ```
+/// use topr_llama::eval::majority_credit;
+/// assert_eq!(majority_credit(&[Some(2.0), None, Some(2.0), Some(6.0)], 2.0), 1.0);
+/// // a tie between 2 and 6: half a point, whichever came first
+/// assert_eq!(majority_credit(&[Some(6.0), None, Some(2.0), None], 2.0), 0.5);
+/// assert_eq!(majority_credit(&[Some(2.0), Some(6.0), Some(7.0), Some(6.0)], 2.0), 0.0);
+/// assert_eq!(majority_credit(&[None, None], 2.0), 0.0);
+/// ```
+pub fn majority_credit(answers: &[Option<f64>], reference: f64) -> f64 {
+    let valid: Vec<f64> = answers.iter().flatten().copied().collect();
+    let votes = |a: f64| valid.iter().filter(|b| task::is_correct(Some(**b), a)).count();
+    let Some(top) = valid.iter().map(|a| votes(*a)).max() else { return 0.0 };
+    let mut leaders: Vec<f64> = vec![];
+    for &a in valid.iter().filter(|a| votes(**a) == top) {
+        if !leaders.iter().any(|l| task::is_correct(Some(a), *l)) {
+            leaders.push(a);
+        }
+    }
+    let right = leaders.iter().filter(|l| task::is_correct(Some(**l), reference)).count();
+    right as f64 / leaders.len() as f64
 }
 
 fn bar(n: u64, what: &str) -> ProgressBar {
@@ -204,8 +233,7 @@ pub fn summarize(results: &[QuestionResult], samples: usize) -> Summary {
         samples_per_question: samples,
         pass1_sampled: with_samples
             .then(|| mean(&|r| r.sample_correct.iter().filter(|c| **c).count() as f64 / samples as f64)),
-        maj_at_k: with_samples
-            .then(|| mean(&|r| f64::from(u8::from(task::is_correct(majority(&r.sample_answers), r.reference))))),
+        maj_at_k: with_samples.then(|| mean(&|r| majority_credit(&r.sample_answers, r.reference))),
         pass_at_k: with_samples.then(|| mean(&|r| f64::from(u8::from(r.sample_correct.iter().any(|c| *c))))),
     }
 }

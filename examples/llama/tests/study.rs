@@ -46,7 +46,8 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
     assert_eq!(sampled.len(), 8);
     assert!(sampled.iter().all(|r| r["claim"] == "negatives" && r["k"] == 8 && r["questions"] == 6));
     assert!(work.join("seed-1/sft/iter-1/eval-k8.questions.jsonl").exists());
-    assert!(md.contains("Sampled evaluation") && md.contains("| sft − topr-p0.5, paired | 2 |"), "{md}");
+    assert!(md.contains("Sampled evaluation") && md.contains("| sft − topr-p0.5, paired by seed | 2 |"), "{md}");
+    assert!(md.contains("| sft − topr-p0.5, paired by question | 2 |"), "{md}");
     // Each seed has its own model: the initial weights differ.
     let w0 = std::fs::read(work.join("seed-0/init/model.safetensors")).unwrap();
     let w1 = std::fs::read(work.join("seed-1/init/model.safetensors")).unwrap();

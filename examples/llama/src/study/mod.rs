@@ -393,25 +393,91 @@ mod tests {
             sample_correct: answers.iter().map(|a| *a == Some(3.0)).collect(),
             sample_answers: answers.to_vec(),
         };
-        // Two samples each: both right; one right, one invalid; both wrong with the same answer.
-        let lines: String = [q("a", [Some(3.0), Some(3.0)]), q("b", [Some(3.0), None]), q("c", [Some(4.0), Some(4.0)])]
-            .iter()
-            .map(|r| serde_json::to_string(r).unwrap() + "\n")
-            .collect();
+        // Two samples each: both right; one right, one invalid; both wrong with the same answer;
+        // a tie between a right and a wrong answer, in either order.
+        let lines: String = [
+            q("a", [Some(3.0), Some(3.0)]),
+            q("b", [Some(3.0), None]),
+            q("c", [Some(4.0), Some(4.0)]),
+            q("d", [Some(3.0), Some(4.0)]),
+            q("e", [Some(4.0), Some(3.0)]),
+        ]
+        .iter()
+        .map(|r| serde_json::to_string(r).unwrap() + "\n")
+        .collect();
         let file = dir.join("q.jsonl");
         std::fs::write(&file, lines).unwrap();
         let r = SampledRow::read(Claim::Negatives, "sft", 3, 2, 2, &file).unwrap();
         let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
-        assert!(close(r.pass1_sampled, 0.5), "{r:?}"); // (1 + 0.5 + 0) / 3
-        assert!(close(r.maj_at_k, 2.0 / 3.0), "{r:?}"); // a and b (b's only valid answer is right)
-        assert!(close(r.pass_at_k, 2.0 / 3.0), "{r:?}");
-        assert!(close(r.invalid_sampled, 1.0 / 6.0), "{r:?}");
-        assert!(close(r.none_correct, 1.0 / 3.0), "{r:?}");
-        assert!(close(r.at_most_one_correct, 2.0 / 3.0), "{r:?}");
-        assert_eq!((r.questions, r.k, r.seed, r.iteration), (3, 2, 3, 2));
+        assert!(close(r.pass1_sampled, 0.5), "{r:?}"); // (1 + 0.5 + 0 + 0.5 + 0.5) / 5
+        // a and b (b's only valid answer is right), half of d and of e whatever the order
+        assert!(close(r.maj_at_k, 3.0 / 5.0), "{r:?}");
+        assert!(close(r.pass_at_k, 4.0 / 5.0), "{r:?}");
+        assert!(close(r.invalid_sampled, 0.5 / 5.0), "{r:?}");
+        assert!(close(r.none_correct, 1.0 / 5.0), "{r:?}");
+        assert!(close(r.at_most_one_correct, 4.0 / 5.0), "{r:?}");
+        assert_eq!((r.questions, r.k, r.seed, r.iteration), (5, 2, 3, 2));
+        assert_eq!(r.by_question[3], ("d".to_string(), [0.5, 0.5, 1.0, 0.0, 0.0, 1.0]));
+        // An empty file is refused, naming it, rather than read as a row of zeros.
+        let empty = dir.join("empty.jsonl");
+        std::fs::write(&empty, "").unwrap();
+        let msg = format!("{:#}", SampledRow::read(Claim::Negatives, "sft", 3, 2, 2, &empty).unwrap_err());
+        assert!(msg.contains("empty.jsonl: no questions"), "{msg}");
         // A file of another k is refused.
         assert!(SampledRow::read(Claim::Negatives, "sft", 3, 2, 8, &file).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The sampled table pairs two arms' questions by id, whatever order their files list them
+    /// in, besides pairing the seeds' means.
+    #[test]
+    fn sampled_differences_pair_questions_by_id_and_seeds_by_seed() {
+        let c = Claim::RealNegatives;
+        let arms = c.arms();
+        let s = StudySettings {
+            work: std::env::temp_dir(),
+            claims: vec![c],
+            seeds: seeds(2),
+            scale: Scale::quick(),
+            at: Placement::f32(tch::Device::Cpu),
+            model: None,
+        };
+        let last = c.iterations(s.scale.iterations);
+        // Per question: pass@1 sampled only (the other measures 0); the second arm 0.25 above the
+        // first on question "x" and 0.75 on "y", listed in the other order.
+        let row = |arm: &str, seed: u64, qs: &[(&str, f64)]| {
+            let by_question: Vec<(String, [f64; 6])> =
+                qs.iter().map(|(id, v)| (id.to_string(), [*v, 0.0, 0.0, 0.0, 0.0, 0.0])).collect();
+            let mean = qs.iter().map(|q| q.1).sum::<f64>() / qs.len() as f64;
+            SampledRow {
+                claim: c,
+                arm: arm.into(),
+                seed,
+                iteration: last,
+                k: 4,
+                pass1_sampled: mean,
+                maj_at_k: 0.0,
+                pass_at_k: 0.0,
+                invalid_sampled: 0.0,
+                none_correct: 0.0,
+                at_most_one_correct: 0.0,
+                questions: qs.len(),
+                by_question,
+            }
+        };
+        let (a, b) = (&arms[0].name, &arms[1].name);
+        let rows = vec![
+            row(a, 0, &[("x", 0.0), ("y", 0.25)]),
+            row(b, 0, &[("y", 1.0), ("x", 0.25)]),
+            row(a, 1, &[("x", 0.5), ("y", 0.5)]),
+            row(b, 1, &[("x", 0.75), ("y", 0.5)]),
+        ];
+        let mut md = String::new();
+        report::sampled_section(&mut md, c, &rows, &s).unwrap();
+        // By seed: 0.5 and 0.125, mean 0.3125, SE 0.1875. By question: 0.25, 0.75, 0.25, 0,
+        // mean 0.3125, SE sqrt(0.0989583 / 4) = 0.157.
+        assert!(md.contains(&format!("| {b} − {a}, paired by seed | 2 | 0.312 ± 0.188 |")), "{md}");
+        assert!(md.contains(&format!("| {b} − {a}, paired by question | 2 | 0.312 ± 0.157 |")), "{md}");
     }
 
     #[test]

@@ -56,9 +56,43 @@ pub struct SampledRow {
     pub at_most_one_correct: f64,
     /// Held-out questions.
     pub questions: usize,
+    /// Each question's id and its values of [`SAMPLED_METRICS`], for differences paired by
+    /// question (not in the record: the per-question files hold them).
+    #[serde(skip)]
+    pub(super) by_question: Vec<(String, [f64; 6])>,
+}
+
+/// The sampled evaluation's measures, in the order of [`SampledRow::values`].
+const SAMPLED_METRICS: [&str; 6] =
+    ["pass@1 (sampled)", "maj@k", "pass@k", "invalid samples", "no correct sample", "at most one correct"];
+
+/// One question's values of [`SAMPLED_METRICS`] from its `k` samples.
+fn question_values(r: &crate::eval::QuestionResult, k: usize) -> [f64; 6] {
+    let correct = r.sample_correct.iter().filter(|c| **c).count();
+    let b = |x: bool| f64::from(u8::from(x));
+    [
+        correct as f64 / k as f64,
+        crate::eval::majority_credit(&r.sample_answers, r.reference),
+        b(correct > 0),
+        r.sample_answers.iter().filter(|a| a.is_none()).count() as f64 / k as f64,
+        b(correct == 0),
+        b(correct <= 1),
+    ]
 }
 
 impl SampledRow {
+    /// The row's values of [`SAMPLED_METRICS`].
+    fn values(&self) -> [f64; 6] {
+        [
+            self.pass1_sampled,
+            self.maj_at_k,
+            self.pass_at_k,
+            self.invalid_sampled,
+            self.none_correct,
+            self.at_most_one_correct,
+        ]
+    }
+
     /// The row of the per-question results in `questions` (`eval`'s lines, `k` samples each).
     pub(super) fn read(
         claim: Claim,
@@ -69,29 +103,38 @@ impl SampledRow {
         questions: &Path,
     ) -> Result<Self> {
         let results: Vec<crate::eval::QuestionResult> = read_jsonl(questions)?;
-        let n = results.len().max(1) as f64;
-        let share = |f: &dyn Fn(&crate::eval::QuestionResult) -> f64| results.iter().map(f).sum::<f64>() / n;
-        let correct = |r: &crate::eval::QuestionResult| r.sample_correct.iter().filter(|c| **c).count();
+        if results.is_empty() {
+            anyhow::bail!("{}: no questions", questions.display());
+        }
         if let Some(r) = results.iter().find(|r| r.sample_correct.len() != k) {
             anyhow::bail!("{}: question {} has {} samples, not {k}", questions.display(), r.id, r.sample_correct.len());
         }
+        let by_question: Vec<(String, [f64; 6])> =
+            results.iter().map(|r| (r.id.clone(), question_values(r, k))).collect();
+        let mean = |j: usize| by_question.iter().map(|(_, v)| v[j]).sum::<f64>() / by_question.len() as f64;
         Ok(Self {
             claim,
             arm: arm.into(),
             seed,
             iteration,
             k,
-            pass1_sampled: share(&|r| correct(r) as f64 / k as f64),
-            maj_at_k: share(&|r| {
-                f64::from(u8::from(crate::task::is_correct(crate::eval::majority(&r.sample_answers), r.reference)))
-            }),
-            pass_at_k: share(&|r| f64::from(u8::from(correct(r) > 0))),
-            invalid_sampled: share(&|r| r.sample_answers.iter().filter(|a| a.is_none()).count() as f64 / k as f64),
-            none_correct: share(&|r| f64::from(u8::from(correct(r) == 0))),
-            at_most_one_correct: share(&|r| f64::from(u8::from(correct(r) <= 1))),
+            pass1_sampled: mean(0),
+            maj_at_k: mean(1),
+            pass_at_k: mean(2),
+            invalid_sampled: mean(3),
+            none_correct: mean(4),
+            at_most_one_correct: mean(5),
             questions: results.len(),
+            by_question,
         })
     }
+}
+
+/// The values of `a` and `b` for the ids both have, in `a`'s order: two measurements of the same
+/// questions paired by question, whatever order their files list them in.
+pub(super) fn pair_by_id<'a, T>(a: &'a [(String, T)], b: &'a [(String, T)]) -> Vec<(&'a T, &'a T)> {
+    let b: std::collections::HashMap<&str, &T> = b.iter().map(|(id, v)| (id.as_str(), v)).collect();
+    a.iter().filter_map(|(id, v)| Some((v, *b.get(id.as_str())?))).collect()
 }
 
 /// The sampled evaluations made so far, for the claims that have one.
@@ -116,51 +159,49 @@ pub fn sampled_rows(s: &StudySettings) -> Result<Vec<SampledRow>> {
     Ok(out)
 }
 
-/// One column of the sampled evaluation's table: a value of a row.
-type Metric = fn(&SampledRow) -> f64;
-
 /// The sampled evaluation's table of claim `c`: the initial model, each arm at the last
 /// iteration, and each other arm's paired difference to the first.
-fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySettings) -> Result<()> {
+pub(super) fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySettings) -> Result<()> {
     let (Some(k), arms) = (c.sampled_k(), c.arms()) else { return Ok(()) };
     let last = c.iterations(s.scale.iterations);
     let mine: Vec<&SampledRow> = rows.iter().filter(|r| r.claim == c).collect();
     if mine.is_empty() {
         return Ok(());
     }
-    let metrics: [(&str, Metric); 6] = [
-        ("pass@1 (sampled)", |r| r.pass1_sampled),
-        ("maj@k", |r| r.maj_at_k),
-        ("pass@k", |r| r.pass_at_k),
-        ("invalid samples", |r| r.invalid_sampled),
-        ("no correct sample", |r| r.none_correct),
-        ("at most one correct", |r| r.at_most_one_correct),
-    ];
     writeln!(
         md,
         "Sampled evaluation: {k} samples a question at the sampling temperature, on the same held-out \
-         questions (mean ± SE over seeds; k = {k}):\n"
+         questions (mean ± SE over seeds; k = {k}). maj@k: a vote among the valid answers, a tie between \
+         `t` leading answers scoring `1/t` for each correct one (the expected score of a random \
+         tie-break); no valid answer scores 0. Each other arm minus {first}, paired by seed (SE over \
+         seeds), and paired by question over all seeds' questions (SE over questions):\n",
+        first = arms[0].name
     )?;
     let mut header = "| model | seeds |".to_string();
-    for (name, _) in &metrics {
+    for name in SAMPLED_METRICS {
         write!(header, " {name} |")?;
     }
-    writeln!(md, "{header}\n|{}", "---|".repeat(metrics.len() + 2))?;
+    writeln!(md, "{header}\n|{}", "---|".repeat(SAMPLED_METRICS.len() + 2))?;
     let at = |arm: &str, i: usize| -> Vec<&SampledRow> {
         mine.iter().copied().filter(|r| r.arm == arm && r.iteration == i).collect()
     };
-    let mut line = |label: String, v: Vec<Vec<f64>>| -> Result<()> {
-        let mut l = format!("| {label} | {} |", v.first().map_or(0, Vec::len));
+    let mut line = |label: String, seeds: usize, v: Vec<Vec<f64>>, one: &str| -> Result<()> {
+        let mut l = format!("| {label} | {seeds} |");
         for m in &v {
-            write!(l, " {} |", fmt(mean_se(m)))?;
+            write!(l, " {} |", fmt(mean_se(m)).replace(" (one seed)", one))?;
         }
         writeln!(md, "{l}")?;
         Ok(())
     };
-    let values = |rs: &[&SampledRow]| metrics.iter().map(|(_, f)| rs.iter().map(|r| f(r)).collect()).collect();
-    line("initial model".into(), values(&at(&arms[0].name, 0)))?;
+    let columns = |rows: Vec<[f64; 6]>| -> Vec<Vec<f64>> {
+        (0..SAMPLED_METRICS.len()).map(|j| rows.iter().map(|v| v[j]).collect()).collect()
+    };
+    let values = |rs: &[&SampledRow]| columns(rs.iter().map(|r| r.values()).collect());
+    let initial = at(&arms[0].name, 0);
+    line("initial model".into(), initial.len(), values(&initial), " (one seed)")?;
     for arm in &arms {
-        line(format!("{} at iteration {last}", arm.name), values(&at(&arm.name, last)))?;
+        let rs = at(&arm.name, last);
+        line(format!("{} at iteration {last}", arm.name), rs.len(), values(&rs), " (one seed)")?;
     }
     let first = at(&arms[0].name, last);
     for arm in arms.iter().skip(1) {
@@ -168,8 +209,16 @@ fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s: &StudySett
             .into_iter()
             .filter_map(|r| Some((r, *first.iter().find(|f| f.seed == r.seed)?)))
             .collect();
-        let diffs = metrics.iter().map(|(_, f)| paired.iter().map(|(a, b)| f(a) - f(b)).collect()).collect();
-        line(format!("{} − {}, paired", arm.name, arms[0].name), diffs)?;
+        let diffs = |f: &dyn Fn(&SampledRow, &SampledRow) -> Vec<[f64; 6]>| -> Vec<[f64; 6]> {
+            paired.iter().flat_map(|(a, b)| f(a, b)).collect()
+        };
+        let minus = |a: &[f64; 6], b: &[f64; 6]| std::array::from_fn::<f64, 6, _>(|j| a[j] - b[j]);
+        let per_seed = diffs(&|a, b| vec![minus(&a.values(), &b.values())]);
+        let per_question =
+            diffs(&|a, b| pair_by_id(&a.by_question, &b.by_question).into_iter().map(|(x, y)| minus(x, y)).collect());
+        let name = format!("{} − {}", arm.name, arms[0].name);
+        line(format!("{name}, paired by seed"), paired.len(), columns(per_seed), " (one seed)")?;
+        line(format!("{name}, paired by question"), paired.len(), columns(per_question), "")?;
     }
     writeln!(md)?;
     Ok(())
@@ -317,7 +366,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
     if s.claims.iter().all(|c| c.is_real()) {
         writeln!(
             md,
-            "# Study on a real model: {} seed(s), {} held-out problems a seed, {}\n",
+            "# Study on a real model: {} seed(s) planned, {} held-out problems a seed, {}\n",
             s.seeds.len(),
             Scale::real().eval_n,
             numerics.describe()
@@ -325,7 +374,7 @@ pub fn report(s: &StudySettings) -> Result<()> {
     } else {
         writeln!(
             md,
-            "# Study: {} seed(s), {} held-out problems a seed, {} iteration(s) unless a claim fixes its own, {}\n",
+            "# Study: {} seed(s) planned, {} held-out problems a seed, {} iteration(s) unless a claim fixes its own, {}\n",
             s.seeds.len(),
             s.scale.eval_n,
             s.scale.iterations,
@@ -340,10 +389,12 @@ pub fn report(s: &StudySettings) -> Result<()> {
     writeln!(
         md,
         "Each cell: mean ± standard error over seeds of the greedy held-out accuracy (the seeds' \
-         {own}). \
+         {own}), over the seeds that finished the arm (`seeds`; a seed still running is left out of \
+         every column of its arm). \
          `gain`: last iteration minus iteration 0, per seed. `vs first`: the paired difference to \
          the claim's first arm at the last iteration, per seed. `SE questions`: the binomial \
-         standard error of the pooled accuracy over all seeds' questions.\n"
+         standard error of the pooled accuracy over all seeds' questions. `(one seed)`: one value, \
+         no error bar; `—`: the reference arm itself; `–`: nothing finished yet.\n"
     )?;
     for c in &s.claims {
         match c {
@@ -464,9 +515,10 @@ fn arm_line(
     let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
     let mut line = format!("| {} | {} |", arm.name, seeds.len());
     let mut curves = Curves { accuracy: vec![], invalid: vec![] };
+    // Every column over the same seeds: those that finished the arm's last iteration.
     for i in 0..=iters {
-        let v: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
-        let w: Vec<f64> = s.seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
+        let v: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
+        let w: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
         write!(line, " {} |", fmt(mean_se(&v)))?;
         if !v.is_empty() {
             curves.accuracy.push((i as f64, mean_se(&v).0));
@@ -502,23 +554,25 @@ fn arm_line(
 fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize, md: &mut String) -> Result<()> {
     writeln!(
         md,
-        "At iteration {iters}: right among the answers given (mean ± SE over seeds), and each arm minus {} \
-         with its standard error over seeds and over questions (all seeds' questions, paired):\n",
+        "At iteration {iters}: right among the answers given (mean ± SE over seeds; a seed that gave no \
+         answer is left out), and each arm minus {} with its standard error over seeds and over \
+         questions (all seeds' questions, paired by seed and question id):\n",
         arms[0].name
     )?;
     writeln!(md, "| arm | right among given | − first (SE over seeds) | − first (SE over questions) | larger SE |")?;
     writeln!(md, "|---|---|---|---|---|")?;
     let dir = StudyDir::new(&s.work);
-    let correct = |arm: &str, seed: u64| -> Result<Option<Vec<f64>>> {
+    let correct = |arm: &str, seed: u64| -> Result<Option<Vec<(String, f64)>>> {
         let file = crate::layout::questions_file(&dir.arm(seed, arm).iteration(iters).eval());
         if !file.exists() {
             return Ok(None);
         }
         let rows: Vec<crate::eval::QuestionResult> = read_jsonl(&file)?;
-        Ok(Some(rows.iter().map(|q| f64::from(u8::from(q.greedy_correct))).collect()))
+        Ok(Some(rows.into_iter().map(|q| (q.id, f64::from(u8::from(q.greedy_correct)))).collect()))
     };
     // The first arm's results, read once a seed.
-    let firsts: Vec<Option<Vec<f64>>> = s.seeds.iter().map(|&sd| correct(&arms[0].name, sd)).collect::<Result<_>>()?;
+    let firsts: Vec<Option<Vec<(String, f64)>>> =
+        s.seeds.iter().map(|&sd| correct(&arms[0].name, sd)).collect::<Result<_>>()?;
     for arm in arms {
         let given: Vec<f64> = s
             .seeds
@@ -530,15 +584,18 @@ fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize
         let (mut per_seed, mut per_question) = (vec![], vec![]);
         for (&seed, first) in s.seeds.iter().zip(&firsts) {
             if let (Some(a), Some(b)) = (correct(&arm.name, seed)?, first) {
-                per_seed.push(crate::stats::paired(&a, b)?.0);
-                per_question.extend(a.iter().zip(b).map(|(x, y)| x - y));
+                // The same questions, matched by id (a seed's questions differ from another's).
+                let d: Vec<f64> = pair_by_id(&a, b).into_iter().map(|(x, y)| x - y).collect();
+                per_seed.push(mean_se(&d).0);
+                per_question.extend(d);
             }
         }
         let (over_seeds, over_questions) = (mean_se(&per_seed), mean_se(&per_question));
         let larger = match (over_seeds.1, over_questions.1) {
             (a, b) if a.is_nan() || b.is_nan() || arm == &arms[0] => "–",
             (a, b) if a > b => "seeds",
-            _ => "questions",
+            (a, b) if a < b => "questions",
+            _ => "equal",
         };
         let vs = |m: (f64, f64)| if arm == &arms[0] { "—".to_string() } else { fmt(m) };
         writeln!(
