@@ -5,10 +5,11 @@
 #
 #   scripts/smollm2_study.sh [SEEDS] [WORK]
 #   scripts/smollm2_study.sh --copy-records [WORK]      # only copy WORK's records to docs/study/real/
-#   scripts/smollm2_study.sh --report [WORK]            # copy them, then draw the tables and plots
+#                                                       # and draw their tables and plots there
 #   scripts/smollm2_study.sh --restore-records [WORK]   # only put docs/study/real/'s back into WORK
 #
-# TOPR_STUDY_RECORDS names another records folder than docs/study/real (for tests).
+# TOPR_STUDY_RECORDS names another records folder than docs/study/real (for tests);
+# TOPR_STUDY_REPORT=0 copies the records without drawing their tables (for tests).
 # SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
 # same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
@@ -21,9 +22,10 @@
 # results, evaluation summaries, training metrics, each arm's plot, and the sampled data sets
 # (each once: a seed's first, in its shared/ folder, and the iterated arm's later ones; about 4 MB
 # each), so that a restored grid need not sample them again; never model weights — are copied to
-# docs/study/real/. The study's tables and plots there (study.md, study.jsonl, study-sampled.jsonl,
-# claim-*.png) are drawn from those records by `--report`, with this clone's `llama` (`study
-# --report-only`): the statistics are those of the current version, the runs those of the grid's.
+# docs/study/real/, and the study's tables and plots there (study.md, study.jsonl,
+# study-sampled.jsonl, claim-*.png) are drawn from those records with this clone's `llama` (`study
+# --report-only`): the statistics are those of the current version, the runs those of the grid's
+# (scripts/check_real_study.py recomputes every cell from the records).
 #
 # One binary for every seed: the grid's commit is docs/study/real/commit.txt (written by the
 # first run, from HEAD). The binary is built from that commit — here when HEAD is it, else in a
@@ -33,7 +35,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 only=
 case "${1:-}" in
-    --copy-records | --restore-records | --report) only=$1; shift; set -- 5 "$@" ;;
+    --copy-records | --restore-records) only=$1; shift; set -- 5 "$@" ;;
 esac
 records="${TOPR_STUDY_RECORDS:-docs/study/real}"
 seeds="${1:-5}"
@@ -85,6 +87,7 @@ copy_records() {
 # The tables and plots of the records, drawn by this clone's `llama` (built here) in the records
 # folder itself: every number in them can be recomputed from the files beside them.
 report() {
+    [ "${TOPR_STUDY_REPORT:-1}" != 0 ] || return 0
     source scripts/env.sh > /dev/null
     cargo build --release -p topr-llama -q
     "${CARGO_TARGET_DIR:-target}/release/llama" study --work "$records" --model models/smollm2-135m-instruct \
@@ -109,15 +112,14 @@ restore_records() {
     done
 }
 case "$only" in
-    --copy-records) copy_records; exit 0 ;;
-    --report) copy_records; report; exit 0 ;;
+    --copy-records) copy_records; report; exit 0 ;;
     --restore-records) mkdir -p "$work"; restore_records; exit 0 ;;
 esac
 scripts/smollm2.sh
 source scripts/env.sh
 mkdir -p "$work"
 restore_records
-trap copy_records EXIT
+trap 'copy_records; report' EXIT
 pin=docs/study/real/commit.txt
 mkdir -p "$(dirname "$pin")"
 [ -f "$pin" ] || git rev-parse HEAD > "$pin"

@@ -177,6 +177,7 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
             .arg(repo.join("scripts/smollm2_study.sh"))
             .args([option, dir.to_str().unwrap()])
             .env("TOPR_STUDY_RECORDS", &records)
+            .env("TOPR_STUDY_REPORT", "0")
             .output()
             .unwrap();
         assert!(out.status.success(), "{option}: {}", String::from_utf8_lossy(&out.stderr));
@@ -218,4 +219,21 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     assert_eq!(done, "{\"again\": true}");
     assert!(!records.join("seed-0/arm/iter-2").exists());
     std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+/// The committed real-model tables (`docs/study/real/study.md`) hold what their committed records
+/// say: every cell recomputed from the per-question files by an independent script
+/// (`scripts/check_real_study.py`, plain Python), so that a table drawn by an older version, or
+/// records committed without their tables drawn again, fail here.
+#[test]
+fn the_committed_real_model_tables_are_recomputed_from_their_records() {
+    let repo = common::repo();
+    let out = Command::new("python3")
+        .arg(repo.join("scripts/check_real_study.py"))
+        .arg(repo.join("docs/study/real"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains(" cells checked, 0 differ"), "{text}");
 }
