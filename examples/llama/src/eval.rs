@@ -10,7 +10,6 @@ use crate::task::{self, Problem};
 pub use crate::task::{PromptStyle, prompt_ids};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::Write;
 
@@ -83,16 +82,6 @@ pub fn majority_credit(answers: &[Option<f64>], reference: f64) -> f64 {
     right as f64 / leaders.len() as f64
 }
 
-fn bar(n: u64, what: &str) -> ProgressBar {
-    let pb = ProgressBar::new(n);
-    pb.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {per_sec} ETA {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    pb.set_message(what.to_string());
-    pb
-}
-
 /// How an evaluation generates.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct EvalSettings {
@@ -133,7 +122,7 @@ pub fn evaluate(
     // one process.
     let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
     let problems = &problems[mine.clone()];
-    let pb = bar((problems.len() * (1 + samples)) as u64, "eval");
+    let pb = crate::progress::Progress::new("eval", "completions", (problems.len() * (1 + samples)) as u64, 0);
     let batching = Batching::slots(batch_size);
     // Greedy: one completion per question; sampled: `samples` per question, sample k of the
     // task's question i drawing from the stream (seed, i, k). `batch_size` in flight, each.
@@ -170,7 +159,7 @@ pub fn evaluate(
         }
         results.push(r);
     }
-    pb.finish_and_clear();
+    pb.finish();
     Ok(summarize(&results, samples))
 }
 

@@ -62,6 +62,7 @@ pub mod onednn;
 pub mod optim;
 pub mod parallel;
 pub mod plot;
+pub mod progress;
 pub mod sample;
 pub mod settings;
 pub mod shard;

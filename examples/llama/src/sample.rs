@@ -101,12 +101,12 @@ pub fn sample_dataset(
     // Indices into the whole task list: they key the streams.
     let todo: Vec<(usize, &Problem)> =
         problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
-    let pb = indicatif::ProgressBar::new((problems.len() * n) as u64);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("sample [{bar:30}] {pos}/{len} completions {per_sec} ETA {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    let pb = crate::progress::Progress::new(
+        "sample",
+        "completions",
+        (problems.len() * n) as u64,
+        ((problems.len() - todo.len()) * n) as u64,
     );
-    pb.inc(((problems.len() - todo.len()) * n) as u64);
     // Every completion of every prompt left, `batch_prompts · n` in flight (continuous
     // batching); completion k of problem i draws from the stream (seed, i, k).
     // Every prompt of the task is given (jobs index them), so that every shard and every resume
@@ -125,7 +125,7 @@ pub fn sample_dataset(
         pb.inc(1);
         Ok(())
     })?;
-    pb.finish_and_clear();
+    pb.finish();
     Ok(w.written)
 }
 

@@ -299,7 +299,7 @@ fn select(
         let i = *index.get(smp.id.as_str()).with_context(|| format!("{}: not a held-out question", smp.id))?;
         by_question.entry(i).or_default().push((smp, judge));
     }
-    let pb = indicatif::ProgressBar::new(held_samples.len() as u64);
+    let pb = crate::progress::Progress::new("verify: judge", "solutions", held_samples.len() as u64, 0);
     let mut rows = vec![];
     for (i, sols) in by_question {
         let mut p_correct = vec![];
@@ -324,7 +324,7 @@ fn select(
             picked,
         });
     }
-    pb.finish_and_clear();
+    pb.finish();
     Ok(rows)
 }
 
@@ -384,7 +384,7 @@ fn write_verdicts(
     data: &Path,
 ) -> Result<()> {
     let record = SamplingRecord { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 0, seed: 0 };
-    let pb = indicatif::ProgressBar::new(problems.len() as u64);
+    let pb = crate::progress::Progress::new("verify: score verdicts", "problems", problems.len() as u64, 0);
     crate::io::write_atomic(data, |w| {
         for p in problems {
             let prompt = prompt_ids(tok, &PromptStyle::Chat, p)?;
@@ -417,7 +417,7 @@ fn write_verdicts(
         }
         Ok(())
     })?;
-    pb.finish_and_clear();
+    pb.finish();
     Ok(())
 }
 

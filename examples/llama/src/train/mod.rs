@@ -237,16 +237,6 @@ fn optimizer_step(
     Ok(StepRecord { baseline: plan.c, epoch, grad_norm, lr, p_tilde: plan.p_tilde, stats, step: step + 1 })
 }
 
-fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
-    let pb = indicatif::ProgressBar::new(total as u64);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("train [{bar:30}] {pos}/{len} steps {msg} ETA {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    pb.set_position(done as u64);
-    pb
-}
-
 /// Trains `model` in place on `samples`: micro-batching, clipping, schedule; one JSON line of
 /// metrics per optimiser step to `dir/metrics.jsonl`; the training state in `dir/state` every
 /// `save_every` steps (removed when the run finishes), with `record`, which a resumed run must
@@ -280,7 +270,11 @@ pub fn run(
     let (mut opt, mut progress) = resume(model, o, record, &state, group)?;
     let mut metrics =
         if main { Some(MetricsLog::open(&crate::layout::metrics_file(dir), progress.step)?) } else { None };
-    let pb = if main { progress_bar(plan.total, progress.step) } else { indicatif::ProgressBar::hidden() };
+    let pb = if main {
+        crate::progress::Progress::new("train", "steps", plan.total as u64, progress.step as u64)
+    } else {
+        crate::progress::Progress::hidden()
+    };
     for epoch in 0..o.epochs {
         for (step, batch) in plan.epoch(epoch, o.seed) {
             if step < progress.step {
@@ -300,7 +294,7 @@ pub fn run(
             }
         }
     }
-    pb.finish_and_clear();
+    pb.finish();
     opt.zero_grad();
     Ok(plan.summary(o, samples.len(), &progress))
 }
