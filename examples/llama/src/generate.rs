@@ -397,6 +397,54 @@ fn whole_blocks(n: i64) -> i64 {
     (n + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK
 }
 
+/// The CUDA graphs recorded at one batch size, by the key count they attend to: the
+/// [`GRAPHS_KEPT`] used last (another is recorded again when needed), and the key counts that
+/// have had their eager warm-up step. Generic over the graph, for tests on machines without one.
+struct Graphs<G> {
+    /// Most recently used last.
+    kept: Vec<(i64, G)>,
+    warmed: Vec<i64>,
+}
+
+/// CUDA graphs kept per batch size: as completions grow, the key count moves up a block every
+/// [`KEY_BLOCK`] steps, and back down when the longest completion ends; each graph holds its own
+/// memory for the step's intermediate tensors (the logits and their softmax, `[S, V]` each).
+const GRAPHS_KEPT: usize = 4;
+
+impl<G> Default for Graphs<G> {
+    fn default() -> Self {
+        Self { kept: vec![], warmed: vec![] }
+    }
+}
+
+impl<G> Graphs<G> {
+    /// The graph of `keys`, marked as the most recently used.
+    fn get(&mut self, keys: i64) -> Option<&G> {
+        let at = self.kept.iter().position(|(k, _)| *k == keys)?;
+        let entry = self.kept.remove(at);
+        self.kept.push(entry);
+        self.kept.last().map(|(_, g)| g)
+    }
+
+    /// Whether `keys` is seen for the first time (its step then runs eagerly, as the warm-up).
+    fn first_visit(&mut self, keys: i64) -> bool {
+        if self.warmed.contains(&keys) {
+            return false;
+        }
+        self.warmed.push(keys);
+        true
+    }
+
+    /// Keeps `g` for `keys`, dropping the least recently used graph beyond [`GRAPHS_KEPT`].
+    fn insert(&mut self, keys: i64, g: G) {
+        self.kept.retain(|(k, _)| *k != keys);
+        self.kept.push((keys, g));
+        if self.kept.len() > GRAPHS_KEPT {
+            self.kept.remove(0);
+        }
+    }
+}
+
 /// What the host knows of an occupied slot without reading the device.
 #[derive(Debug, Clone, Copy)]
 struct Occupant {
@@ -436,11 +484,10 @@ struct Decoder<'a> {
     occupied: Vec<Option<Occupant>>,
     /// The slots it started with (a shrunk batch has fewer).
     full: i64,
-    /// Whether steps replay CUDA graphs ([`Llama::cuda_graphs`] on a CUDA device); the graph of
-    /// the current batch size, and whether a step has run eagerly at that size.
+    /// Whether steps replay CUDA graphs ([`Llama::cuda_graphs`] on a CUDA device), and those of
+    /// the current batch size.
     graphs: bool,
-    graph: Option<CudaGraph>,
-    warm: bool,
+    recorded: Graphs<CudaGraph>,
     /// Prefills kept for jobs still to start: prompt → its cache (one row) and last logits.
     prefixes: std::collections::HashMap<Vec<i64>, (KvCache, Tensor)>,
 }
@@ -471,8 +518,7 @@ impl<'a> Decoder<'a> {
             occupied: vec![None; slots as usize],
             full: slots,
             graphs: model.cuda_graphs() && dev.is_cuda(),
-            graph: None,
-            warm: false,
+            recorded: Graphs::default(),
             prefixes: std::collections::HashMap::new(),
         })
     }
@@ -631,31 +677,32 @@ impl<'a> Decoder<'a> {
             self.occupied[i] = self.occupied[f].take();
         }
         self.occupied.truncate(to);
-        // Other tensors: the graph recorded on the old ones goes.
-        self.graph = None;
-        self.warm = false;
+        // Other tensors: the graphs recorded on the old ones go (the host read the device in
+        // `collect` since their last replay, so none of them is still running).
+        self.recorded = Graphs::default();
         Ok(())
     }
 
-    /// One decoding step of every slot: eager, over the blocks of [`KEY_BLOCK`] keys any slot can
-    /// have reached, or, with CUDA graphs, replaying the step recorded at this batch size over the
-    /// whole capacity (the first step at each size runs eagerly, as the recording's warm-up:
-    /// libraries set themselves up on their first call, which a recording must not contain).
+    /// One decoding step of every slot, over the blocks of [`KEY_BLOCK`] keys any slot can have
+    /// reached: eagerly, or, with CUDA graphs, replaying the step recorded at this batch size and
+    /// key count, so that a graph reads the keys an eager step would and no more (the first step
+    /// at each batch size and key count runs eagerly, as the recording's warm-up: libraries set
+    /// themselves up on their first call, which a recording must not contain).
     fn step(&mut self) -> Result<()> {
-        let capacity = self.cache.capacity();
+        let reach = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
+        let keys = whole_blocks(reach).min(self.cache.capacity());
         if !self.graphs {
-            let reach = self.occupied.iter().flatten().map(|o| o.start + o.steps + 1).max().unwrap_or(1);
-            self.advance(whole_blocks(reach).min(capacity))?;
-        } else if let Some(g) = &self.graph {
+            self.advance(keys)?;
+        } else if let Some(g) = self.recorded.get(keys) {
             g.replay()?;
-        } else if !self.warm {
-            self.advance(capacity)?;
-            self.warm = true;
+        } else if self.recorded.first_visit(keys) {
+            self.advance(keys)?;
         } else {
             let device = self.model.device();
-            let g = CudaGraph::capture(device, || self.advance(capacity))?;
+            let g = CudaGraph::capture(device, || self.advance(keys))?;
             g.replay()?;
-            self.graph = Some(g);
+            // The capture waited for the device first: no replay of a graph it drops is running.
+            self.recorded.insert(keys, g);
         }
         for o in self.occupied.iter_mut().flatten() {
             o.steps += 1;
@@ -789,6 +836,33 @@ pub fn score(model: &Llama, prompt: &[i64], completion: &[i64]) -> Result<Vec<f3
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each key count has one eager warm-up step, then a recording; the graphs used last are
+    /// kept, the least recently used one goes, and one that went is recorded again without a
+    /// second warm-up.
+    #[test]
+    fn graphs_warm_up_each_key_count_once_and_keep_the_last_used() {
+        let mut g: Graphs<i64> = Graphs::default();
+        assert!(g.get(64).is_none());
+        assert!(g.first_visit(64));
+        assert!(!g.first_visit(64));
+        g.insert(64, 640);
+        assert_eq!(g.get(64), Some(&640));
+        for k in [128, 192, 256] {
+            g.insert(k, k * 10);
+        }
+        assert_eq!(g.get(64), Some(&640)); // now the most recent: 128 is the least
+        g.insert(320, 3200);
+        assert!(g.get(128).is_none());
+        assert_eq!(g.kept.len(), GRAPHS_KEPT);
+        for (k, v) in [(64, 640), (192, 1920), (256, 2560), (320, 3200)] {
+            assert_eq!(g.get(k), Some(&v), "{k}");
+        }
+        g.insert(64, 641); // recorded again: replaces, nothing else goes
+        assert_eq!((g.kept.len(), g.get(64)), (GRAPHS_KEPT, Some(&641)));
+        // 64 was warmed up (above); 128 never was, so its next visit runs eagerly first.
+        assert!(!g.first_visit(64) && g.first_visit(128));
+    }
 
     /// The device's draws are the scalar reference's, bit for bit, over keys and steps that
     /// exercise every bit of both halves.
