@@ -8,9 +8,18 @@
 // on the current stream with one call. The decoding step draws its random numbers from integer
 // hashes of tensors it holds (src/generate.rs), not from a CUDA generator, so no generator state
 // needs registering with the graph.
+//
+// Memory: the tensors a recorded step allocates come from a pool of the graph's own. Graphs made
+// with the same pool id (`topr_cuda_graph_pool`) share one: the decoding step's graphs of one
+// batch size (one per key count) allocate nothing that outlives a step and never replay at the
+// same time, so sharing is safe and their memory is one step's, not one step's per graph. Before
+// each capture the allocator's unused cached memory is released (as PyTorch's `torch.cuda.graph`
+// does): a pool of dropped graphs is otherwise freed only when an allocation outside a capture
+// runs out of memory, and one inside a capture would fail instead.
 #include "c_boundary.hpp"
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -38,16 +47,28 @@ void* topr_cuda_graph_new(char* err, size_t cap) {
   return out;
 }
 
-// Starts capturing on a side stream of device `device` (whose earlier work has finished).
-int topr_cuda_graph_begin(void* g, int device, char* err, size_t cap) {
+// A new pool id for graphs that share their memory: its two halves.
+int topr_cuda_graph_pool(unsigned long long* first, unsigned long long* second, char* err, size_t cap) {
+  return topr::guarded(err, cap, [&] {
+    const auto id = at::cuda::graph_pool_handle();
+    *first = id.first;
+    *second = id.second;
+  });
+}
+
+// Starts capturing on a side stream of device `device` (whose earlier work has finished), into
+// the pool `(pool_first, pool_second)` (from `topr_cuda_graph_pool`; `(0, 0)`: a pool of its own).
+int topr_cuda_graph_begin(void* g, int device, unsigned long long pool_first, unsigned long long pool_second,
+                          char* err, size_t cap) {
   return topr::guarded(err, cap, [&] {
     auto* graph = static_cast<Graph*>(g);
     auto index = static_cast<c10::DeviceIndex>(device);
     c10::cuda::set_device(index);
+    c10::cuda::CUDACachingAllocator::emptyCache();
     graph->previous = c10::cuda::getCurrentCUDAStream(index);
     c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, index));
     try {
-      graph->graph.capture_begin();
+      graph->graph.capture_begin({pool_first, pool_second});
     } catch (...) {
       c10::cuda::setCurrentCUDAStream(*graph->previous);
       throw;

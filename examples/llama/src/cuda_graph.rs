@@ -17,7 +17,15 @@ mod ffi {
     use std::ffi::{c_char, c_int, c_void};
     unsafe extern "C" {
         pub fn topr_cuda_graph_new(err: *mut c_char, cap: usize) -> *mut c_void;
-        pub fn topr_cuda_graph_begin(g: *mut c_void, device: c_int, err: *mut c_char, cap: usize) -> c_int;
+        pub fn topr_cuda_graph_pool(first: *mut u64, second: *mut u64, err: *mut c_char, cap: usize) -> c_int;
+        pub fn topr_cuda_graph_begin(
+            g: *mut c_void,
+            device: c_int,
+            pool_first: u64,
+            pool_second: u64,
+            err: *mut c_char,
+            cap: usize,
+        ) -> c_int;
         pub fn topr_cuda_graph_end(g: *mut c_void, err: *mut c_char, cap: usize) -> c_int;
         pub fn topr_cuda_graph_replay(g: *mut c_void, err: *mut c_char, cap: usize) -> c_int;
         pub fn topr_cuda_graph_free(g: *mut c_void);
@@ -49,20 +57,56 @@ fn check(rc: std::ffi::c_int, err: &[u8], what: &str) -> Result<()> {
     bail!("CUDA graph {what} failed: {}", crate::onednn::shim_message(err))
 }
 
+/// A memory pool that several graphs record into ([`CudaGraph::capture_in`]): the tensors their
+/// steps allocate share one pool instead of one each. Safe when no tensor a recorded step
+/// allocates outlives the step and the graphs never replay at the same time (one stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphPool(u64, u64);
+
+impl GraphPool {
+    /// A new pool (libtorch's `at::cuda::graph_pool_handle`).
+    ///
+    /// ```
+    /// use topr_llama::cuda_graph::{CudaGraph, GraphPool};
+    /// // Recording needs a CUDA device, into a pool or not; a build without CUDA has no pools.
+    /// let pool = GraphPool::new().ok();
+    /// assert!(CudaGraph::capture_in(tch::Device::Cpu, pool, || Ok(())).is_err());
+    /// ```
+    pub fn new() -> Result<Self> {
+        #[cfg(topr_cuda_graphs)]
+        {
+            let (mut first, mut second, mut err) = (0u64, 0u64, [0u8; ERR_CAP]);
+            // SAFETY: the shim writes the two halves of a new pool id, or a message; it catches
+            // every C++ exception.
+            let rc = unsafe { ffi::topr_cuda_graph_pool(&mut first, &mut second, err.as_mut_ptr().cast(), ERR_CAP) };
+            check(rc, &err, "pool")?;
+            Ok(Self(first, second))
+        }
+        #[cfg(not(topr_cuda_graphs))]
+        bail!("this build's libtorch is not a CUDA build: it has no CUDA graph pools")
+    }
+}
+
 impl CudaGraph {
     /// Records the libtorch operations that `body` issues on `device` (a CUDA device) as a graph:
     /// they are recorded, not run (replay the graph to run them). Recording happens on a side
-    /// stream, after the device has finished its earlier work; `body` must not read from the
-    /// device to the host, nor allocate pinned host memory.
+    /// stream, after the device has finished its earlier work and the allocator has released its
+    /// unused cached memory; `body` must not read from the device to the host, nor allocate
+    /// pinned host memory. The tensors it allocates come from a pool of the graph's own.
     pub fn capture(device: Device, body: impl FnOnce() -> Result<()>) -> Result<Self> {
+        Self::capture_in(device, None, body)
+    }
+
+    /// [`CudaGraph::capture`] into `pool`, shared with the other graphs recorded into it.
+    pub fn capture_in(device: Device, pool: Option<GraphPool>, body: impl FnOnce() -> Result<()>) -> Result<Self> {
         let Device::Cuda(index) = device else {
             bail!("CUDA graphs need a CUDA device, not {device:?}");
         };
-        Self::capture_on(index, body)
+        Self::capture_on(index, pool.unwrap_or(GraphPool(0, 0)), body)
     }
 
     #[cfg(topr_cuda_graphs)]
-    fn capture_on(index: usize, body: impl FnOnce() -> Result<()>) -> Result<Self> {
+    fn capture_on(index: usize, pool: GraphPool, body: impl FnOnce() -> Result<()>) -> Result<Self> {
         let mut err = [0u8; ERR_CAP];
         // SAFETY: the shim allocates a graph or returns null with a message; it catches every
         // C++ exception.
@@ -74,7 +118,9 @@ impl CudaGraph {
         tch::Cuda::synchronize(index as i64);
         // SAFETY: `raw` is a live graph, owned by `graph`.
         check(
-            unsafe { ffi::topr_cuda_graph_begin(raw.as_ptr(), index as _, err.as_mut_ptr().cast(), ERR_CAP) },
+            unsafe {
+                ffi::topr_cuda_graph_begin(raw.as_ptr(), index as _, pool.0, pool.1, err.as_mut_ptr().cast(), ERR_CAP)
+            },
             &err,
             "capture",
         )?;
@@ -91,7 +137,7 @@ impl CudaGraph {
     }
 
     #[cfg(not(topr_cuda_graphs))]
-    fn capture_on(_: usize, _: impl FnOnce() -> Result<()>) -> Result<Self> {
+    fn capture_on(_: usize, _: GraphPool, _: impl FnOnce() -> Result<()>) -> Result<Self> {
         bail!("this build's libtorch is not a CUDA build: it cannot record CUDA graphs")
     }
 

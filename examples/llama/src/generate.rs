@@ -7,7 +7,7 @@
 //! (temperature 1, no truncation) and under the distribution actually sampled from (after
 //! temperature, top-k and top-p), so that either can serve as μ for an off-policy loss.
 
-use crate::cuda_graph::CudaGraph;
+use crate::cuda_graph::{CudaGraph, GraphPool};
 use crate::model::{KvCache, Llama, SlotCache};
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
@@ -404,6 +404,9 @@ struct Graphs<G> {
     /// Most recently used last.
     kept: Vec<(i64, G)>,
     warmed: Vec<i64>,
+    /// The memory pool they all record into (made at the first recording): a step allocates
+    /// nothing that outlives it, and they replay one at a time.
+    pool: Option<GraphPool>,
 }
 
 /// CUDA graphs kept per batch size: as completions grow, the key count moves up a block every
@@ -413,7 +416,7 @@ const GRAPHS_KEPT: usize = 4;
 
 impl<G> Default for Graphs<G> {
     fn default() -> Self {
-        Self { kept: vec![], warmed: vec![] }
+        Self { kept: vec![], warmed: vec![], pool: None }
     }
 }
 
@@ -542,9 +545,14 @@ impl<'a> Decoder<'a> {
             Tensor::from_slice(&rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(self.model.device());
         let cpu = |t: &Tensor| t.index_select(0, &idx).to_device(tch::Device::Cpu);
         let (tokens, lp, lq, len) = (cpu(&self.tokens), cpu(&self.lp), cpu(&self.lq), cpu(&self.len));
-        // A freed slot's output goes unused until a job takes it or the batch sheds it: it
-        // attends to one key instead of its whole range.
-        let _ = self.first.index_copy_(0, &idx, &self.write.index_select(0, &idx));
+        // A freed slot's output goes unused until a job takes it or the batch sheds it: it writes
+        // and attends to position 0 alone, which every step reads (the running slots' keys can
+        // fit in fewer blocks than its last position; with none to attend to, its row would turn
+        // NaN and leave NaN keys where the slot's next job, masked, still multiplies by them), and
+        // which that job's prefill overwrites.
+        for t in [&mut self.first, &mut self.write] {
+            let _ = t.index_fill_(0, &idx, 0);
+        }
         let width = self.s.max_new_tokens as usize + 1;
         let (tokens, lp, lq, len) = (
             Vec::<i64>::try_from(tokens.view([-1]))?,
@@ -699,7 +707,11 @@ impl<'a> Decoder<'a> {
             self.advance(keys)?;
         } else {
             let device = self.model.device();
-            let g = CudaGraph::capture(device, || self.advance(keys))?;
+            let pool = match self.recorded.pool {
+                Some(p) => p,
+                None => *self.recorded.pool.insert(GraphPool::new()?),
+            };
+            let g = CudaGraph::capture_in(device, Some(pool), || self.advance(keys))?;
             g.replay()?;
             // The capture waited for the device first: no replay of a graph it drops is running.
             self.recorded.insert(keys, g);

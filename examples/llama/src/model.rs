@@ -281,9 +281,9 @@ impl Llama {
         }
     }
 
-    /// Whether generation on a CUDA device records its decoding step once per batch size as a
-    /// CUDA graph and replays it ([`crate::cuda_graph`]; default false). Elsewhere it changes
-    /// nothing.
+    /// Whether generation on a CUDA device records its decoding step as a CUDA graph, once per
+    /// batch size and attended key count, and replays it ([`crate::cuda_graph`]; default false).
+    /// Elsewhere it changes nothing.
     pub fn cuda_graphs(&self) -> bool {
         self.cuda_graphs
     }

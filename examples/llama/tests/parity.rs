@@ -484,6 +484,53 @@ fn completions_do_not_depend_on_slots_or_reads() {
     }
 }
 
+/// A draining batch's ended slot keeps stepping (its row unused) until every slot has ended: it
+/// must attend to a key the step reads even when the running slots' keys fit in fewer blocks than
+/// its own last position, or (with the plain kernels' masked attention) its row turns NaN and
+/// leaves NaN keys and values in its slot's cache, which the next job in that slot reads — masked,
+/// but NaN times a zero weight is NaN — once its keys pass that position. Here a 100-token
+/// prompt's completion ends at once while a short one runs within one block of keys; then a
+/// 60-token prompt takes the ended slot and its keys grow past position 100.
+#[test]
+fn an_ended_slot_of_a_draining_batch_leaves_nothing_for_the_next_job() {
+    use generate::{Batching, Job, Sampling, Stream};
+    let dir = random_checkpoint("drain", &["--kv-heads", "2", "--seed", "3"]);
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let mut prompts: Vec<Vec<i64>> =
+        vec![vec![], vec![31, 32, 33, 34, 35], (0..60).map(|t| 40 + (t * 5) % 50).collect(), vec![36, 37, 38]];
+    let s = Sampling::greedy(50);
+    // The long prompt's first greedy token ends its completion: a long prompt whose first token
+    // none of the others' completions holds.
+    let others: Vec<i64> =
+        generate::generate(&m, &prompts[1..], &s, &[], 0).unwrap().into_iter().flat_map(|c| c.tokens).collect();
+    let first = (0..40)
+        .find_map(|shift| {
+            prompts[0] = (0..100).map(|t| 30 + (t * 7 + shift) % 60).collect();
+            let first = generate::generate(&m, &prompts[..1], &Sampling::greedy(1), &[], 0).unwrap()[0].tokens[0];
+            (!others.contains(&first)).then_some(first)
+        })
+        .expect("a long prompt whose first token the others never produce");
+    let eos = [first];
+    let jobs: Vec<Job> = (0..4).map(|i| Job { prompt: i, stream: Stream(0) }).collect();
+    for kernels in [Kernels::Plain, Kernels::Onednn] {
+        m.set_kernels(kernels);
+        let run = |slots, refill| {
+            let b = Batching { slots, sync_every: 1, refill, shrink: generate::Shrink::Never };
+            generate::collect(&m, &prompts, &jobs, &s, &eos, b, || ())
+        };
+        let alone = run(1, true).unwrap();
+        assert_eq!(alone[0].tokens, vec![first], "{kernels:?}");
+        for (j, c) in alone.iter().enumerate().skip(1) {
+            assert_eq!((c.tokens.len(), c.stop), (50, generate::Stop::Length), "{kernels:?}: job {j}");
+        }
+        let drained = run(2, false).unwrap_or_else(|e| panic!("{kernels:?}: {e:#}"));
+        for (j, (p, q)) in drained.iter().zip(&alone).enumerate() {
+            assert_eq!(p.tokens, q.tokens, "{kernels:?}: job {j}");
+            assert!(p.logp_model.iter().all(|x| x.is_finite()), "{kernels:?}: job {j}");
+        }
+    }
+}
+
 /// On a model of hidden size 512, under both kernels: with the same number of slots, a
 /// completion is the same to the bit whatever runs beside it and whenever it starts (all the jobs,
 /// the last six alone as a resumed run has them, the jobs in reverse order), also when the steps
