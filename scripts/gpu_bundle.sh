@@ -23,9 +23,20 @@ TOPR_TORCH_VERSION=$version source scripts/env.sh
 cargo build --release -p topr-llama --bin llama
 bin="${CARGO_TARGET_DIR:-$root/target}/release/llama"
 # The bundle needs libtorch's CUDA backend among the binary's libraries (examples/llama/build.rs).
-if [ -e "$TOPR_LIBTORCH/lib/libtorch_cuda.so" ] && ! readelf -d "$bin" | grep -q 'libtorch_cuda.so'; then
-    echo "gpu_bundle.sh: $bin does not load libtorch_cuda.so: it would see no GPU" >&2
-    exit 1
+if [ -e "$TOPR_LIBTORCH/lib/libtorch_cuda.so" ]; then
+    if ! readelf -d "$bin" | grep -q 'libtorch_cuda.so'; then
+        echo "gpu_bundle.sh: $bin does not load libtorch_cuda.so: it would see no GPU" >&2
+        exit 1
+    fi
+    # NCCL and the CUDA graphs fall back (to Gloo, to eager steps) when their shims do not build:
+    # a bundle for a GPU must have both, or its rare run would measure neither.
+    syms=$(readelf -s -W "$bin")
+    for need in ProcessGroupNCCL:NCCL topr_cuda_graph_replay:"CUDA graphs"; do
+        if ! grep -q "${need%%:*}" <<< "$syms"; then
+            echo "gpu_bundle.sh: $bin was built without ${need#*:} (see the build's warnings)" >&2
+            exit 1
+        fi
+    done
 fi
 mkdir -p "$out"
 # Assembled in a temporary folder beside OUT_DIR and moved in at the end: a failed build leaves
