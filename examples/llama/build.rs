@@ -75,7 +75,9 @@ fn main() {
                     println!("cargo:rustc-link-lib=dylib=c10_cuda");
                     println!("cargo:rustc-cfg=topr_cuda_graphs");
                 }
-                Err(e) => println!("cargo:warning=topr-llama: the CUDA graph shim did not compile ({e}): no CUDA graphs"),
+                Err(e) => {
+                    println!("cargo:warning=topr-llama: the CUDA graph shim did not compile ({e}): no CUDA graphs")
+                }
             }
         }
         _ => println!(

@@ -83,7 +83,10 @@ pub fn flops_per_token(m: &Llama, len: i64) -> f64 {
 /// recording included, as transformers' side is timed); `steady_tokens_per_s` is the decoding
 /// steps' alone: the tokens of the second half of the budget over the time they added, from a
 /// second run of half the budget on the same shapes (the cache's capacity held equal by a prompt
-/// that no job decodes), so that what both runs pay once cancels.
+/// that no job decodes), so that what both runs pay once cancels. With graphs, a step recorded
+/// per block of 64 keys reached, the blocks the second half adds (one eager step and one
+/// recording each) stay in the steady figure: it is a slight underestimate, by about two steps'
+/// time in every 64.
 fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<()> {
     let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
     let s = Sampling::greedy(new_tokens);
