@@ -11,6 +11,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo:rerun-if-env-changed=TOPR_REQUIRE_CUDA_SHIMS");
     println!("cargo:rerun-if-changed=csrc");
     let libtorch = libtorch_dir();
     println!("cargo:libtorch={}", libtorch.display());
@@ -77,6 +78,11 @@ fn main() {
                 .try_compile("topr_nccl");
             match compiled {
                 Ok(()) => true,
+                // CI sets TOPR_REQUIRE_CUDA_SHIMS=1: there a shim that no longer compiles (a new
+                // torch's API) must fail the build, not hide behind the fallback.
+                Err(e) if std::env::var("TOPR_REQUIRE_CUDA_SHIMS").as_deref() == Ok("1") => {
+                    panic!("topr-dist: the NCCL shim did not compile: {e}")
+                }
                 Err(e) => {
                     println!("cargo:warning=topr-dist: the NCCL shim did not compile ({e}): Gloo only");
                     false

@@ -21,6 +21,12 @@ import sys
 
 RECORDS = sys.argv[1] if len(sys.argv) > 1 else "docs/study/real"
 HELD_OUT = 256  # held-out questions a seed (Scale::real().eval_n)
+# Each claim's arms, in the study's order (examples/llama/src/study/claims.rs).
+ARMS = {
+    "real-negatives": ["real-topr-p0.5", "real-sft", "real-reinforce", "real-tis-p0.5"],
+    "real-composition": ["real-topr-p0.05", "real-topr-p0.1", "real-topr-p0.2", "real-topr-p0.5"],
+    "real-iterated": ["real-topr-p0.5"],
+}
 
 
 def jsonl(path):
@@ -28,13 +34,21 @@ def jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def total(v):
+    """A plain left-to-right sum, as the report's (Python 3.12's sum() compensates)."""
+    t = 0.0
+    for x in v:
+        t += x
+    return t
+
+
 def mean_se(v):
     if not v:
         return (math.nan, math.nan)
-    m = sum(v) / len(v)
+    m = total(v) / len(v)
     if len(v) < 2:
         return (m, math.nan)
-    var = sum((x - m) ** 2 for x in v) / (len(v) - 1)
+    var = total([(x - m) ** 2 for x in v]) / (len(v) - 1)
     return (m, math.sqrt(var / len(v)))
 
 
@@ -47,8 +61,9 @@ def fmt(ms):
     return f"{m:.3f} ± {se:.3f}"
 
 
-def seeds():
-    return sorted(int(d.split("-")[1]) for d in os.listdir(RECORDS) if re.fullmatch(r"seed-\d+", d))
+def seeds(md):
+    """The seeds the tables are drawn over: 0..N, N from the heading's "N seed(s) planned"."""
+    return list(range(int(re.search(r"(\d+) seed\(s\) planned", md).group(1))))
 
 
 def arm_dir(seed, arm):
@@ -65,18 +80,26 @@ def greedy(seed, arm, i):
 
 
 def finished(seed, arm, i):
-    """Whether iteration i of the arm finished: its evaluation and, past 0, its training."""
-    if i > 0 and not os.path.exists(os.path.join(arm_dir(seed, arm), f"iter-{i}", "train.done.json")):
+    """Whether iteration i of the arm finished: the arm's record of iterations has its row (the
+    report's rule), and its per-question evaluation is there."""
+    path = os.path.join(arm_dir(seed, arm), "iterations.jsonl")
+    if not os.path.exists(path) or not any(r["iteration"] == i for r in jsonl(path)):
         return False
     return greedy(seed, arm, i) is not None
 
 
-def positives(seed):
-    files = glob.glob(os.path.join(RECORDS, f"seed-{seed}", "shared", "*", "iter-1-data.jsonl"))
-    if len(files) != 1:
+def positives(seed, arm):
+    """The share of correct completions in the data set the arm's first iteration trained on: the
+    seed's shared data set whose sampling record is the arm's."""
+    mine = os.path.join(arm_dir(seed, arm), "iter-1", "data.jsonl.run.json")
+    if not os.path.exists(mine):
         return None
-    rows = jsonl(files[0])
-    return sum(1 for r in rows if r["correct"]) / len(rows)
+    record = json.load(open(mine))
+    for f in glob.glob(os.path.join(RECORDS, f"seed-{seed}", "shared", "*", "iter-1-data.jsonl")):
+        if os.path.exists(f + ".run.json") and json.load(open(f + ".run.json")) == record:
+            rows = jsonl(f)
+            return sum(1 for r in rows if r["correct"]) / len(rows)
+    return None
 
 
 def majority_credit(answers, reference):
@@ -96,9 +119,9 @@ def majority_credit(answers, reference):
 def sampled(seed, arm, i, k):
     """Per question (id -> the six sampled measures) of the arm's sampled evaluation, or None."""
     d = arm_dir(seed, arm)
-    name = f"eval-initial-k{k}.questions.jsonl" if i == 0 else os.path.join(f"iter-{i}", f"eval-k{k}.questions.jsonl")
-    path = os.path.join(d, name)
-    if not os.path.exists(path):
+    name = f"eval-initial-k{k}" if i == 0 else os.path.join(f"iter-{i}", f"eval-k{k}")
+    path = os.path.join(d, name + ".questions.jsonl")
+    if not os.path.exists(path) or not os.path.exists(os.path.join(d, name + ".json")):
         return None
     out = {}
     for q in jsonl(path):
@@ -137,7 +160,7 @@ def tables(md):
 
 def main():
     md = open(os.path.join(RECORDS, "study.md")).read()
-    all_seeds = seeds()
+    all_seeds = seeds(md)
     checked, wrong = 0, []
 
     def check(where, got, want):
@@ -146,10 +169,14 @@ def main():
         if got != want:
             wrong.append(f"{where}: study.md has {got!r}, recomputed {want!r}")
 
-    for claim, found in tables(md).items():
+    sections = tables(md)
+    check("claims", sorted(sections), sorted(ARMS))
+    for claim, found in sections.items():
         main_header, main_rows = found[0]
         iters = max(int(h.split()[1]) for h in main_header if h.startswith("iteration "))
         arms = list(main_rows)
+        check(f"{claim} arms", arms, ARMS.get(claim))
+        check(f"{claim} arms of the second table", list(found[1][1]), arms)
         first = arms[0]
         for arm in arms:
             row = dict(zip(main_header, main_rows[arm]))
@@ -164,7 +191,7 @@ def main():
                 vs = [acc(s, iters) - mean_se([c for c, _ in greedy(s, first, iters).values()])[0] for s in done if finished(s, first, iters)]
                 check(f"{claim} {arm} vs first", row["vs first"], fmt(mean_se(vs)))
             check(f"{claim} {arm} invalid", row["invalid at last"], fmt(mean_se([inv(s, iters) for s in done])))
-            pos = [p for p in (positives(s) for s in done) if p is not None]
+            pos = [p for p in (positives(s, arm) for s in done) if p is not None]
             check(f"{claim} {arm} positives", row["positives in data (it. 1)"], fmt(mean_se(pos)))
             last = [acc(s, iters) for s in done]
             p = mean_se(last)[0]
@@ -195,11 +222,15 @@ def main():
                 per_seed.append(mean_se(d)[0])
                 per_question.extend(d)
             check(f"{claim} {arm} − first (seeds)", row["− first (SE over seeds)"], fmt(mean_se(per_seed)))
+            over_seeds, over_questions = mean_se(per_seed), mean_se(per_question)
             check(
                 f"{claim} {arm} − first (questions)",
                 row["− first (SE over questions)"],
-                fmt(mean_se(per_question)).replace(" (one seed)", ""),
+                fmt(over_questions).replace(" (one seed)", ""),
             )
+            a, b = over_seeds[1], over_questions[1]
+            larger = "–" if math.isnan(a) or math.isnan(b) else "seeds" if a > b else "questions" if a < b else "equal"
+            check(f"{claim} {arm} larger SE", row["larger SE"], larger)
         # The sampled evaluation, where the claim has one.
         for header, rows in found[2:]:
             if header[0] != "model":

@@ -21,6 +21,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo:rerun-if-env-changed=TOPR_REQUIRE_CUDA_SHIMS");
     println!("cargo:rerun-if-changed=csrc");
     let libtorch = PathBuf::from(
         std::env::var_os("DEP_TOPR_C10D_LIBTORCH").expect("topr-dist's build script exports the libtorch folder"),
@@ -74,6 +75,10 @@ fn main() {
                     println!("cargo:rustc-link-lib=dylib=torch_cuda");
                     println!("cargo:rustc-link-lib=dylib=c10_cuda");
                     println!("cargo:rustc-cfg=topr_cuda_graphs");
+                }
+                // CI sets TOPR_REQUIRE_CUDA_SHIMS=1: there a shim that no longer compiles must fail.
+                Err(e) if std::env::var("TOPR_REQUIRE_CUDA_SHIMS").as_deref() == Ok("1") => {
+                    panic!("topr-llama: the CUDA graph shim did not compile: {e}")
                 }
                 Err(e) => {
                     println!("cargo:warning=topr-llama: the CUDA graph shim did not compile ({e}): no CUDA graphs")

@@ -410,8 +410,9 @@ struct Graphs<G> {
 }
 
 /// CUDA graphs kept per batch size: as completions grow, the key count moves up a block every
-/// [`KEY_BLOCK`] steps, and back down when the longest completion ends; each graph holds its own
-/// memory for the step's intermediate tensors (the logits and their softmax, `[S, V]` each).
+/// [`KEY_BLOCK`] steps, and back down when the longest completion ends. They share one memory
+/// pool for the step's intermediate tensors (the logits and their softmax, `[S, V]` each); each
+/// is a recorded launch sequence of its own.
 const GRAPHS_KEPT: usize = 4;
 
 impl<G> Default for Graphs<G> {

@@ -4,7 +4,7 @@
 //! (indicatif draws nothing when stderr is not a terminal).
 //!
 //! ```text
-//! train: 12/64 steps (19 %), loss -0.0028, 6.1 min so far, about 26.0 min left
+//! train: 12/64 steps (18 %), loss -0.0028, 6.1 min so far, about 26.4 min left
 //! ```
 
 use indicatif::{ProgressBar, ProgressStyle};

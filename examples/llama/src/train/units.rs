@@ -122,7 +122,7 @@ fn batch_values(groups: &[Vec<&Sample>], other: Advantage) -> Result<Vec<f64>> {
     let rewards: Vec<f64> = groups.iter().flatten().map(|s| s.reward).collect();
     let r = Tensor::from_slice(&rewards).view([g, k as i64]);
     let lens: Vec<i64> = groups.iter().flatten().map(|s| s.completion_ids.len() as i64).collect();
-    let t = lens.iter().copied().max().unwrap_or(1).max(2);
+    let t = lens.iter().copied().max().unwrap_or(1).max(1);
     let lengths = Tensor::from_slice(&lens);
     let mask = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu)).unsqueeze(0).lt_tensor(&lengths.unsqueeze(1));
     // Token-level estimators give every token of a completion the same value here
