@@ -12,6 +12,7 @@ ones `eval-initial-k4…`, `iter-N/eval-k4…`) and the seed's first data set
 share of positives from the data set, maj@k with ties scored 1/t. Exits 1 and names every cell
 that differs; prints how many cells were checked.
 """
+import functools
 import glob
 import json
 import math
@@ -70,6 +71,7 @@ def arm_dir(seed, arm):
     return os.path.join(RECORDS, f"seed-{seed}", arm)
 
 
+@functools.lru_cache(maxsize=None)
 def greedy(seed, arm, i):
     """Per question (id -> (correct, invalid)) of the arm's evaluation at iteration i, or None."""
     d = arm_dir(seed, arm)
@@ -77,6 +79,14 @@ def greedy(seed, arm, i):
     if not os.path.exists(path):
         return None
     return {q["id"]: (float(q["greedy_correct"]), float(q["greedy_invalid"])) for q in jsonl(path)}
+
+
+def accuracy(seed, arm, i):
+    return mean_se([c for c, _ in greedy(seed, arm, i).values()])[0]
+
+
+def invalid(seed, arm, i):
+    return mean_se([v for _, v in greedy(seed, arm, i).values()])[0]
 
 
 def finished(seed, arm, i):
@@ -116,6 +126,7 @@ def majority_credit(answers, reference):
     return sum(1 for l in leaders if same(l, reference)) / len(leaders)
 
 
+@functools.lru_cache(maxsize=None)
 def sampled(seed, arm, i, k):
     """Per question (id -> the six sampled measures) of the arm's sampled evaluation, or None."""
     d = arm_dir(seed, arm)
@@ -182,15 +193,14 @@ def main():
             row = dict(zip(main_header, main_rows[arm]))
             done = [s for s in all_seeds if finished(s, arm, iters)]
             check(f"{claim} {arm} seeds", row["seeds"], str(len(done)))
-            acc = lambda s, i: mean_se([c for c, _ in greedy(s, arm, i).values()])[0]
-            inv = lambda s, i: mean_se([v for _, v in greedy(s, arm, i).values()])[0]
+            acc = lambda s, i: accuracy(s, arm, i)
             for i in range(iters + 1):
                 check(f"{claim} {arm} iteration {i}", row[f"iteration {i}"], fmt(mean_se([acc(s, i) for s in done])))
             check(f"{claim} {arm} gain", row["gain"], fmt(mean_se([acc(s, iters) - acc(s, 0) for s in done])))
             if arm != first:
-                vs = [acc(s, iters) - mean_se([c for c, _ in greedy(s, first, iters).values()])[0] for s in done if finished(s, first, iters)]
+                vs = [acc(s, iters) - accuracy(s, first, iters) for s in done if finished(s, first, iters)]
                 check(f"{claim} {arm} vs first", row["vs first"], fmt(mean_se(vs)))
-            check(f"{claim} {arm} invalid", row["invalid at last"], fmt(mean_se([inv(s, iters) for s in done])))
+            check(f"{claim} {arm} invalid", row["invalid at last"], fmt(mean_se([invalid(s, arm, iters) for s in done])))
             pos = [p for p in (positives(s, arm) for s in done) if p is not None]
             check(f"{claim} {arm} positives", row["positives in data (it. 1)"], fmt(mean_se(pos)))
             last = [acc(s, iters) for s in done]
@@ -202,14 +212,7 @@ def main():
         for arm in arms:
             row = dict(zip(header, rows[arm]))
             have = [s for s in all_seeds if finished(s, arm, iters)]
-            given = []
-            for s in have:
-                a, v = acc_inv = (
-                    mean_se([c for c, _ in greedy(s, arm, iters).values()])[0],
-                    mean_se([x for _, x in greedy(s, arm, iters).values()])[0],
-                )
-                if v < 1.0:
-                    given.append(a / (1 - v))
+            given = [accuracy(s, arm, iters) / (1 - invalid(s, arm, iters)) for s in have if invalid(s, arm, iters) < 1.0]
             check(f"{claim} {arm} right among given", row["right among given"], fmt(mean_se(given)))
             if arm == first:
                 continue

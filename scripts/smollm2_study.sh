@@ -40,10 +40,12 @@ esac
 records="${TOPR_STUDY_RECORDS:-docs/study/real}"
 seeds="${1:-5}"
 work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
+model=models/smollm2-135m-instruct
+claims=real-negatives,real-composition,real-iterated
 # A data set's record names the model it was sampled from by its path: the base model's key in
 # this clone (records from a clone elsewhere name another path).
 base_model_key() {
-    printf '"path": "%s/models/smollm2-135m-instruct"' "$(pwd -P)"
+    printf '"path": "%s/%s"' "$(pwd -P)" "$model"
 }
 copy_records() {
     local out=$records
@@ -66,8 +68,8 @@ copy_records() {
     # that a restore never brings back a result of the model before. A data set sampled in a clone
     # elsewhere stays: it is never restored here, so its absence says nothing (a data set sampled
     # from a model of this work directory, a later iteration's, is this grid's own).
-    local model here
-    model=$(base_model_key)
+    local key here
+    key=$(base_model_key)
     here="\"path\": \"$(cd "$work" && pwd -P)/"
     # Only the kinds a restore brings back (settings, results, data sets: .json and .jsonl) in the
     # seeds' folders, and only from a work directory the study has run in (its study.json).
@@ -76,8 +78,8 @@ copy_records() {
     gone=$(cd "$out" && find . -path './seed-*' -type f \( -name '*.json' -o -name '*.jsonl' \) -print0 | while IFS= read -r -d '' f; do
         [ -e "$work/$f" ] && continue
         case "$f" in
-            *data.jsonl) grep -qF -e "$model" -e "$here" "$f.run.json" 2>/dev/null || continue ;;
-            *data.jsonl.run.json) grep -qF -e "$model" -e "$here" "$f" || continue ;;
+            *data.jsonl) grep -qF -e "$key" -e "$here" "$f.run.json" 2>/dev/null || continue ;;
+            *data.jsonl.run.json) grep -qF -e "$key" -e "$here" "$f" || continue ;;
         esac
         printf '%s\n' "$f"
     done)
@@ -90,20 +92,20 @@ report() {
     [ "${TOPR_STUDY_REPORT:-1}" != 0 ] || return 0
     source scripts/env.sh > /dev/null
     cargo build --release -p topr-llama -q
-    "${CARGO_TARGET_DIR:-target}/release/llama" study --work "$records" --model models/smollm2-135m-instruct \
-        --claims real-negatives,real-composition,real-iterated --seeds "$seeds" --report-only
+    "${CARGO_TARGET_DIR:-target}/release/llama" study --work "$records" --model "$model" --claims "$claims" \
+        --seeds "$seeds" --report-only
 }
 restore_records() {
     local from=$records
     [ -d "$from" ] || return 0
     # A data set's record names the model by its path: one sampled in a clone elsewhere would
     # be refused as sampled otherwise, so it is left out and sampled again.
-    local model
-    model=$(base_model_key)
+    local key
+    key=$(base_model_key)
     (cd "$from" && find . -type f \( -name '*.json' -o -name '*.jsonl' \) -print0) | while IFS= read -r -d '' f; do
         case "$f" in
-            *data.jsonl) grep -qF "$model" "$from/$f.run.json" 2>/dev/null || continue ;;
-            *data.jsonl.run.json) grep -qF "$model" "$from/$f" || continue ;;
+            *data.jsonl) grep -qF "$key" "$from/$f.run.json" 2>/dev/null || continue ;;
+            *data.jsonl.run.json) grep -qF "$key" "$from/$f" || continue ;;
         esac
         if [ ! -e "$work/$f" ]; then
             mkdir -p "$work/$(dirname "$f")"
@@ -144,4 +146,4 @@ echo "study binary: $work/bin/llama, built from commit $(cat "$work/bin/commit.t
 # a profile). The numbers do not depend on it.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 /usr/bin/time -f "study: %e s" -a -o "$work/times.txt" "$work/bin/llama" study --work "$work" \
-    --model models/smollm2-135m-instruct --claims real-negatives,real-composition,real-iterated --seeds "$seeds"
+    --model "$model" --claims "$claims" --seeds "$seeds"
