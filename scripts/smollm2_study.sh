@@ -92,7 +92,8 @@ report() {
     [ "${TOPR_STUDY_REPORT:-1}" != 0 ] || return 0
     source scripts/env.sh > /dev/null
     cargo build --release -p topr-llama -q
-    "${CARGO_TARGET_DIR:-target}/release/llama" study --work "$records" --model "$model" --claims "$claims" \
+    # No --model: the tables come from the records alone (the weights need not be here).
+    "${CARGO_TARGET_DIR:-target}/release/llama" study --work "$records" --claims "$claims" \
         --seeds "$seeds" --report-only
 }
 restore_records() {

@@ -122,7 +122,8 @@ pub fn evaluate(
     // one process.
     let prompts: Vec<Vec<i64>> = problems.iter().map(|p| prompt_ids(tok, style, p)).collect::<Result<_>>()?;
     let problems = &problems[mine.clone()];
-    let pb = crate::progress::Progress::new("eval", "completions", (problems.len() * (1 + samples)) as u64, 0);
+    let pb =
+        crate::progress::Progress::new(&shard.label("eval"), "completions", (problems.len() * (1 + samples)) as u64, 0);
     let batching = Batching::slots(batch_size);
     // Greedy: one completion per question; sampled: `samples` per question, sample k of the
     // task's question i drawing from the stream (seed, i, k). `batch_size` in flight, each.

@@ -102,7 +102,7 @@ pub fn sample_dataset(
     let todo: Vec<(usize, &Problem)> =
         problems.iter().enumerate().skip(start).map(|(i, p)| (mine.start + i, p)).collect();
     let pb = crate::progress::Progress::new(
-        "sample",
+        &settings.shard.label("sample"),
         "completions",
         (problems.len() * n) as u64,
         ((problems.len() - todo.len()) * n) as u64,

@@ -48,6 +48,17 @@ impl Shard {
         self.count == 1
     }
 
+    /// `what`, naming the shard when there are several (progress lines of data-parallel ranks).
+    ///
+    /// ```
+    /// use topr_llama::shard::Shard;
+    /// assert_eq!(Shard::WHOLE.label("sample"), "sample");
+    /// assert_eq!(Shard::new(1, 4).unwrap().label("sample"), "sample (shard 1/4)");
+    /// ```
+    pub fn label(&self, what: &str) -> String {
+        if self.is_whole() { what.to_string() } else { format!("{what} (shard {self})") }
+    }
+
     /// This shard's items of `0..len`.
     ///
     /// ```

@@ -244,3 +244,33 @@ fn the_committed_real_model_tables_are_recomputed_from_their_records() {
     let checked: usize = text.split(" cells checked, 0 differ").next().and_then(|n| n.trim().parse().ok()).unwrap_or(0);
     assert!(checked >= 150, "{text}");
 }
+
+/// The committed real-model tables are what this version draws from the committed records, and
+/// drawing them needs only the records: `--report-only` without `--model` (a clone of the records
+/// has no SmolLM2 weights), in a copy of the records folder.
+#[test]
+fn the_committed_real_model_tables_are_redrawn_from_the_records_alone() {
+    let repo = common::repo();
+    let records = repo.join("docs/study/real");
+    let tmp = std::env::temp_dir().join(format!("llama_study_redraw_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let status = Command::new("cp").arg("-r").arg(&records).arg(&tmp).status().unwrap();
+    assert!(status.success());
+    std::fs::remove_file(tmp.join("study.md")).unwrap();
+    let seeds = std::fs::read_to_string(records.join("study.md")).unwrap();
+    let seeds = seeds.split(" seed(s) planned").next().and_then(|h| h.rsplit(' ').next()).unwrap().to_string();
+    let out = Command::new(llama())
+        .args(["study", "--work", tmp.to_str().unwrap(), "--report-only", "--seeds", &seeds])
+        .args(["--claims", "real-negatives,real-composition,real-iterated"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for table in ["study.md", "study.jsonl", "study-sampled.jsonl"] {
+        let (drawn, committed) = (std::fs::read(tmp.join(table)).unwrap(), std::fs::read(records.join(table)).unwrap());
+        assert!(
+            drawn == committed,
+            "{table}: the committed table is not what the records give (scripts/smollm2_study.sh --copy-records)"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}

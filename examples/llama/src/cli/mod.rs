@@ -429,7 +429,7 @@ pub struct StudyArgs {
     /// Only redraw study.jsonl, study.md and the plots from what is finished; run nothing
     /// (safe beside a running study of the same work directory). The sizes and numerics come
     /// from the study's record (study.json), so --scale, --iterations, --prompts, --eval-n and
-    /// --device are refused with it.
+    /// --device are refused with it; --model may be left out, and its folder need not exist.
     #[arg(long)]
     pub report_only: bool,
     /// The real model the real-model claims (real-negatives, real-composition, real-iterated)
@@ -455,9 +455,9 @@ impl StudyArgs {
             at: topr_llama::checkpoint::Placement::f32(self.device.unwrap_or(Device::Cpu)),
             model: self.model.clone(),
         };
-        // Every refusal of the check concerns the real model: what --model gives, or lacks.
-        topr_llama::study::check(&settings).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
         if !self.report_only {
+            // Every refusal of the check concerns the real model: what --model gives, or lacks.
+            topr_llama::study::check(&settings).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
             return topr_llama::study::run(&settings);
         }
         let asked = [
@@ -483,6 +483,9 @@ impl StudyArgs {
             );
         };
         settings.scale = record.scale;
+        // The tables come from the records alone: the real model's weights need not be at hand
+        // (a clone of the committed records has none), and --model may be left out.
+        settings.model = settings.model.or(record.model);
         topr_llama::study::report(&settings)
     }
 }
