@@ -142,7 +142,7 @@ pub struct VerifySettings {
     pub train: TrainSettings,
     /// Rounds of the verifier's training (0: the solver judges untrained).
     pub judge_iterations: usize,
-    /// Prompts per generation batch.
+    /// Questions whose k solutions are sampled at once (`batch_prompts · k` in flight).
     pub batch_prompts: usize,
     /// Seeds the solutions (the held-out ones with `seed + 1`).
     pub seed: i64,

@@ -313,8 +313,10 @@ pub struct VerifyArgs {
     /// scored under the previous round's model (0: the model judges untrained).
     #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = args::whole(0usize, 1000))]
     pub judge_iterations: usize,
-    /// Prompts per generation batch.
-    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+    /// Solutions in flight while sampling: this many questions' k solutions (>= 1; 32 × k by
+    /// default, as `sample`'s; continuous batching). Another value changes speed, memory and, on
+    /// some CPUs, the rounding of the batched products.
+    #[arg(long, default_value_t = 32, allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
     pub batch_prompts: usize,
     /// Held-out questions: a GSM8K file (needed with --task gsm8k).
     #[arg(long)]
