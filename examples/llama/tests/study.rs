@@ -88,6 +88,10 @@ fn a_ci_sized_study_runs_resumes_and_reports() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(flag[0]) && err.contains("study.json"), "{flag:?}: {err}");
     }
+    // A model given to a study of the demo model's claims is refused, reporting or not.
+    let out = report(&["--model", "/no/such/model"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--model") && err.contains("no real-model claim"), "{err}");
     assert!(!work.join("study.md").exists(), "a refused report wrote study.md");
     let out = report(&[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -459,7 +459,7 @@ impl StudyArgs {
         };
         if !self.report_only {
             // Every refusal of the check concerns the real model: what --model gives, or lacks.
-            topr_llama::study::check(&settings).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
+            topr_llama::study::check(&settings, true).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
             return topr_llama::study::run(&settings);
         }
         let asked = [
@@ -488,6 +488,7 @@ impl StudyArgs {
         // The tables come from the records alone: the real model's weights need not be at hand
         // (a clone of the committed records has none), and --model may be left out.
         settings.model = settings.model.or(record.model);
+        topr_llama::study::check(&settings, false).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
         topr_llama::study::report(&settings)
     }
 }

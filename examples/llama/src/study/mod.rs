@@ -77,7 +77,7 @@ impl StudyRecord {
 
 /// Runs (or continues) the study; rewrites its tables and plots after every arm.
 pub fn run(s: &StudySettings) -> Result<()> {
-    check(s)?;
+    check(s, true)?;
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
     let _lock = crate::io::Lock::dir(&s.work)?;
     let record = StudyRecord::of(s);
@@ -138,15 +138,16 @@ pub fn run(s: &StudySettings) -> Result<()> {
 }
 
 /// Refuses a study whose real-model claims have no model, or whose model is given without any
-/// of them or holds no model ([`run`] checks it first).
-pub fn check(s: &StudySettings) -> Result<()> {
+/// of them or (with `weights`: to run, not only to report) holds no model ([`run`] checks it
+/// first, with `weights`).
+pub fn check(s: &StudySettings, weights: bool) -> Result<()> {
     let real = s.claims.iter().any(|c| c.is_real());
     match (&s.model, real) {
         (None, true) => anyhow::bail!(
             "the real-model claims need the model they start from (SmolLM2-135M-Instruct: scripts/smollm2.sh builds models/smollm2-135m-instruct)"
         ),
         (Some(m), false) => anyhow::bail!("a model ({}) is given, but no real-model claim uses it", m.display()),
-        (Some(m), true) if !m.join("config.json").exists() => {
+        (Some(m), true) if weights && !m.join("config.json").exists() => {
             anyhow::bail!("{} holds no model (no config.json)", m.display())
         }
         _ => Ok(()),
@@ -590,12 +591,16 @@ mod tests {
             at: Placement::f32(tch::Device::Cpu),
             model,
         };
-        let err = check(&s(vec![Claim::RealNegatives], None)).unwrap_err().to_string();
-        assert!(err.contains("scripts/smollm2.sh"), "{err}");
-        let err = check(&s(vec![Claim::Negatives], Some("/m".into()))).unwrap_err().to_string();
-        assert!(err.contains("no real-model claim"), "{err}");
-        let err = check(&s(vec![Claim::RealIterated], Some("/nonexistent/m".into()))).unwrap_err().to_string();
+        for weights in [true, false] {
+            let err = check(&s(vec![Claim::RealNegatives], None), weights).unwrap_err().to_string();
+            assert!(err.contains("scripts/smollm2.sh"), "{err}");
+            let err = check(&s(vec![Claim::Negatives], Some("/m".into())), weights).unwrap_err().to_string();
+            assert!(err.contains("no real-model claim"), "{err}");
+            check(&s(vec![Claim::Negatives], None), weights).unwrap();
+        }
+        let err = check(&s(vec![Claim::RealIterated], Some("/nonexistent/m".into())), true).unwrap_err().to_string();
         assert!(err.contains("no config.json"), "{err}");
-        check(&s(vec![Claim::Negatives], None)).unwrap();
+        // Reporting reads only the records: the weights need not be there.
+        check(&s(vec![Claim::RealIterated], Some("/nonexistent/m".into())), false).unwrap();
     }
 }
