@@ -13,7 +13,7 @@
 //! 3. The `llama` binary must load libtorch's CUDA backend. The binary calls nothing in
 //!    `libtorch_cuda.so` directly, so the linker's default `--as-needed` drops it from the
 //!    binary's needed libraries, and libtorch then reports no CUDA device at run time even on a
-//!    GPU machine (tch-rs issue #329 and its many duplicates). When the libtorch is a CUDA
+//!    GPU machine (reported many times to tch-rs, first in its GitHub issue 329). When the libtorch is a CUDA
 //!    build, link `libtorch_cuda` with `--no-as-needed`. A CPU-only libtorch has no
 //!    `libtorch_cuda.so`, and nothing is added.
 use std::path::PathBuf;

@@ -149,7 +149,7 @@ pub struct Holder {
     pub command: String,
 }
 
-/// This machine's host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`).
+/// The host's name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`).
 pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()

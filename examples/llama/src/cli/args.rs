@@ -15,7 +15,7 @@ use topr_llama::settings::{Advantage, Baseline, DpoLoss, KlEstimatorSetting, Obj
 use topr_llama::settings::{Curation, IterateSettings};
 use topr_llama::task::{Prompting, Source, TaskSpec};
 
-/// Parses `--device` (cpu, cuda or cuda:N), refusing CUDA when this machine has none.
+/// Parses `--device` (cpu, cuda or cuda:N), refusing CUDA where no CUDA device is visible.
 pub fn parse_device(s: &str) -> Result<Device, String> {
     let d = match s {
         "cpu" => Device::Cpu,
@@ -28,10 +28,10 @@ pub fn parse_device(s: &str) -> Result<Device, String> {
     if let Device::Cuda(i) = d {
         let n = tch::Cuda::device_count() as usize;
         if n == 0 {
-            return Err("CUDA is not available on this machine (no GPU, or a CPU-only libtorch)".into());
+            return Err("CUDA is not available here (no GPU visible, or a CPU-only libtorch)".into());
         }
         if i >= n {
-            return Err(format!("this machine has {n} CUDA device(s)"));
+            return Err(format!("only {n} CUDA device(s) are visible (cuda:0 to cuda:{})", n - 1));
         }
     }
     Ok(d)
