@@ -91,7 +91,7 @@ fn bad_inputs_are_errors() {
     assert!(matches!(whiten(&t1(&[1.0]), None, 1e-8), Err(LossError::EmptyBatch { .. })));
 }
 
-// ---- Batch-std scaling, OPO and groups of one (issue #11) ----
+// ---- Batch-std scaling, OPO and groups of one ----
 
 use serde_json::json;
 use topr_loss::{SingletonGroup, gdpo_advantages, group_advantages_with, opo_advantages, passk_advantages};

@@ -444,7 +444,7 @@ proptest! {
         }
     }
 }
-// The advantage estimators, the value loss and the KL variants of issue #11.
+// The advantage estimators, the value loss and the KL variants.
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 

@@ -101,7 +101,7 @@ fn bad_inputs_are_errors() {
     assert!(matches!(e, LossError::InvalidConfig { field: "coef", .. }), "{e}");
 }
 
-// ---- abs, the value clamp, straight-through and the importance-corrected KL (issue #11) ----
+// ---- abs, the value clamp, straight-through and the importance-corrected KL ----
 
 use serde_json::json;
 use topr_loss::{kl_penalty_corrected, kl_penalty_corrected_output};

@@ -1,4 +1,4 @@
-//! Several processes on this machine (loopback only), through the built `llama` binary as a
+//! Several processes on one host (loopback only), through the built `llama` binary as a
 //! user launches it: sharded sampling and evaluation merge into exactly the files of one
 //! process; data-parallel `train` (TOPR and PPO) and `iterate` on 2 ranks take the steps one
 //! process takes; a killed rank is an error on the other, not a hang; a killed data-parallel
@@ -58,7 +58,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Starts `args` as the `world` ranks of a group, as torchrun would (one intra-op thread each:
-/// the two ranks share this machine's cores).
+/// the two ranks share the host's cores).
 fn spawn_group(args: &[&str], world: usize, extra_env: &[(&str, &str)]) -> Vec<Child> {
     spawn_ranks(&vec![args.to_vec(); world], extra_env)
 }
