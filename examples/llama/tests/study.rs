@@ -260,7 +260,9 @@ fn the_committed_real_model_tables_are_redrawn_from_the_records_alone() {
     let _ = std::fs::remove_dir_all(&tmp);
     let status = Command::new("cp").arg("-r").arg(&records).arg(&tmp).status().unwrap();
     assert!(status.success());
-    std::fs::remove_file(tmp.join("study.md")).unwrap();
+    for table in ["study.md", "study.jsonl", "study-sampled.jsonl"] {
+        std::fs::remove_file(tmp.join(table)).unwrap();
+    }
     let seeds = std::fs::read_to_string(records.join("study.md")).unwrap();
     let seeds = seeds.split(" seed(s) planned").next().and_then(|h| h.rsplit(' ').next()).unwrap().to_string();
     let out = Command::new(llama())

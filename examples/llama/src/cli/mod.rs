@@ -487,7 +487,9 @@ impl StudyArgs {
         settings.scale = record.scale;
         // The tables come from the records alone: the real model's weights need not be at hand
         // (a clone of the committed records has none), and --model may be left out.
-        settings.model = settings.model.or(record.model);
+        if settings.claims.iter().any(|c| c.is_real()) {
+            settings.model = settings.model.or(record.model);
+        }
         topr_llama::study::check(&settings, false).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
         topr_llama::study::report(&settings)
     }
