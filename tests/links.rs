@@ -51,9 +51,20 @@ fn anchor(heading: &str) -> String {
         .collect()
 }
 
-/// The anchors of a Markdown file's headings.
+/// The anchors of a Markdown file's headings (a repeated heading's later ones get `-1`, `-2`, …).
 fn anchors(md: &str) -> Vec<String> {
-    prose(md).lines().filter_map(|l| l.strip_prefix('#')).map(|l| anchor(l.trim_start_matches('#'))).collect()
+    let mut out: Vec<String> = vec![];
+    for heading in prose(md).lines().filter_map(|l| l.strip_prefix('#')) {
+        let base = anchor(heading.trim_start_matches('#').trim_end_matches('#'));
+        let seen = out.iter().filter(|a| **a == base || a.strip_prefix(&base).is_some_and(is_suffix)).count();
+        out.push(if seen == 0 { base } else { format!("{base}-{seen}") });
+    }
+    out
+}
+
+/// Whether `s` is a repeated heading's suffix (`-1`, `-2`, …).
+fn is_suffix(s: &str) -> bool {
+    s.strip_prefix('-').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The targets of the `[text](target)` links in `md`'s prose.
@@ -109,5 +120,6 @@ fn anchors_follow_githubs_rule() {
         "the-real-model-over-seeds-the-grid-in-progress"
     );
     assert_eq!(anchor("Where the demo's time goes (2026-12-01)"), "where-the-demos-time-goes-2026-12-01");
+    assert_eq!(anchors("# A\n## B\n```\n# not a heading\n```\n### A\n# A ##\n"), ["a", "b", "a-1", "a-2"]);
     assert_eq!(link_targets("see [a](docs/a.md#x) and [b](#y)\n```\n[c](nope.md)\n```\n"), ["docs/a.md#x", "#y"]);
 }
