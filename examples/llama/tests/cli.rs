@@ -458,6 +458,12 @@ fn out_of_range_options_are_refused_naming_the_option() {
         (with(&eval, &["--difficulty", "1000"]), "--difficulty"),
         (with(&eval, &["--limit", "-1"]), "--limit"),
         (with(&eval, &["--shots", "100000"]), "--shots"),
+        // Flags the chosen task or prompt style would ignore.
+        (with(&eval, &["--data", "/nonexistent.jsonl"]), "--data"),
+        (with(&eval, &["--shots", "2"]), "--shots"),
+        (with(&eval, &["--shots-data", "/nonexistent.jsonl"]), "--shots-data"),
+        (with(&eval, &["--task", "gsm8k", "--data", "/nonexistent.jsonl", "--synthetic-n", "5"]), "--synthetic-n"),
+        (with(&eval, &["--task", "gsm8k", "--data", "/nonexistent.jsonl", "--difficulty", "3"]), "--difficulty"),
         (with(&sample, &["--samples-per-prompt", "0"]), "--samples-per-prompt"),
         (with(&sample, &["--batch-prompts", "0"]), "--batch-prompts"),
         (with(&generate, &["--temperature", "-1"]), "--temperature"),

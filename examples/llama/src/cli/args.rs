@@ -564,26 +564,29 @@ pub enum PromptStyleArg {
 pub struct TaskArgs {
     #[arg(long, value_enum, default_value_t = TaskArg::Synthetic)]
     pub task: TaskArg,
-    /// A GSM8K JSONL file (the public release's layout).
+    /// A GSM8K JSONL file (the public release's layout); only with --task gsm8k.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Use at most this many problems (0: all of them).
     #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = whole(0usize, 1_000_000_000))]
     pub limit: usize,
-    /// Synthetic task: number of problems (>= 1), difficulty (operations per problem, 1 to 20)
-    /// and seed.
-    #[arg(long, default_value_t = 200, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
-    pub synthetic_n: usize,
-    #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = whole(1usize, 20))]
-    pub difficulty: usize,
+    /// Synthetic task: number of problems (>= 1; default 200), difficulty (operations per
+    /// problem, 1 to 20; default 2) and seed. --synthetic-n and --difficulty are refused with
+    /// --task gsm8k.
+    #[arg(long, allow_hyphen_values = true, value_parser = whole(1usize, 1_000_000))]
+    pub synthetic_n: Option<usize>,
+    #[arg(long, allow_hyphen_values = true, value_parser = whole(1usize, 20))]
+    pub difficulty: Option<usize>,
     #[arg(long, default_value_t = 1, allow_hyphen_values = true)]
     pub task_seed: u64,
     #[arg(long, value_enum, default_value_t = PromptStyleArg::Chat)]
     pub prompt_style: PromptStyleArg,
-    /// Worked examples for few-shot prompts (from --shots-data for GSM8K, generated otherwise;
-    /// 0: none, a zero-shot prompt).
-    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = whole(0usize, 256))]
-    pub shots: usize,
+    /// Worked examples for few-shot prompts (default 4; from --shots-data, else generated for
+    /// the synthetic task; 0: none, a zero-shot prompt). Only with --prompt-style few-shot.
+    #[arg(long, allow_hyphen_values = true, value_parser = whole(0usize, 256))]
+    pub shots: Option<usize>,
+    /// A GSM8K JSONL file of worked examples for few-shot prompts; only with --prompt-style
+    /// few-shot.
     #[arg(long)]
     pub shots_data: Option<PathBuf>,
     /// Skip malformed data lines (counted) instead of stopping at the first.
@@ -592,21 +595,39 @@ pub struct TaskArgs {
 }
 
 impl TaskArgs {
+    /// The task, refusing a flag that the chosen task or prompt style would ignore.
     pub fn spec(&self) -> Result<TaskSpec> {
         let source = match self.task {
-            TaskArg::Gsm8k => match &self.data {
-                Some(p) => Source::Gsm8k(p.clone()),
-                None => bail!("--task gsm8k needs --data PATH (a GSM8K JSONL file)"),
-            },
-            TaskArg::Synthetic => Source::Synthetic { n: self.synthetic_n, difficulty: self.difficulty },
+            TaskArg::Gsm8k => {
+                if self.synthetic_n.is_some() || self.difficulty.is_some() {
+                    let flag = if self.synthetic_n.is_some() { "--synthetic-n" } else { "--difficulty" };
+                    bail!("{flag}: the synthetic task's size and difficulty do not apply to --task gsm8k");
+                }
+                match &self.data {
+                    Some(p) => Source::Gsm8k(p.clone()),
+                    None => bail!("--task gsm8k needs --data PATH (a GSM8K JSONL file)"),
+                }
+            }
+            TaskArg::Synthetic => {
+                if let Some(p) = &self.data {
+                    bail!("--data {}: a GSM8K file is read only with --task gsm8k (the task is synthetic)", p.display());
+                }
+                Source::Synthetic { n: self.synthetic_n.unwrap_or(200), difficulty: self.difficulty.unwrap_or(2) }
+            }
         };
         let prompting = match self.prompt_style {
-            PromptStyleArg::Chat => Prompting::Chat,
+            PromptStyleArg::Chat => {
+                if self.shots.is_some() || self.shots_data.is_some() {
+                    let flag = if self.shots.is_some() { "--shots" } else { "--shots-data" };
+                    bail!("{flag}: worked examples are for --prompt-style few-shot (the prompts use the chat template)");
+                }
+                Prompting::Chat
+            }
             PromptStyleArg::FewShot => {
                 if self.shots_data.is_none() && self.task == TaskArg::Gsm8k {
                     bail!("--prompt-style few-shot with GSM8K needs --shots-data (e.g. the train file)");
                 }
-                Prompting::FewShot { shots: self.shots, examples: self.shots_data.clone() }
+                Prompting::FewShot { shots: self.shots.unwrap_or(4), examples: self.shots_data.clone() }
             }
         };
         Ok(TaskSpec { source, seed: self.task_seed, limit: self.limit, prompting, skip_bad_lines: self.skip_bad_lines })
