@@ -610,7 +610,10 @@ impl TaskArgs {
             }
             TaskArg::Synthetic => {
                 if let Some(p) = &self.data {
-                    bail!("--data {}: a GSM8K file is read only with --task gsm8k (the task is synthetic)", p.display());
+                    bail!(
+                        "--data {}: a GSM8K file is read only with --task gsm8k (the task is synthetic)",
+                        p.display()
+                    );
                 }
                 Source::Synthetic { n: self.synthetic_n.unwrap_or(200), difficulty: self.difficulty.unwrap_or(2) }
             }
@@ -619,7 +622,9 @@ impl TaskArgs {
             PromptStyleArg::Chat => {
                 if self.shots.is_some() || self.shots_data.is_some() {
                     let flag = if self.shots.is_some() { "--shots" } else { "--shots-data" };
-                    bail!("{flag}: worked examples are for --prompt-style few-shot (the prompts use the chat template)");
+                    bail!(
+                        "{flag}: worked examples are for --prompt-style few-shot (the prompts use the chat template)"
+                    );
                 }
                 Prompting::Chat
             }
