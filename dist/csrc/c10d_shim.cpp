@@ -73,7 +73,18 @@ topr_process_group* topr_pg_new_gloo(
   return out;
 }
 
+// Frees the group. Its NCCL backend, if any, is shut down first, as torch.distributed's
+// `destroy_process_group` does: `shutdown` lets the collectives in flight finish and then
+// destroys the communicators, where ProcessGroupNCCL's destructor alone warns that the group was
+// not destroyed and aborts them. A failure there has nowhere to go (this is a destructor) and is
+// dropped; the backend is freed either way.
 void topr_pg_free(topr_process_group* pg) {
+  if (pg != nullptr && pg->nccl) {
+    try {
+      pg->nccl->shutdown();
+    } catch (...) {
+    }
+  }
   delete pg;
 }
 

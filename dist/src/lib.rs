@@ -195,7 +195,9 @@ fn message(buf: &[u8]) -> String {
 /// A c10d Gloo process group this process has joined.
 ///
 /// Every rank must call the same collectives in the same order (as with `torch.distributed`).
-/// Dropping it leaves the group.
+/// Dropping it leaves the group: an NCCL backend ([`ProcessGroup::use_nccl`]) is shut down first,
+/// as `torch.distributed.destroy_process_group` does (the collectives in flight finish, then the
+/// communicators are destroyed).
 pub struct ProcessGroup {
     raw: NonNull<RawGroup>,
     rank: usize,
