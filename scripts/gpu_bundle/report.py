@@ -151,6 +151,10 @@ def main():
     for s in stages:
         if s["stage"].startswith("train-"):
             _, objective, optimizer = s["stage"].split("-", 2)
+            # The data-parallel stages (train-topr-dp1, train-topr-dp1-gloo) train with AdamW.
+            if optimizer.startswith("dp1"):
+                engine = "Gloo" if optimizer.endswith("gloo") else "the build's engine for the device"
+                optimizer = f"adamw, a launched group of one rank ({engine})"
             steps = lines(os.path.join(logs, f"{s['stage']}.metrics.jsonl")) or lines(os.path.join(out, "work", s["stage"], "metrics.jsonl"))
             last = steps[-1]["stats"]["loss"] if steps else None
             note = f"{len(steps)} steps, last loss {fmt(last)}, {s['seconds']:.1f} s, peak {s['peak_mib'] or '—'} MiB"

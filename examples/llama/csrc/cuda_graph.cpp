@@ -2,7 +2,8 @@
 // `at::cuda::CUDAGraph` (ATen/cuda/CUDAGraph.h), which tch does not wrap, behind a C boundary.
 //
 // A capture runs on a side stream (CUDA cannot capture the legacy default stream): `begin` makes
-// a stream from libtorch's pool current and starts capturing (Rust has synchronised the device); every
+// the device's capture stream (one a device, taken once from libtorch's pool, as
+// `torch.cuda.graph` keeps one default capture stream) current and starts capturing (Rust has synchronised the device); every
 // libtorch operation Rust then issues on that device is recorded, not run; `end` finishes the
 // capture and makes the previous stream current again. `replay` launches the whole recorded step
 // on the current stream with one call. The decoding step draws its random numbers from integer
@@ -23,7 +24,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 namespace {
@@ -35,6 +38,21 @@ struct Graph {
   at::cuda::CUDAGraph graph;
   std::optional<c10::cuda::CUDAStream> previous;
 };
+
+// The capture stream of device `index`: the same stream for every capture, as PyTorch's
+// `torch.cuda.graph` does. cuBLAS keeps a workspace per (handle, stream), made on the stream's
+// first product, so a new pool stream for each recording (the pool hands its 32 out in turn)
+// would allocate a workspace inside each of the first 32 captures and keep it for good.
+c10::cuda::CUDAStream capture_stream(c10::DeviceIndex index) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(index);
+  if (it == streams.end()) {
+    it = streams.emplace(index, c10::cuda::getStreamFromPool(false, index)).first;
+  }
+  return it->second;
+}
 
 } // namespace
 
@@ -66,7 +84,7 @@ int topr_cuda_graph_begin(void* g, int device, unsigned long long pool_first, un
     c10::cuda::set_device(index);
     c10::cuda::CUDACachingAllocator::emptyCache();
     graph->previous = c10::cuda::getCurrentCUDAStream(index);
-    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, index));
+    c10::cuda::setCurrentCUDAStream(capture_stream(index));
     try {
       graph->graph.capture_begin({pool_first, pool_second});
     } catch (...) {

@@ -77,8 +77,15 @@ impl Placement {
 }
 
 /// Loads the model of `dir` and its tokenizer, logging what was loaded and how long it took to
-/// stderr.
+/// stderr. CUDA graphs asked for on a CUDA device by a build without them
+/// ([`crate::cuda_graph::available`]) are refused before anything is read.
 pub fn open(dir: &Path, at: Placement) -> Result<(Llama, Tokenizer)> {
+    if at.cuda_graphs && at.device.is_cuda() && !crate::cuda_graph::available() {
+        bail!(
+            "CUDA graphs were asked for on {:?}, but this build has none (its libtorch is not a CUDA build, or the CUDA headers were missing when it was built): leave out --cuda-graphs",
+            at.device
+        );
+    }
     let t0 = std::time::Instant::now();
     let mut m = load(dir, at.device, at.kind).with_context(|| format!("loading {}", dir.display()))?;
     m.set_kernels(at.kernels);

@@ -86,13 +86,20 @@ enum Attend {
     All,
     /// An explicit `[B, 1, T, S]` bool mask (padding present).
     Mask(Tensor),
-    /// One new query per row over the slots of a decoding cache, on the CPU where
-    /// [`Attend::Ranges`] does not apply ([`Kernels::Plain`], bf16): an additive
-    /// `[B, 1, 1, S]` bias (0 where the row may see the key, −∞ elsewhere). Each group of query
-    /// heads that shares a key head takes its scores in one product (`[g, hd] × [hd, S]`) and its
-    /// output in another. SDPA's CPU kernel gave a slot's result last-bit differences that
-    /// depended on the slot's position in the batch (on an AMD EPYC), which would make a
-    /// completion depend on what ran beside it; these products do not (and are a few % faster).
+    /// One new query per row over the slots of a decoding cache, where [`Attend::Ranges`] does
+    /// not apply (a GPU; on the CPU [`Kernels::Plain`] or bf16): an additive `[B, 1, 1, S]` bias
+    /// (0 where the row may see the key, −∞ elsewhere). Each group of query heads that shares a
+    /// key head takes its scores in one product (`[g, hd] × [hd, S]`) and its output in another,
+    /// reading each cached key and value once. SDPA's CPU kernel gave a slot's result last-bit
+    /// differences that depended on the slot's position in the batch (on an AMD EPYC), which
+    /// would make a completion depend on what ran beside it; these products do not (and are a
+    /// few % faster). On a GPU, SDPA with a mask and fewer key heads than query heads falls to
+    /// its math kernel, which copies the keys and values to f32 and to every query head (PyTorch
+    /// 2.11: the fused kernels need as many key heads as query heads), for Llama 3.2 1B's 32
+    /// query heads over 8 key heads eight times the bf16 cache's bytes written a step; these
+    /// products read the cache once, in its own dtype (the scores
+    /// of a bf16 model then round to bf16 before the softmax, as transformers' eager attention
+    /// does).
     Slots(Tensor),
     /// One new query per row over the slots of a decoding cache, on the CPU in f32 with
     /// [`Kernels::Onednn`]: [`crate::attention::decode_attention`], row `s` seeing its cache
@@ -433,11 +440,9 @@ impl Llama {
         };
         let attend = if packed.is_some() && crate::attention::supports(ids.device(), self.kind) {
             Attend::Ranges { first: first.shallow_clone(), last: write.shallow_clone() }
-        } else if ids.device() == tch::Device::Cpu {
+        } else {
             let bias = Tensor::zeros([s, keys], (Kind::Float, ids.device()));
             Attend::Slots(bias.masked_fill(&allowed().logical_not(), f64::NEG_INFINITY).view([s, 1, 1, keys]))
-        } else {
-            Attend::Mask(allowed().view([s, 1, 1, keys]))
         };
         let index = write.view([s, 1, 1, 1]).expand([s, nkv, 1, hd], false);
         let kv = Kv::Slots { cache, index: &index, keys };

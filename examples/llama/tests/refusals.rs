@@ -225,3 +225,23 @@ fn non_finite_logits_are_refused_by_generation_and_scoring() {
     let err = generate::generate(&m, &[vec![1, 9999]], &Sampling::greedy(2), &[257], 0).unwrap_err();
     assert!(err.to_string().contains("9999"), "{err:#}");
 }
+
+/// `--cuda-graphs` on a CUDA device is refused up front by a build without CUDA graphs, before
+/// the model is read; a build with them goes on to read the model (here a folder that does not
+/// exist, so the error is about the folder instead).
+#[test]
+fn cuda_graphs_without_the_shim_are_refused_before_loading() {
+    let dir = scratch("no-such-model");
+    let at = checkpoint::Placement { cuda_graphs: true, ..checkpoint::Placement::f32(Device::Cuda(0)) };
+    let err = format!("{:#}", checkpoint::open(&dir, at).err().expect("a missing model loads"));
+    let refused = err.contains("CUDA graphs were asked for") && err.contains("--cuda-graphs");
+    assert_eq!(refused, !topr_llama::cuda_graph::available(), "{err}");
+    // Without the flag, or on the CPU, nothing is refused for it.
+    for at in [
+        checkpoint::Placement::f32(Device::Cuda(0)),
+        checkpoint::Placement { cuda_graphs: true, ..checkpoint::Placement::f32(Device::Cpu) },
+    ] {
+        let err = format!("{:#}", checkpoint::open(&dir, at).err().expect("a missing model loads"));
+        assert!(!err.contains("CUDA graphs were asked for"), "{err}");
+    }
+}

@@ -92,11 +92,14 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
     let s = Sampling::greedy(new_tokens);
     let bandwidth = copy_bandwidth(m.device(), m.kind());
     println!("{}", serde_json::json!({"what": "copy_bandwidth", "impl": "topr-loss", "bytes_per_s": bandwidth}));
-    let graphs = m.device().is_cuda() && topr_llama::cuda_graph::available();
+    let mut graphs = m.device().is_cuda() && topr_llama::cuda_graph::available();
     let ctx = prompt.len() as i64 + new_tokens / 2;
     let before = m.cuda_graphs();
     for &batch in batches {
-        for cuda_graphs in [false, true].into_iter().filter(|g| !g || graphs) {
+        for cuda_graphs in [false, true] {
+            if cuda_graphs && !graphs {
+                continue;
+            }
             m.set_cuda_graphs(cuda_graphs);
             let prompts = vec![prompt.clone(); batch];
             let one = |m: &mut Llama| -> Result<serde_json::Value> {
@@ -123,8 +126,11 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
                 continue;
             }
             // A failure of the graphs (an error, or a panic of a libtorch operation while
-            // recording) is reported as a line and the other measurements go on: a GPU run is
-            // rare, and its eager figures should not be lost with it.
+            // recording) is reported as a line and the other measurements go on eagerly: a GPU
+            // run is rare, and its eager figures should not be lost with it. No graph is
+            // recorded again in this process (a capture that failed may leave the device's
+            // allocator mid-capture), so the later batch sizes and the sampling workload run
+            // eagerly, and their lines say so.
             let error = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(m))) {
                 Ok(Ok(line)) => {
                     println!("{line}");
@@ -141,9 +147,10 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
                 "{}",
                 serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": error})
             );
+            graphs = false;
         }
     }
-    m.set_cuda_graphs(before);
+    m.set_cuda_graphs(before && (graphs || !m.device().is_cuda()));
     Ok(())
 }
 
