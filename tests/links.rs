@@ -23,18 +23,22 @@ fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The text outside fenced code blocks (links there are examples, not links).
+/// The text outside fenced code blocks (links there are examples, not links). A fence opens with
+/// three or more backticks or tildes and closes with the same character.
 fn prose(md: &str) -> String {
-    let mut fenced = false;
+    let mut fence: Option<char> = None;
     let mut out = String::new();
     for line in md.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if !fenced {
-            out.push_str(line);
-            out.push('\n');
+        let trimmed = line.trim_start();
+        let opener = ['`', '~'].into_iter().find(|c| trimmed.starts_with(&c.to_string().repeat(3)));
+        match (fence, opener) {
+            (None, Some(c)) => fence = Some(c),
+            (Some(open), Some(c)) if open == c => fence = None,
+            (None, None) => {
+                out.push_str(line);
+                out.push('\n');
+            }
+            _ => {}
         }
     }
     out
@@ -67,10 +71,23 @@ fn is_suffix(s: &str) -> bool {
     s.strip_prefix('-').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// The targets of the `[text](target)` links in `md`'s prose.
+/// The targets of the `[text](target)` links in `md`'s prose, and of its reference definitions
+/// (`[label]: target`, what `[text][label]` links to).
 fn link_targets(md: &str) -> Vec<String> {
     let text = prose(md);
     let mut out = vec![];
+    for line in text.lines() {
+        let line = line.trim_start();
+        // A definition is the whole line: the target, then at most a quoted title.
+        if let Some((label, rest)) = line.strip_prefix('[').and_then(|l| l.split_once("]:")) {
+            let mut words = rest.trim().splitn(2, char::is_whitespace);
+            let target = words.next().unwrap_or_default();
+            let title = words.next().unwrap_or_default().trim();
+            if !label.is_empty() && !target.is_empty() && (title.is_empty() || title.starts_with(['"', '\'', '('])) {
+                out.push(target.trim_start_matches('<').trim_end_matches('>').to_string());
+            }
+        }
+    }
     let mut rest = text.as_str();
     while let Some(at) = rest.find("](") {
         rest = &rest[at + 2..];
@@ -122,4 +139,12 @@ fn anchors_follow_githubs_rule() {
     assert_eq!(anchor("Where the demo's time goes (2026-12-01)"), "where-the-demos-time-goes-2026-12-01");
     assert_eq!(anchors("# A\n## B\n```\n# not a heading\n```\n### A\n# A ##\n"), ["a", "b", "a-1", "a-2"]);
     assert_eq!(link_targets("see [a](docs/a.md#x) and [b](#y)\n```\n[c](nope.md)\n```\n"), ["docs/a.md#x", "#y"]);
+    // Tilde fences (a backtick line inside one does not close it), reference definitions.
+    assert_eq!(
+        link_targets("~~~\n```\n[c](nope.md)\n~~~\n[d][r] and [e](e.md)\n  [r]: <docs/r.md#z> \"title\"\n"),
+        ["docs/r.md#z", "e.md"]
+    );
+    assert_eq!(anchors("~~~sh\n# a comment\n~~~\n# Real\n"), ["real"]);
+    // Not a definition: more than a target and a title on the line.
+    assert!(link_targets("[127.0.0.1]:26781. This is typically caused by\n").is_empty());
 }
