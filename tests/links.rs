@@ -83,7 +83,9 @@ fn link_targets(md: &str) -> Vec<String> {
             let mut words = rest.trim().splitn(2, char::is_whitespace);
             let target = words.next().unwrap_or_default();
             let title = words.next().unwrap_or_default().trim();
-            if !label.is_empty() && !target.is_empty() && (title.is_empty() || title.starts_with(['"', '\'', '('])) {
+            // Not a footnote (`[^1]: text`), and the label one bracket pair.
+            let label_ok = !label.is_empty() && !label.starts_with('^') && !label.contains(['[', ']']);
+            if label_ok && !target.is_empty() && (title.is_empty() || title.starts_with(['"', '\'', '('])) {
                 out.push(target.trim_start_matches('<').trim_end_matches('>').to_string());
             }
         }
@@ -147,4 +149,7 @@ fn anchors_follow_githubs_rule() {
     assert_eq!(anchors("~~~sh\n# a comment\n~~~\n# Real\n"), ["real"]);
     // Not a definition: more than a target and a title on the line.
     assert!(link_targets("[127.0.0.1]:26781. This is typically caused by\n").is_empty());
+    // Nor a footnote, nor a line whose first bracket closes before the colon's.
+    assert!(link_targets("[^1]: word\n").is_empty());
+    assert_eq!(link_targets("[a](x.md) see [b]: foo\n"), ["x.md"]);
 }

@@ -42,7 +42,9 @@ struct Graph {
 // The capture stream of device `index`: the same stream for every capture, as PyTorch's
 // `torch.cuda.graph` does. cuBLAS keeps a workspace per (handle, stream), made on the stream's
 // first product, so a new pool stream for each recording (the pool hands its 32 out in turn)
-// would allocate a workspace inside each of the first 32 captures and keep it for good.
+// would allocate a workspace inside each of the first 32 captures and keep it for good. Two
+// captures on one device at once would share the stream and the second would fail; none happen
+// (the decoding step records one graph at a time, and a global-mode capture forbids it anyway).
 c10::cuda::CUDAStream capture_stream(c10::DeviceIndex index) {
   static std::mutex mutex;
   static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;

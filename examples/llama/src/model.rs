@@ -95,8 +95,9 @@ enum Attend {
     /// would make a completion depend on what ran beside it; these products do not (and are a
     /// few % faster). On a GPU, SDPA with a mask and fewer key heads than query heads falls to
     /// its math kernel, which copies the keys and values to f32 and to every query head (PyTorch
-    /// 2.11: the fused kernels need as many key heads as query heads), for Llama 3.2 1B's 32
-    /// query heads over 8 key heads eight times the bf16 cache's bytes written a step; these
+    /// 2.11: grouped-query attention works with the flash kernel, which takes no mask, and the
+    /// math one), for Llama 3.2 1B's 32 query heads over 8 key heads about ten times the bf16
+    /// cache's bytes written a step (the f32 copy, then four copies of it); these
     /// products read the cache once, in its own dtype (the scores
     /// of a bf16 model then round to bf16 before the softmax, as transformers' eager attention
     /// does).
