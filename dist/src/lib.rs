@@ -35,6 +35,8 @@
 //! # Ok::<(), topr_dist::DistError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::ptr::NonNull;
 use std::time::Duration;
@@ -45,16 +47,44 @@ use tch::Tensor;
 pub enum DistError {
     /// A launch variable is missing or unreadable.
     #[error("{var}={value:?}: {reason}")]
-    Env { var: &'static str, value: String, reason: String },
+    Env {
+        /// The variable's name (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, …).
+        var: &'static str,
+        /// What it held (empty when unset).
+        value: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// The rendezvous or the process group could not be set up.
     #[error("rank {rank} of {world_size} could not join the group at {addr}: {message}")]
-    Join { rank: usize, world_size: usize, addr: String, message: String },
+    Join {
+        /// This process's rank.
+        rank: usize,
+        /// The group's size.
+        world_size: usize,
+        /// The rendezvous address, `host:port`.
+        addr: String,
+        /// c10d's message, on one line.
+        message: String,
+    },
     /// A collective failed: a peer died, or it timed out.
     #[error("rank {rank}: {op} failed (a peer exited or stalled?): {message}")]
-    Collective { rank: usize, op: &'static str, message: String },
+    Collective {
+        /// This process's rank.
+        rank: usize,
+        /// What failed: the collective (`all-reduce`, `broadcast`, `barrier`) or the NCCL set-up.
+        op: &'static str,
+        /// c10d's message, on one line.
+        message: String,
+    },
     /// A tensor the collective cannot take.
     #[error("{arg}: {reason}")]
-    Tensor { arg: &'static str, reason: String },
+    Tensor {
+        /// The argument that holds it.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// How this process joins its group, as torchrun says it: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
