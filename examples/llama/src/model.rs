@@ -66,8 +66,8 @@ pub enum Kernels {
     /// the weights while generating; training, for models of hidden size
     /// [`ONEDNN_TRAINING_MIN_HIDDEN`] or more, by [`onednn::train_linear`] (the products and the
     /// inputs' gradients by oneDNN, the weights' gradients by `mm`). The same products summed in
-    /// another order (equal up to rounding). Elsewhere, or where libtorch lacks oneDNN,
-    /// [`Kernels::Plain`].
+    /// another order (equal up to rounding). Elsewhere, where libtorch lacks oneDNN, or in bf16
+    /// on a CPU whose bf16 oneDNN refuses ([`onednn::takes`]), [`Kernels::Plain`].
     #[value(help = "oneDNN's products on the CPU (generation; training at hidden size 512 or more)")]
     Onednn,
 }
@@ -302,7 +302,8 @@ impl Llama {
     }
 
     /// Whether generation packs the weights for oneDNN: [`Kernels::Onednn`] chosen, on the CPU,
-    /// in f32 or bf16, with a libtorch that has oneDNN.
+    /// in f32 or bf16, with a libtorch that has oneDNN, and for bf16 a CPU whose bf16 oneDNN
+    /// takes ([`onednn::takes`]).
     pub fn packs_for_generation(&self) -> bool {
         self.uses_onednn()
     }
@@ -316,10 +317,7 @@ impl Llama {
     }
 
     fn uses_onednn(&self) -> bool {
-        self.kernels == Kernels::Onednn
-            && self.device() == Device::Cpu
-            && matches!(self.kind, Kind::Float | Kind::BFloat16)
-            && onednn::available()
+        self.kernels == Kernels::Onednn && self.device() == Device::Cpu && onednn::takes(self.kind)
     }
 
     /// The weights packed for generation (with [`Llama::packs_for_generation`]): packed on first
@@ -859,13 +857,19 @@ fn inv_freq(rope: &Rope, hd: i64, device: Device) -> Tensor {
 fn rope_cos_sin(inv_freq: &Tensor, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
     let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq; // [B, T, hd/2]
     let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1); // [B, 1, T, hd]
-    (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    // As transformers computes them (the same elements in the same vectorised passes); then the
+    // sine's first half negated once here, for every layer: see `apply_rope`.
+    let sin = emb.sin();
+    let half = sin.size()[3] / 2;
+    let sin = Tensor::cat(&[&sin.narrow(3, 0, half).neg(), &sin.narrow(3, half, half)], 3);
+    (emb.cos().to_kind(kind), sin.to_kind(kind))
 }
 
-/// `x cos + rotate_half(x) sin`, `rotate_half([x1, x2]) = [−x2, x1]`.
+/// `x cos + rotate_half(x) sin`, `rotate_half([x1, x2]) = [−x2, x1]`, given `sin` with its first
+/// half negated (`rope_cos_sin`): `[x2, x1] · [−sin₁, sin₂]`, the same bits as `[−x2, x1] · sin`
+/// (a product's sign is exact) without a negation of `x` in every layer.
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
     let (x1, x2) = (x.narrow(3, 0, half), x.narrow(3, half, half));
-    let rotated = Tensor::cat(&[&x2.neg(), &x1], 3);
-    x * cos + rotated * sin
+    x * cos + Tensor::cat(&[&x2, &x1], 3) * sin
 }

@@ -45,6 +45,29 @@ pub fn available() -> bool {
     *AVAILABLE.get_or_init(|| unsafe { topr_onednn_available() == 1 })
 }
 
+/// Whether oneDNN's products take weights of `kind` on this CPU: f32 wherever it is
+/// [`available`]; bf16 only where the CPU has AVX-512 (BW, VL, DQ), AVX-NE-CONVERT or ARM's bf16
+/// (oneDNN refuses bf16 weights elsewhere, e.g. on AMD's Zen 3 or Intel's desktop CPUs without
+/// AVX-512). Found out once per process by packing a small bf16 weight, the operation that refuses.
+///
+/// ```
+/// use tch::Kind;
+/// use topr_llama::onednn;
+/// assert_eq!(onednn::takes(Kind::Float), onednn::available());
+/// assert!(!onednn::takes(Kind::Half) && !onednn::takes(Kind::Double));
+/// ```
+pub fn takes(kind: Kind) -> bool {
+    static BF16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match kind {
+        Kind::Float => available(),
+        Kind::BFloat16 => *BF16.get_or_init(|| {
+            available()
+                && tch::no_grad(|| PackedLinear::new(&Tensor::zeros([16, 16], (Kind::BFloat16, Device::Cpu))).is_ok())
+        }),
+        _ => false,
+    }
+}
+
 /// The message a C++ shim wrote into `err` (NUL-terminated), on one line.
 pub(crate) fn shim_message(err: &[u8]) -> String {
     let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());

@@ -295,6 +295,43 @@ fn wide_checkpoint(name: &str, seed: &str) -> PathBuf {
     random_checkpoint(name, &wide)
 }
 
+/// A bf16 model with the default kernels generates and trains on any CPU: where oneDNN refuses
+/// bf16 weights (no AVX-512 nor AVX-NE-CONVERT, e.g. AMD's Zen 3) it falls back to libtorch's
+/// matmul, giving exactly the plain kernels' tokens and logits; where it takes them, oneDNN's
+/// products give logits within bf16's rounding of matmul's.
+#[test]
+fn bf16_with_the_default_kernels_runs_on_any_cpu() {
+    let dir = wide_checkpoint("bf16_kernels", "9");
+    let mut m = checkpoint::load(&dir, Device::Cpu, Kind::BFloat16).unwrap();
+    let takes = topr_llama::onednn::takes(Kind::BFloat16);
+    assert_eq!(m.packs_for_generation(), takes);
+    assert_eq!(m.trains_with_onednn(), takes);
+    let prompts = vec![vec![256i64, 10, 20, 30], vec![256, 5, 6]];
+    let ids = Tensor::from_slice(&[256i64, 10, 20, 30, 40, 50]).view([1, 6]);
+    let mask = Tensor::ones([1, 6], (Kind::Int64, Device::Cpu));
+    let mut run = |kernels: Kernels| {
+        m.set_kernels(kernels);
+        let tokens: Vec<Vec<i64>> = generate::generate(&m, &prompts, &generate::Sampling::greedy(6), &[], 0)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.tokens)
+            .collect();
+        let logits = m.logits(&ids, &mask).unwrap();
+        logits.to_kind(Kind::Float).sum(Kind::Float).backward();
+        (tokens, logits.detach().to_kind(Kind::Float))
+    };
+    let (fast_tokens, fast) = run(Kernels::Onednn);
+    let (plain_tokens, plain) = run(Kernels::Plain);
+    let d = (&fast - &plain).abs().max().double_value(&[]);
+    if takes {
+        let scale = plain.abs().max().double_value(&[]);
+        assert!(d <= 0.05 * scale, "oneDNN's bf16 logits differ from matmul's by {d} (scale {scale})");
+    } else {
+        assert_eq!(d, 0.0, "the fallback is not the plain kernels");
+        assert_eq!(fast_tokens, plain_tokens);
+    }
+}
+
 /// The training forward's two kernels (libtorch's matmul, oneDNN from
 /// `ONEDNN_TRAINING_MIN_HIDDEN` on) give the same logits and the same gradient of every
 /// parameter, for a right-padded batch (causal attention) and a left-padded one (a mask).
