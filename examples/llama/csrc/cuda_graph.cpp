@@ -3,8 +3,9 @@
 //
 // A capture runs on a side stream (CUDA cannot capture the legacy default stream): `begin` makes
 // the device's capture stream (one a device, taken once from libtorch's pool, as
-// `torch.cuda.graph` keeps one default capture stream) current and starts capturing (Rust has synchronised the device); every
-// libtorch operation Rust then issues on that device is recorded, not run; `end` finishes the
+// `torch.cuda.graph` keeps one default capture stream) current and starts capturing (Rust has
+// synchronised the device); every libtorch operation Rust then issues on that device is
+// recorded, not run; `end` finishes the
 // capture and makes the previous stream current again. `replay` launches the whole recorded step
 // on the current stream with one call. The decoding step draws its random numbers from integer
 // hashes of tensors it holds (src/generate.rs), not from a CUDA generator, so no generator state

@@ -97,10 +97,9 @@ enum Attend {
     /// its math kernel, which copies the keys and values to f32 and to every query head (PyTorch
     /// 2.11: grouped-query attention works with the flash kernel, which takes no mask, and the
     /// math one), for Llama 3.2 1B's 32 query heads over 8 key heads about ten times the bf16
-    /// cache's bytes written a step (the f32 copy, then four copies of it); these
-    /// products read the cache once, in its own dtype (the scores
-    /// of a bf16 model then round to bf16 before the softmax, as transformers' eager attention
-    /// does).
+    /// cache's bytes written a step (the f32 copy, then four copies of it); these products read
+    /// the cache once, in its own dtype (the scores of a bf16 model then round to bf16 before the
+    /// softmax, as transformers' eager attention does).
     Slots(Tensor),
     /// One new query per row over the slots of a decoding cache, on the CPU in f32 with
     /// [`Kernels::Onednn`]: [`crate::attention::decode_attention`], row `s` seeing its cache
