@@ -45,7 +45,7 @@ pub fn available() -> bool {
     *AVAILABLE.get_or_init(|| unsafe { topr_onednn_available() == 1 })
 }
 
-/// Whether oneDNN's products take weights of `kind` on this CPU: f32 wherever it is
+/// Whether oneDNN's products take weights of `kind` on the CPU the process runs on: f32 wherever it is
 /// [`available`]; bf16 only where the CPU has AVX-512 (BW, VL, DQ), AVX-NE-CONVERT or ARM's bf16
 /// (oneDNN refuses bf16 weights elsewhere, e.g. on AMD's Zen 3 or Intel's desktop CPUs without
 /// AVX-512). Found out once per process by packing a small bf16 weight, the operation that refuses.

@@ -92,12 +92,13 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
     let s = Sampling::greedy(new_tokens);
     let bandwidth = copy_bandwidth(m.device(), m.kind());
     println!("{}", serde_json::json!({"what": "copy_bandwidth", "impl": "topr-loss", "bytes_per_s": bandwidth}));
-    let mut graphs = m.device().is_cuda() && topr_llama::cuda_graph::available();
+    let graphs = m.device().is_cuda() && topr_llama::cuda_graph::available();
+    let mut failed = false;
     let ctx = prompt.len() as i64 + new_tokens / 2;
     let before = m.cuda_graphs();
     for &batch in batches {
         for cuda_graphs in [false, true] {
-            if cuda_graphs && !graphs {
+            if cuda_graphs && (!graphs || failed) {
                 continue;
             }
             m.set_cuda_graphs(cuda_graphs);
@@ -147,10 +148,10 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
                 "{}",
                 serde_json::json!({"what": "generate", "impl": "topr-loss", "batch": batch, "cuda_graphs": true, "error": error})
             );
-            graphs = false;
+            failed = true;
         }
     }
-    m.set_cuda_graphs(before && (graphs || !m.device().is_cuda()));
+    m.set_cuda_graphs(before && !failed);
     Ok(())
 }
 
