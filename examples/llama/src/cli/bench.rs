@@ -132,17 +132,12 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
             // recorded again in this process (a capture that failed may leave the device's
             // allocator mid-capture), so the later batch sizes and the sampling workload run
             // eagerly, and their lines say so.
-            let error = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(m))) {
-                Ok(Ok(line)) => {
+            let error = match caught(|| one(m)) {
+                Ok(line) => {
                     println!("{line}");
                     continue;
                 }
-                Ok(Err(e)) => format!("{e:#}"),
-                Err(p) => p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "a panic".into()),
+                Err(error) => error,
             };
             println!(
                 "{}",
@@ -153,6 +148,19 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
     }
     m.set_cuda_graphs(before && !failed);
     Ok(())
+}
+
+/// Runs `f`, turning its error or a panic inside it (a libtorch operation's) into the message.
+fn caught<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(p) => Err(p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic".into())),
+    }
 }
 
 /// The decoding steps' tokens/s of [`generation`]: `prompts` (one completion each, greedy) run for
