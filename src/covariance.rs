@@ -131,35 +131,7 @@ impl ClipCovConfig {
         Self { cov_low, cov_high, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::ClipCovConfig::clip_cov().with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, ClipCovConfig};
-    /// let c = ClipCovConfig::clip_cov().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, ClipCovConfig};
-    /// assert_eq!(ClipCovConfig::clip_cov().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(ClipCovConfig, clip_cov(); checks, aggregation, max_log_ratio);
 
     /// Checks every field.
     ///
@@ -277,35 +249,7 @@ impl KlCovConfig {
         Self { coef, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::KlCovConfig::kl_cov().with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, KlCovConfig};
-    /// let c = KlCovConfig::kl_cov().with_aggregation(AggregationMode::TokenSum);
-    /// assert_eq!(c.aggregation, AggregationMode::TokenSum);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, KlCovConfig};
-    /// assert_eq!(KlCovConfig::kl_cov().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(KlCovConfig, kl_cov(); checks, aggregation, max_log_ratio);
 
     /// Checks every field.
     ///

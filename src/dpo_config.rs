@@ -318,15 +318,7 @@ impl DpoConfig {
         Self { reference_free, ..self }
     }
 
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, DpoConfig};
-    /// assert_eq!(DpoConfig::dpo().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(DpoConfig, dpo(); checks);
 
     /// Checks every field.
     ///

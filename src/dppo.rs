@@ -139,35 +139,7 @@ impl DppoConfig {
         Self { max_weight, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::DppoConfig::tv().with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, DppoConfig};
-    /// let c = DppoConfig::tv().with_aggregation(AggregationMode::SeqMeanTokenSum);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenSum);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, DppoConfig};
-    /// assert_eq!(DppoConfig::tv().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(DppoConfig, tv(); checks, aggregation, max_log_ratio);
 
     /// Checks every field.
     ///

@@ -65,26 +65,7 @@ impl DroConfig {
         Self { beta, aggregation: AggregationMode::TokenMean, checks: Checks::Full }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, DroConfig};
-    /// let c = DroConfig::new(0.1).with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, DroConfig};
-    /// assert_eq!(DroConfig::new(0.1).with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(DroConfig, new(0.1); checks, aggregation);
 
     /// Checks every field.
     ///

@@ -71,26 +71,7 @@ impl EntropyConfig {
         Self { coef, ..self }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, EntropyConfig};
-    /// let c = EntropyConfig::bonus().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, EntropyConfig};
-    /// assert_eq!(EntropyConfig::bonus().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(EntropyConfig, bonus(); checks, aggregation);
 
     /// Checks every field.
     ///

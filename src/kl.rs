@@ -170,14 +170,7 @@ impl KlConfig {
         Self { coef, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::KlConfig::k3().with_max_log_ratio(5.0).max_log_ratio, 5.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
+    crate::setters::setters!(KlConfig, k3(); checks, aggregation, max_log_ratio);
 
     /// The same config with another clamp of the estimate (`None`: no clamp).
     ///
@@ -195,26 +188,6 @@ impl KlConfig {
     /// ```
     pub const fn with_straight_through(self, straight_through: bool) -> Self {
         Self { straight_through, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, KlConfig};
-    /// assert_eq!(KlConfig::k3().with_aggregation(AggregationMode::TokenSum).aggregation, AggregationMode::TokenSum);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, KlConfig};
-    /// assert_eq!(KlConfig::k3().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
     }
 
     /// Checks every field.

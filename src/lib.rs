@@ -286,6 +286,7 @@ mod rollout_correction;
 mod sapo;
 #[cfg(feature = "serde")]
 mod serde_support;
+mod setters;
 mod sft_mixing;
 mod successors;
 mod taper;

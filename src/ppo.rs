@@ -136,35 +136,7 @@ impl PpoConfig {
         Self { dual_clip, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::PpoConfig::ppo().with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, PpoConfig};
-    /// let c = PpoConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, PpoConfig};
-    /// assert_eq!(PpoConfig::ppo().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(PpoConfig, ppo(); checks, aggregation, max_log_ratio);
 
     /// Checks every field.
     ///

@@ -232,24 +232,7 @@ impl RolloutCorrection {
         Self { sequence_normalize, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::RolloutCorrection::token_tis(2.0).with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, RolloutCorrection};
-    /// assert_eq!(RolloutCorrection::token_tis(2.0).with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(RolloutCorrection, token_tis(2.0); checks, max_log_ratio);
 
     /// Checks every field.
     ///

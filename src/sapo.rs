@@ -91,35 +91,7 @@ impl SapoConfig {
         Self { tau_pos, tau_neg, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::SapoConfig::sapo().with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, SapoConfig};
-    /// let c = SapoConfig::sapo().with_aggregation(AggregationMode::TokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::TokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, SapoConfig};
-    /// assert_eq!(SapoConfig::sapo().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(SapoConfig, sapo(); checks, aggregation, max_log_ratio);
 
     /// Checks every field.
     ///

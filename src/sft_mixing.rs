@@ -191,26 +191,7 @@ impl SftPhiConfig {
         Self { cutoff_prob, ..self }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, SftPhiConfig};
-    /// let c = SftPhiConfig::chord_phi().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, SftPhiConfig};
-    /// assert_eq!(SftPhiConfig::chord_phi().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(SftPhiConfig, chord_phi(); checks, aggregation);
 
     /// Checks every field.
     ///
@@ -540,15 +521,7 @@ impl PositiveNllConfig {
         Self { aggregation, ..self }
     }
 
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, PositiveNllConfig};
-    /// assert_eq!(PositiveNllConfig::vapo().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(PositiveNllConfig, vapo(); checks);
 
     /// Checks every field.
     ///

@@ -187,25 +187,7 @@ impl BapoConfig {
         Self { dual_clip, ..self }
     }
 
-    /// The same config with another log-ratio clamp.
-    ///
-    /// ```
-    /// assert_eq!(topr_loss::BapoConfig::paper().with_max_log_ratio(10.0).max_log_ratio, 10.0);
-    /// ```
-    pub const fn with_max_log_ratio(self, max_log_ratio: f64) -> Self {
-        Self { max_log_ratio, ..self }
-    }
-
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, BapoConfig};
-    /// let c = BapoConfig::paper().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
+    crate::setters::setters!(BapoConfig, paper(); aggregation, max_log_ratio);
 
     /// The same config with another checks level ([`Checks::Shapes`]: no host read per call,
     /// the search included).
@@ -953,26 +935,7 @@ impl PrefixRatioConfig {
         Self { max_log_ratio, ..self }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, PrefixRatioConfig};
-    /// let c = PrefixRatioConfig::ctpo_la().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, PrefixRatioConfig};
-    /// assert_eq!(PrefixRatioConfig::ctpo_la().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(PrefixRatioConfig, ctpo_la(); checks, aggregation);
 
     /// Checks every field.
     ///

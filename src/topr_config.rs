@@ -161,15 +161,7 @@ impl ToprConfig {
         Self { tie, ..self }
     }
 
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, ToprConfig};
-    /// assert_eq!(ToprConfig::canonical().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(ToprConfig, canonical(); checks);
 
     /// Checks the config: every limit non-negative and not NaN, `a ≤ b`, `a` finite, baseline finite.
     ///

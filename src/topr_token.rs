@@ -162,16 +162,7 @@ impl ToprTokenConfig {
         Self { ratio, ..self }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, ToprTokenConfig};
-    /// let c = ToprTokenConfig::paper().with_aggregation(AggregationMode::TokenSum);
-    /// assert_eq!(c.aggregation, AggregationMode::TokenSum);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
+    crate::setters::setters!(ToprTokenConfig, paper(); aggregation);
 }
 
 /// TOPR (and every member of its family) on per-token log-probabilities with a padding mask.

@@ -77,26 +77,7 @@ impl ValueLossConfig {
         Self { clip, ..self }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, ValueLossConfig};
-    /// let c = ValueLossConfig::ppo().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, ValueLossConfig};
-    /// assert_eq!(ValueLossConfig::ppo().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(ValueLossConfig, ppo(); checks, aggregation);
 
     /// Checks every field.
     ///

@@ -106,26 +106,7 @@ impl VespoConfig {
         Self { k_neg: k, lambda_neg: lambda, ..self }
     }
 
-    /// The same config with another aggregation.
-    ///
-    /// ```
-    /// use topr_loss::{AggregationMode, VespoConfig};
-    /// let c = VespoConfig::vespo().with_aggregation(AggregationMode::SeqMeanTokenMean);
-    /// assert_eq!(c.aggregation, AggregationMode::SeqMeanTokenMean);
-    /// ```
-    pub const fn with_aggregation(self, aggregation: AggregationMode) -> Self {
-        Self { aggregation, ..self }
-    }
-
-    /// The same config with another checks level ([`Checks::Shapes`]: no host read per call).
-    ///
-    /// ```
-    /// use topr_loss::{Checks, VespoConfig};
-    /// assert_eq!(VespoConfig::vespo().with_checks(Checks::Shapes).checks, Checks::Shapes);
-    /// ```
-    pub const fn with_checks(self, checks: Checks) -> Self {
-        Self { checks, ..self }
-    }
+    crate::setters::setters!(VespoConfig, vespo(); checks, aggregation);
 
     /// Checks every field.
     ///
