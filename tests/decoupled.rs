@@ -146,7 +146,7 @@ proptest! {
 
     #[test]
     fn decoupled_ppo_split_into_micro_batches_with_global_counts_is_exact(b in token_batch(1.2, (-2.0f64..2.0).boxed()), split in 1usize..5) {
-        assert_split_invariant(&b, split, &|lp, prox, adv, m, mode, norm| {
+        assert_split_invariant(&b, split, "decoupled PPO", &|lp, prox, adv, m, mode, norm| {
             // The behaviour log-probs as a function of the proximal ones, so that each micro-batch
             // gets its own rows: log ratios in ±2.5.
             let lb = (prox - (prox * 7.0).sin() * 2.5).clamp_max(0.0);

@@ -104,7 +104,7 @@ proptest! {
 
     #[test]
     fn dppo_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
-        assert_split_invariant(&b, split, &|lp, old, adv, m, mode, norm| {
+        assert_split_invariant(&b, split, "DPPO", &|lp, old, adv, m, mode, norm| {
             let cfg = DppoConfig::binary_kl().with_aggregation(mode);
             match norm {
                 Some(n) => dppo_loss_output(lp, old, adv, m, &cfg, n).map(|o| o.loss),

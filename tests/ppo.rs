@@ -149,31 +149,14 @@ proptest! {
 
     #[test]
     fn split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
-        prop_assume!(b.mask.len() > 1);
-        let s = split.min(b.mask.len() - 1) as i64;
-        let n = b.mask.len() as i64;
-        let (lp, old, adv, m) = b.tensors(f64::NAN);
-        let norm = Normalizer::from_masks(&[&m]).unwrap();
-        for mode in ALL_MODES {
-            let cfg = PpoConfig::dapo().with_aggregation(mode).with_dual_clip(Some(2.0));
-            for ((name, f), (_, plain)) in OUTPUTS.into_iter().zip(LOSSES) {
-                let full_lp = leaf(&lp);
-                let full = f(&full_lp, &old, &adv, &m, &cfg, &norm).unwrap().loss;
-                // With the batch's own counts, the output's loss is the plain function's.
-                let local = plain(&full_lp, &old, &adv, &m, &cfg).unwrap();
-                assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{name} {mode:?} output vs plain"));
-                full.backward();
-                let parts_lp = leaf(&lp);
-                let part = |o: i64, k: i64| f(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss);
-                let total = match (part(0, s), part(s, n - s)) {
-                    (Ok(a), Ok(b)) => a + b,
-                    (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
-                    other => panic!("{other:?}"),
-                };
-                total.backward();
-                assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{name} {mode:?} split value"));
-                assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{name} {mode:?} split grad"));
-            }
+        for ((name, output), (_, plain)) in OUTPUTS.into_iter().zip(LOSSES) {
+            assert_split_invariant(&b, split, name, &|lp, old, adv, m, mode, norm| {
+                let cfg = PpoConfig::dapo().with_aggregation(mode).with_dual_clip(Some(2.0));
+                match norm {
+                    Some(n) => output(lp, old, adv, m, &cfg, n).map(|o| o.loss),
+                    None => plain(lp, old, adv, m, &cfg),
+                }
+            });
         }
     }
 }

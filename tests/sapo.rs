@@ -101,29 +101,13 @@ proptest! {
 
     #[test]
     fn sapo_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
-        prop_assume!(b.mask.len() > 1);
-        let s = split.min(b.mask.len() - 1) as i64;
-        let n = b.mask.len() as i64;
-        let (lp, old, adv, m) = b.tensors(f64::NAN);
-        let norm = Normalizer::from_masks(&[&m]).unwrap();
-        for mode in ALL_MODES {
+        assert_split_invariant(&b, split, "SAPO", &|lp, old, adv, m, mode, norm| {
             let cfg = SapoConfig::sapo().with_aggregation(mode);
-            let full_lp = leaf(&lp);
-            let full = sapo_loss_output(&full_lp, &old, &adv, &m, &cfg, &norm).unwrap().loss;
-            let local = sapo_loss(&full_lp, &old, &adv, &m, &cfg).unwrap();
-            assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{mode:?} output vs plain"));
-            full.backward();
-            let parts_lp = leaf(&lp);
-            let part = |o: i64, k: i64| sapo_loss_output(&parts_lp.narrow(0, o, k), &old.narrow(0, o, k), &adv.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss);
-            let total = match (part(0, s), part(s, n - s)) {
-                (Ok(a), Ok(b)) => a + b,
-                (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
-                other => panic!("{other:?}"),
-            };
-            total.backward();
-            assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{mode:?} split value"));
-            assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{mode:?} split grad"));
-        }
+            match norm {
+                Some(n) => sapo_loss_output(lp, old, adv, m, &cfg, n).map(|o| o.loss),
+                None => sapo_loss(lp, old, adv, m, &cfg),
+            }
+        });
     }
 }
 

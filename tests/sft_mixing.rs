@@ -271,7 +271,7 @@ proptest! {
     #[test]
     fn sft_phi_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
         for cfg in [SftPhiConfig::chord_phi(), SftPhiConfig::sft_is().with_cutoff_prob(0.4)] {
-            assert_split_invariant(&b, split, &|lp, _, _, m, mode, norm| {
+            assert_split_invariant(&b, split, "SFT-φ", &|lp, _, _, m, mode, norm| {
                 let cfg = cfg.with_aggregation(mode);
                 match norm {
                     Some(n) => sft_phi_loss_output(lp, m, &cfg, n).map(|o| o.loss),

@@ -413,7 +413,7 @@ proptest! {
     #[test]
     fn prefix_ratio_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
         for base in [PrefixRatioConfig::ctpo_la(), PrefixRatioConfig::ctpo_geomean_la()] {
-            assert_split_invariant(&b, split, &|lp, old, a, m, mode, norm| {
+            assert_split_invariant(&b, split, "prefix ratio", &|lp, old, a, m, mode, norm| {
                 let cfg = base.with_aggregation(mode);
                 match norm {
                     Some(n) => prefix_ratio_loss_output(lp, old, a, m, &cfg, n).map(|o| o.loss),

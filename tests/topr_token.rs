@@ -120,36 +120,15 @@ proptest! {
 
     #[test]
     fn split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
-        prop_assume!(b.mask.len() > 1);
-        let split = split.min(b.mask.len() - 1);
-        let (lp, mu, r, m) = b.tensors(f64::NAN);
-        let norm = Normalizer::from_masks(&[&m]).unwrap();
         for ratio in LEVELS {
-            for aggregation in MODES {
-                let cfg = ToprTokenConfig::paper().with_topr(ToprConfig::canonical().with_baseline(0.1)).with_ratio(ratio).with_aggregation(aggregation);
-                let full_lp = leaf(&lp);
-                let full = topr_token_loss_output(&full_lp, &mu, &r, &m, &cfg, &norm).unwrap().loss;
-                // With the batch's own counts, the output's loss is the plain function's.
-                let local = topr_token_loss(&full_lp, &mu, &r, &m, &cfg).unwrap();
-                assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{ratio:?} {aggregation:?} output vs plain"));
-                full.backward();
-                let parts_lp = leaf(&lp);
-                let n = b.mask.len() as i64;
-                let s = split as i64;
-                let part = |o: i64, k: i64| {
-                    topr_token_loss_output(&parts_lp.narrow(0, o, k), &mu.narrow(0, o, k), &r.narrow(0, o, k), &m.narrow(0, o, k), &cfg, &norm).map(|o| o.loss)
-                };
-                let (l1, l2) = (part(0, s), part(s, n - s));
-                // A micro-batch made only of padding has nothing to contribute.
-                let total = match (l1, l2) {
-                    (Ok(a), Ok(b)) => a + b,
-                    (Ok(a), Err(LossError::EmptyBatch { .. })) | (Err(LossError::EmptyBatch { .. }), Ok(a)) => a,
-                    other => panic!("{other:?}"),
-                };
-                total.backward();
-                assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{ratio:?} {aggregation:?} split value"));
-                assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{ratio:?} {aggregation:?} split grad"));
-            }
+            assert_split_invariant(&b, split, &format!("{ratio:?}"), &|lp, mu, r, m, mode, norm| {
+                let topr = ToprConfig::canonical().with_baseline(0.1);
+                let cfg = ToprTokenConfig::paper().with_topr(topr).with_ratio(ratio).with_aggregation(mode);
+                match norm {
+                    Some(n) => topr_token_loss_output(lp, mu, r, m, &cfg, n).map(|o| o.loss),
+                    None => topr_token_loss(lp, mu, r, m, &cfg),
+                }
+            });
         }
     }
 

@@ -78,7 +78,7 @@ proptest! {
 
     #[test]
     fn vespo_split_into_micro_batches_with_global_counts_is_exact(b in batch(), split in 1usize..5) {
-        assert_split_invariant(&b, split, &|lp, old, adv, m, mode, norm| {
+        assert_split_invariant(&b, split, "VESPO", &|lp, old, adv, m, mode, norm| {
             let cfg = VespoConfig::vespo().with_aggregation(mode);
             match norm {
                 Some(n) => vespo_loss_output(lp, old, adv, m, &cfg, n).map(|o| o.loss),

@@ -248,8 +248,9 @@ pub type TokenLossCall<'a> = dyn Fn(
 
 /// For every aggregation: the `_output` call with the whole batch's counts equals the plain call,
 /// and the batch split at row `split` into two micro-batches, each called with the whole batch's
-/// counts, sums to the same value and gradient (an empty part is skipped). `b` has NaN padding.
-pub fn assert_split_invariant(b: &TokenBatch, split: usize, call: &TokenLossCall) {
+/// counts, sums to the same value and gradient (an empty part is skipped). `b` has NaN padding;
+/// `what` names the call in a failure's message.
+pub fn assert_split_invariant(b: &TokenBatch, split: usize, what: &str, call: &TokenLossCall) {
     use topr_loss::{LossError, Normalizer};
     if b.mask.len() < 2 {
         return;
@@ -262,7 +263,7 @@ pub fn assert_split_invariant(b: &TokenBatch, split: usize, call: &TokenLossCall
         let full_lp = leaf(&lp);
         let full = call(&full_lp, &old, &adv, &m, mode, Some(&norm)).unwrap();
         let local = call(&full_lp, &old, &adv, &m, mode, None).unwrap();
-        assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{mode:?} output vs plain"));
+        assert_close(&[scalar(&full)], &[scalar(&local)], 1e-12, &format!("{what} {mode:?} output vs plain"));
         full.backward();
         let parts_lp = leaf(&lp);
         let part = |o: i64, k: i64| {
@@ -281,8 +282,8 @@ pub fn assert_split_invariant(b: &TokenBatch, split: usize, call: &TokenLossCall
             other => panic!("{other:?}"),
         };
         total.backward();
-        assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{mode:?} split value"));
-        assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{mode:?} split grad"));
+        assert_close(&[scalar(&total)], &[scalar(&full)], 1e-12, &format!("{what} {mode:?} split value"));
+        assert_close(&vec1(&parts_lp.grad()), &vec1(&full_lp.grad()), 1e-12, &format!("{what} {mode:?} split grad"));
     }
 }
 
