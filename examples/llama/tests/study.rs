@@ -280,3 +280,48 @@ fn the_committed_real_model_tables_are_redrawn_from_the_records_alone() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// `scripts/compare_studies.py` (plain Python) gives each arm's mean ± SE over seeds as the
+/// study's own report does (the committed iterated study's tables, drawn by the Rust code), and
+/// the difference of two runs ± its SE: zero against itself, and by hand on two small runs.
+#[test]
+fn the_study_comparison_script_agrees_with_the_report() {
+    let repo = common::repo();
+    let compare = |before: &str, after: &str| {
+        let out = Command::new("python3")
+            .arg(repo.join("scripts/compare_studies.py"))
+            .args([repo.join(before), repo.join(after)])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let itself = compare("docs/study/iterated", "docs/study/iterated");
+    // The report's cells (docs/study/iterated/tables.md): TOPR 0.140 ± 0.009 at iteration 1,
+    // 0.191 ± 0.009 at 5; SFT 0.168 ± 0.013 at 2.
+    for row in [
+        "| topr-p0.5 | 1 | 0.140 ± 0.009 (5) | 0.140 ± 0.009 (5) | +0.000 ± 0.012 | +0.0 |",
+        "| topr-p0.5 | 5 | 0.191 ± 0.009 (5) | 0.191 ± 0.009 (5) | +0.000 ± 0.013 | +0.0 |",
+        "| sft | 2 | 0.168 ± 0.013 (5) | 0.168 ± 0.013 (5) | +0.000 ± 0.018 | +0.0 |",
+    ] {
+        assert!(itself.contains(row), "{row} not in\n{itself}");
+    }
+    let tables = std::fs::read_to_string(repo.join("docs/study/iterated/tables.md")).unwrap();
+    assert!(tables.contains("| topr-p0.5 | 5 | 0.019 ± 0.005 | 0.140 ± 0.009 | 0.159 ± 0.016 |"), "{tables}");
+    // Two runs that differ, written here: means 0.2 and 0.3 over 3 seeds, each SE
+    // sqrt(0.01 / 3) = 0.0577, the difference's SE 0.0816 (+1.2 of it).
+    let tmp = std::env::temp_dir().join(format!("llama_compare_{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for (name, values) in [("before.jsonl", [0.1, 0.2, 0.3]), ("after.jsonl", [0.2, 0.3, 0.4])] {
+        let lines: Vec<String> = values
+            .iter()
+            .enumerate()
+            .map(|(seed, a)| format!(r#"{{"claim":"c","arm":"a","seed":{seed},"iteration":1,"accuracy":{a}}}"#))
+            .collect();
+        std::fs::write(tmp.join(name), lines.join("\n")).unwrap();
+    }
+    let differ = compare(tmp.join("before.jsonl").to_str().unwrap(), tmp.join("after.jsonl").to_str().unwrap());
+    let row = "| a | 1 | 0.200 ± 0.058 (3) | 0.300 ± 0.058 (3) | +0.100 ± 0.082 | +1.2 |";
+    assert!(differ.contains(row), "{row} not in\n{differ}");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
