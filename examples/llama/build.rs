@@ -6,7 +6,8 @@
 //!    With it `csrc/decode_attention.cpp` and `csrc/next_tokens.cpp`: the decoding step's
 //!    attention and its choice of the next tokens on the CPU (`src/attention.rs`,
 //!    `src/next_tokens.rs`), always optimised (their loops are vectorised by the compiler, on
-//!    the vectors of `csrc/lanes.hpp`).
+//!    the vectors of `csrc/lanes.hpp`); and `csrc/profile.cpp`, libtorch's profiler
+//!    (`src/profile.rs`).
 //! 2. `csrc/cuda_graph.cpp` (`src/cuda_graph.rs`), when the libtorch is a CUDA build: libtorch's
 //!    CUDA graphs, with the CUDA runtime's headers that topr-dist's build script found (beside
 //!    a torch wheel, in `CUDA_HOME` or in `/usr/local/cuda`); it sets the `topr_cuda_graphs` cfg.
@@ -36,6 +37,7 @@ fn main() {
         .file("csrc/onednn_linear.cpp")
         .file("csrc/decode_attention.cpp")
         .file("csrc/next_tokens.cpp")
+        .file("csrc/profile.cpp")
         .include(shared)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))

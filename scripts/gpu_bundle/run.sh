@@ -85,7 +85,7 @@ start=$(date +%s)
 if [ "$size" = full ]; then
     big=(--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --max-positions 2048 --vocab-size 128256)
     small=(--layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --max-positions 512)
-    bench=(--new-tokens 128 --gen-batch 1,16,64,256 --train-batch 16 --train-len 1024 --sample-prompts 64 --sample-slots 64 --sample-stop-every 64)
+    bench=(--new-tokens 128 --gen-batch 1,16,64,256 --train-batch 16 --train-len 1024 --sample-prompts 64 --sample-slots 64 --sample-stop-every 64 --profile-batch 1,64)
     bench_hf=(128 16 1024 --gen-batch 1,16,64,256)
     bench_hf_compiled=(128 16 1024 --gen-batch 1,64 --mode static-compile)
     parity=(--prompts 4 --len 64 --new-tokens 32)
@@ -96,7 +96,7 @@ if [ "$size" = full ]; then
 else
     big=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --max-positions 256 --vocab-size 2048)
     small=(--layers 1 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 --max-positions 256)
-    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64 --sample-prompts 4 --sample-slots 4 --sample-stop-every 64)
+    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64 --sample-prompts 4 --sample-slots 4 --sample-stop-every 64 --profile-batch 1)
     bench_hf=(8 2 64 --gen-batch 1,4)
     bench_hf_compiled=(8 2 64 --gen-batch 1 --mode static-compile)
     parity=(--prompts 2 --len 16 --new-tokens 8)
@@ -182,8 +182,10 @@ stage init-small 60 "$bin" init --out "$W/small" "${small[@]}"
 stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
 # Generation eager and replaying CUDA graphs of the decoding step, side by side (--cuda-graphs:
 # on a CUDA device `bench` measures both), with the share of the bandwidth limit; the sampling
-# workload with continuous and with draining batches.
-stage bench 300 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}" --cuda-graphs
+# workload with continuous and with draining batches; and a short generation at batch 1 and 64
+# recorded by libtorch's profiler, each summarised in a line (kernels and launches a step, the
+# device's busy share, copies to the host; its traces stay in the work folder, too large to keep).
+stage bench 300 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}" --cuda-graphs --profile "$W/profiles"
 # transformers on the same model, sizes and dtype, where python3 has it (the GPU machine's image
 # does; CI's torch-only venv does not, and the stage is then left out of the report).
 if limited 120 "$PY" -c 'import transformers' 2>/dev/null; then

@@ -14,6 +14,7 @@
 // on every vector width with fused products), the blocks' sums and the walk in f64, in order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include "c_boundary.hpp"
 #include "lanes.hpp"
 
@@ -244,6 +245,7 @@ bool topr_next_tokens(const at::Tensor* logits, const at::Tensor* z, const at::T
                       char* err, size_t cap) {
   bool ok = false;
   topr::guarded(err, cap, [&] {
+    RECORD_FUNCTION("topr::next_tokens", std::vector<c10::IValue>());  // named in a profile
     std::vector<at::Tensor> r = next_tokens(*logits, z ? *z : at::Tensor(), u ? *u : at::Tensor(), width);
     for (size_t i = 0; i < r.size(); ++i) out[i] = new at::Tensor(std::move(r[i]));
     ok = true;

@@ -31,6 +31,7 @@
 //! | [`iterate`] | the self-taught loop |
 //! | [`metrics`] | the records of the JSONL metric files, shared by writers and readers |
 //! | [`plot`] | the PNG plots |
+//! | [`profile`] | libtorch's profiler (Kineto) and a summary of its trace: where a step's time goes |
 //! | [`stats`] | a mean and its standard error, paired differences: the one definition every report uses |
 //! | [`init`] | a small Llama from scratch with a byte-level tokenizer |
 //! | [`io`] | atomic and checked writes, locks, the refusal to write into an input |
@@ -62,6 +63,7 @@ pub mod onednn;
 pub mod optim;
 pub mod parallel;
 pub mod plot;
+pub mod profile;
 pub mod progress;
 pub mod sample;
 pub mod settings;

@@ -218,6 +218,50 @@ fn peak_and_bench_report_what_the_mfu_needs() {
     }
 }
 
+/// `bench --profile`: one trace and one summary line per profiled batch size (eagerly only on the
+/// CPU), the summary counting the libtorch operators of the generated tokens, no kernels and no
+/// copies to the host.
+#[test]
+fn bench_profiles_generation_into_traces_and_summaries() {
+    let dir = model("check_profile", "301");
+    let traces = std::env::temp_dir().join(format!("llama_bench_profile_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&traces);
+    let r = records(&[
+        "bench",
+        "--model",
+        dir.to_str().unwrap(),
+        "--new-tokens",
+        "40",
+        "--gen-batch",
+        "1",
+        "--train-batch",
+        "1",
+        "--train-len",
+        "4",
+        "--profile",
+        traces.to_str().unwrap(),
+        "--profile-batch",
+        "1,2",
+    ]);
+    let profiles: Vec<&serde_json::Value> = r.iter().filter(|x| x["what"] == "profile").collect();
+    let batches: Vec<i64> = profiles.iter().map(|x| x["batch"].as_i64().unwrap()).collect();
+    assert_eq!(batches, [1, 2]);
+    for x in profiles {
+        assert_eq!(x["cuda_graphs"], false);
+        assert!(traces.join(x["trace"].as_str().unwrap()).is_file(), "{x}");
+        let s = &x["summary"];
+        assert_eq!(s["steps"], 32, "{x}"); // up to 32 tokens
+        assert_eq!((s["kernels_per_step"].as_f64(), s["device_to_host_per_step"].as_f64()), (Some(0.0), Some(0.0)));
+        let ops: Vec<&str> = s["top_ops"].as_array().unwrap().iter().map(|o| o["name"].as_str().unwrap()).collect();
+        assert!(!ops.is_empty() && ops.iter().all(|o| o.contains("::")), "{ops:?}");
+        // The crate's own kernels are named in the trace beside libtorch's operators.
+        let trace = std::fs::read_to_string(traces.join(x["trace"].as_str().unwrap())).unwrap();
+        assert!(trace.contains("\"topr::next_tokens\"") && trace.contains("\"aten::embedding\""), "{x}");
+        assert!(s["wall_us_per_step"].as_f64().unwrap() > 0.0, "{x}");
+    }
+    std::fs::remove_dir_all(&traces).unwrap();
+}
+
 #[test]
 fn a_closed_stdout_ends_the_command_quietly() {
     // `llama check losses | head -1`: the reader is gone before the first line is written. The

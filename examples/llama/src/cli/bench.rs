@@ -8,16 +8,27 @@
 //! with `--prompt-pairs N`, N alternating pairs of a step on half-prompt sequences through every
 //! position's logits and through the completion's only.
 //! On a CUDA device, generation is measured eagerly and with CUDA graphs, side by side, with
-//! the share of the memory-bandwidth limit each achieves.
+//! the share of the memory-bandwidth limit each achieves. With `--profile DIR`, a short greedy
+//! generation at each `--profile-batch` is recorded by libtorch's profiler: a trace a run in DIR
+//! and a summary line each (where a decoding step's time goes).
 
 use super::check::sync;
-use anyhow::Result;
+use anyhow::{Context, Result};
+use std::path::Path;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 use topr_llama::generate::{self, Sampling};
 use topr_llama::model::{Kernels, Llama};
+use topr_llama::profile::{self, Profiler};
 use topr_llama::tokenizer::Tokenizer;
 
+/// Where `bench --profile` writes its traces, and the batch sizes it profiles.
+pub struct ProfileAt<'a> {
+    pub dir: &'a Path,
+    pub batches: &'a [usize],
+}
+
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     m: &mut Llama,
     tok: &Tokenizer,
@@ -25,6 +36,7 @@ pub fn run(
     gen_batches: &[usize],
     train_batch: i64,
     train_len: i64,
+    profile: Option<ProfileAt>,
 ) -> Result<()> {
     if train_len > m.cfg.max_position_embeddings {
         anyhow::bail!("--train-len {train_len} exceeds the model's context of {}", m.cfg.max_position_embeddings);
@@ -35,7 +47,16 @@ pub fn run(
         "{}",
         serde_json::json!({"what": "peak", "impl": "topr-loss", "kind": format!("{:?}", m.kind()), "n": n, "tflops": peak})
     );
-    generation(m, tok, new_tokens, gen_batches, peak)?;
+    let graphs = generation(m, tok, new_tokens, gen_batches, peak)?;
+    if let Some(at) = profile {
+        // A profiler that fails (CUPTI refused, a trace that cannot be written) costs its lines
+        // only: the training measurements still run.
+        let before = m.cuda_graphs();
+        if let Err(error) = caught(|| profile_generation(m, tok, new_tokens, graphs, &at)) {
+            println!("{}", serde_json::json!({"what": "profile", "impl": "topr-loss", "error": error}));
+        }
+        m.set_cuda_graphs(before);
+    }
     training(m, train_batch, train_len, peak)
 }
 
@@ -86,9 +107,9 @@ pub fn flops_per_token(m: &Llama, len: i64) -> f64 {
 /// that no job decodes), so that what both runs pay once cancels. With graphs, a step recorded
 /// per block of 64 keys reached, the blocks the second half adds (one eager step and one
 /// recording each) stay in the steady figure: it is a slight underestimate, by about two steps'
-/// time in every 64.
-fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<()> {
-    let prompt = tok.prompt_ids("Tell me a long story about a dragon.", true)?;
+/// time in every 64. Returns whether CUDA graphs were measured and none failed.
+fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize], peak: f64) -> Result<bool> {
+    let prompt = tok.prompt_ids(STORY, true)?;
     let s = Sampling::greedy(new_tokens);
     let bandwidth = copy_bandwidth(m.device(), m.kind());
     println!("{}", serde_json::json!({"what": "copy_bandwidth", "impl": "topr-loss", "bytes_per_s": bandwidth}));
@@ -147,6 +168,47 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
         }
     }
     m.set_cuda_graphs(before && !failed);
+    Ok(graphs && !failed)
+}
+
+/// The prompt of the generation measurements.
+const STORY: &str = "Tell me a long story about a dragon.";
+
+/// `--profile`: greedy generation of up to 32 tokens at each of `at.batches`, eagerly and (when
+/// `graphs`) replaying CUDA graphs, recorded by libtorch's profiler after an identical run (which
+/// records the graphs); each trace goes to `at.dir/generate-bB-MODE.json` and its summary
+/// ([`profile::summarize`]: kernels and launches a step, the device's busy share, copies to the
+/// host, the costliest kernels and operators) to one JSON line. A step here is one generated
+/// token, the prefill's share included.
+fn profile_generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, graphs: bool, at: &ProfileAt) -> Result<()> {
+    std::fs::create_dir_all(at.dir).with_context(|| format!("creating {}", at.dir.display()))?;
+    let prompt = tok.prompt_ids(STORY, true)?;
+    let s = Sampling::greedy(new_tokens.min(32));
+    for &batch in at.batches {
+        for cuda_graphs in [false, true] {
+            if cuda_graphs && !graphs {
+                continue;
+            }
+            m.set_cuda_graphs(cuda_graphs);
+            let prompts = vec![prompt.clone(); batch];
+            generate::generate(m, &prompts, &s, &[], 0)?;
+            sync(m.device());
+            let profiler = Profiler::start(m.device())?;
+            let t0 = Instant::now();
+            let out = generate::generate(m, &prompts, &s, &[], 0)?;
+            sync(m.device());
+            let wall_us = t0.elapsed().as_secs_f64() * 1e6;
+            let name = format!("generate-b{batch}-{}.json", if cuda_graphs { "graphs" } else { "eager" });
+            let trace = at.dir.join(&name);
+            profiler.finish(&trace)?;
+            let steps = out.iter().map(|c| c.tokens.len()).max().unwrap_or(0).max(1) as u64;
+            let summary = profile::summarize(&trace, steps, wall_us, 12)?;
+            println!(
+                "{}",
+                serde_json::json!({"what": "profile", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "trace": name, "summary": summary})
+            );
+        }
+    }
     Ok(())
 }
 

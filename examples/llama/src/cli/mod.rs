@@ -269,6 +269,17 @@ pub enum Command {
         /// that continuous batching is for.
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0i64, 1 << 30))]
         sample_stop_every: i64,
+        /// Also record a short greedy generation (up to 32 tokens) at each --profile-batch with
+        /// libtorch's profiler (Kineto, as torch.profiler), eagerly and with CUDA graphs: one
+        /// Chrome trace a run in this folder (open it in Perfetto) and one summary line each
+        /// (kernels and launches a step, the device's busy share, copies to the host, the
+        /// costliest kernels and operators). The profiler logs a few lines of its own on stderr
+        /// (KINETO_LOG_LEVEL=5 silences most).
+        #[arg(long)]
+        profile: Option<PathBuf>,
+        /// The batch sizes --profile records (repeat the flag, or comma-separated).
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 64], allow_hyphen_values = true, value_parser = args::whole(1usize, 4096))]
+        profile_batch: Vec<usize>,
     },
     /// The GPU check's own measurements (parity with the CPU, the bf16 peak, the losses' speed
     /// and host reads); one JSON line per measurement.
@@ -587,9 +598,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             sample_prompts,
             sample_slots,
             sample_stop_every,
+            profile,
+            profile_batch,
         } => {
             let (mut m, tok) = c::load(&model)?;
-            bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
+            let at = profile.as_deref().map(|dir| bench::ProfileAt { dir, batches: &profile_batch });
+            bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len, at)?;
             bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens, sample_stop_every)?;
             bench::prompt_pairs(&m, train_batch, train_len, prompt_pairs)?;
             bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)

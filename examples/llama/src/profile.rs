@@ -1,0 +1,279 @@
+//! Where the time goes: libtorch's profiler (Kineto, the one behind `torch.profiler`), which tch
+//! does not wrap, through a small C++ file (`csrc/profile.cpp`), and a summary of its trace.
+//!
+//! [`Profiler::start`] records every libtorch operator this process runs on the CPU and, on a
+//! CUDA device, the CUDA runtime's calls and each kernel the GPU ran (through CUPTI, kernels
+//! replayed from CUDA graphs included); [`Profiler::finish`] writes the record as a Chrome trace
+//! (open it in Perfetto or `chrome://tracing`), the file `torch.profiler`'s
+//! `export_chrome_trace` writes. [`summarize`] reads such a trace back into the figures that say
+//! whether a decoding step is bound by its kernels or by launching them: the kernels' count and
+//! time a step, the share of the wall time the device was busy, the launches, the copies from
+//! the device to the host (each one a host read that stalls the stream), and the kernels and
+//! operators that took the most time.
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_int};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tch::Device;
+
+unsafe extern "C" {
+    fn topr_profile_start(cuda: c_int, err: *mut c_char, cap: usize) -> c_int;
+    fn topr_profile_stop(path: *const c_char, err: *mut c_char, cap: usize) -> c_int;
+}
+
+const ERR_CAP: usize = 1024;
+
+/// Whether a profiler is running in this process (libtorch has one).
+static RUNNING: AtomicBool = AtomicBool::new(false);
+
+/// A running profiler: started by [`Profiler::start`], stopped by [`Profiler::finish`] (which
+/// writes the trace) or, without a trace, when dropped. One at a time in a process.
+pub struct Profiler {
+    running: bool,
+}
+
+impl Profiler {
+    /// Starts recording the libtorch operators of this process and, when `device` is a CUDA
+    /// device, the CUDA activity of every device. Refused while another profiler runs.
+    ///
+    /// ```
+    /// use topr_llama::profile::{Profiler, summarize};
+    /// let p = Profiler::start(tch::Device::Cpu)?;
+    /// let x = tch::Tensor::ones([64, 64], (tch::Kind::Float, tch::Device::Cpu));
+    /// let _ = x.matmul(&x);
+    /// let trace = std::env::temp_dir().join(format!("profile-doc-{}.json", std::process::id()));
+    /// p.finish(&trace)?;
+    /// let s = summarize(&trace, 1, 1e3, 5)?;
+    /// assert!(s.top_ops.iter().any(|o| o.name == "aten::matmul"));
+    /// # std::fs::remove_file(&trace)?;
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn start(device: Device) -> Result<Self> {
+        if RUNNING.swap(true, Ordering::SeqCst) {
+            bail!("a profiler is already running in this process");
+        }
+        let mut err = [0u8; ERR_CAP];
+        // SAFETY: the shim starts libtorch's profiler or writes a message; it catches every C++
+        // exception.
+        let rc = unsafe { topr_profile_start(c_int::from(device.is_cuda()), err.as_mut_ptr().cast(), ERR_CAP) };
+        if rc != 0 {
+            RUNNING.store(false, Ordering::SeqCst);
+            bail!("starting libtorch's profiler failed: {}", crate::onednn::shim_message(&err));
+        }
+        Ok(Self { running: true })
+    }
+
+    /// Stops recording and writes the trace (Chrome's JSON trace format) to `trace`.
+    pub fn finish(mut self, trace: &Path) -> Result<()> {
+        let path = CString::new(trace.as_os_str().as_encoded_bytes())
+            .with_context(|| format!("{}: a path with a NUL byte", trace.display()))?;
+        self.stop(path.as_ptr()).with_context(|| format!("writing the profiler's trace to {}", trace.display()))
+    }
+
+    fn stop(&mut self, path: *const c_char) -> Result<()> {
+        if !std::mem::replace(&mut self.running, false) {
+            return Ok(());
+        }
+        let mut err = [0u8; ERR_CAP];
+        // SAFETY: a profiler started by `start` is running; `path` is null or a NUL-terminated
+        // string that outlives the call. The shim catches every C++ exception.
+        let rc = unsafe { topr_profile_stop(path, err.as_mut_ptr().cast(), ERR_CAP) };
+        RUNNING.store(false, Ordering::SeqCst);
+        if rc != 0 {
+            bail!("stopping libtorch's profiler failed: {}", crate::onednn::shim_message(&err));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Profiler {
+    fn drop(&mut self) {
+        // A profiler left running would record (and hold) everything after it.
+        let _ = self.stop(std::ptr::null());
+    }
+}
+
+/// One kernel or operator of a [`Summary`]: its name (cut to 160 characters), how many times it
+/// ran and its time, both per step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Entry {
+    /// The kernel's or the operator's name.
+    pub name: String,
+    /// Times it ran, per step.
+    pub calls_per_step: f64,
+    /// Its time per step, in microseconds (an operator's includes the operators it called).
+    pub us_per_step: f64,
+}
+
+/// What a trace of `steps` steps that took `wall_us` says (see [`summarize`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    /// The steps the trace holds (what "per step" divides by).
+    pub steps: u64,
+    /// The wall time of the profiled work, per step, in microseconds (measured by the caller).
+    pub wall_us_per_step: f64,
+    /// GPU kernels run, per step (0 on the CPU).
+    pub kernels_per_step: f64,
+    /// The kernels' summed time, per step, in microseconds.
+    pub kernel_us_per_step: f64,
+    /// The kernels' time over the wall time: near 1, the step is bound by its kernels; far below,
+    /// by launching them (or by the host).
+    pub device_busy_share: f64,
+    /// Launches from the host (the CUDA runtime's kernel and graph launches), per step.
+    pub launches_per_step: f64,
+    /// Copies from the device to the host, per step: each is a host read that waits for the
+    /// device.
+    pub device_to_host_per_step: f64,
+    /// The kernels that took the most time.
+    pub top_kernels: Vec<Entry>,
+    /// The libtorch operators that took the most time on the host (inclusive times).
+    pub top_ops: Vec<Entry>,
+}
+
+/// Reads a Chrome trace written by [`Profiler::finish`] (or by `torch.profiler`) of `steps`
+/// steps that took `wall_us` microseconds in all, and returns its [`Summary`] with the `top`
+/// kernels and operators by time. Events are Chrome's complete events (`"ph": "X"`) with
+/// Kineto's categories: `kernel` (GPU kernels), `cpu_op` (libtorch operators), `cuda_runtime`
+/// (the runtime's calls: `cudaLaunchKernel`, `cudaGraphLaunch`, …) and `gpu_memcpy` (copies; a
+/// name with `DtoH` goes to the host).
+pub fn summarize(trace: &Path, steps: u64, wall_us: f64, top: usize) -> Result<Summary> {
+    if steps == 0 || !(wall_us > 0.0) {
+        bail!("summarize: steps ({steps}) and the wall time ({wall_us} µs) must be positive");
+    }
+    let file = std::fs::File::open(trace).with_context(|| format!("opening the trace {}", trace.display()))?;
+    let json: serde_json::Value = serde_json::from_reader(std::io::BufReader::new(file))
+        .with_context(|| format!("{}: not a JSON trace", trace.display()))?;
+    let Some(events) = json.get("traceEvents").and_then(|e| e.as_array()) else {
+        bail!("{}: no traceEvents list", trace.display());
+    };
+    let per = |x: f64| x / steps as f64;
+    let (mut kernels, mut launches, mut to_host) = (Tally::default(), 0u64, 0u64);
+    let mut ops = Tally::default();
+    for e in events {
+        if e.get("ph").and_then(|p| p.as_str()) != Some("X") {
+            continue;
+        }
+        let (cat, name) = (e["cat"].as_str().unwrap_or(""), e["name"].as_str().unwrap_or(""));
+        let dur = e.get("dur").and_then(|d| d.as_f64()).unwrap_or(0.0);
+        match cat {
+            "kernel" => kernels.add(name, dur),
+            "cpu_op" => ops.add(name, dur),
+            "cuda_runtime" | "cuda_driver" if name.contains("LaunchKernel") || name.contains("GraphLaunch") => {
+                launches += 1
+            }
+            "gpu_memcpy" if name.contains("DtoH") => to_host += 1,
+            _ => {}
+        }
+    }
+    let entries = |t: &Tally| -> Vec<Entry> {
+        let mut v: Vec<(&String, &(u64, f64))> = t.by_name.iter().collect();
+        v.sort_by(|a, b| b.1.1.total_cmp(&a.1.1).then_with(|| a.0.cmp(b.0)));
+        v.into_iter()
+            .take(top)
+            .map(|(name, &(calls, us))| Entry {
+                name: name.chars().take(160).collect(),
+                calls_per_step: per(calls as f64),
+                us_per_step: per(us),
+            })
+            .collect()
+    };
+    Ok(Summary {
+        steps,
+        wall_us_per_step: per(wall_us),
+        kernels_per_step: per(kernels.calls as f64),
+        kernel_us_per_step: per(kernels.us),
+        device_busy_share: kernels.us / wall_us,
+        launches_per_step: per(launches as f64),
+        device_to_host_per_step: per(to_host as f64),
+        top_kernels: entries(&kernels),
+        top_ops: entries(&ops),
+    })
+}
+
+/// Calls and summed durations, in all and by name.
+#[derive(Default)]
+struct Tally {
+    calls: u64,
+    us: f64,
+    by_name: HashMap<String, (u64, f64)>,
+}
+
+impl Tally {
+    fn add(&mut self, name: &str, us: f64) {
+        self.calls += 1;
+        self.us += us;
+        let e = self.by_name.entry(name.to_string()).or_default();
+        e.0 += 1;
+        e.1 += us;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A trace written by hand: two steps of a GPU decoding step, with a launch each, one copy to
+    /// the host, a memset and events of other phases that count for nothing.
+    #[test]
+    fn a_summary_counts_what_the_trace_holds() {
+        let trace = serde_json::json!({"traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 0.0, "dur": 30.0},
+            {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 40.0, "dur": 30.0},
+            {"ph": "X", "cat": "kernel", "name": "rms_norm", "ts": 80.0, "dur": 5.0},
+            {"ph": "X", "cat": "kernel", "name": "rms_norm", "ts": 90.0, "dur": 5.0},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 12.0},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 20.0, "dur": 12.0},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 40.0, "dur": 4.0},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.0, "dur": 3.0},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 50.0, "dur": 3.0},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 60.0, "dur": 9.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 99.0, "dur": 1.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 2.0, "dur": 1.0},
+            {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 3.0, "dur": 1.0},
+            {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5.0},
+            {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 5.0}
+        ]});
+        let path = std::env::temp_dir().join(format!("topr-profile-test-{}.json", std::process::id()));
+        std::fs::write(&path, trace.to_string()).unwrap();
+        let s = summarize(&path, 2, 200.0, 1).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!((s.steps, s.wall_us_per_step, s.kernels_per_step, s.kernel_us_per_step), (2, 100.0, 2.0, 35.0));
+        assert_eq!(s.device_busy_share, 70.0 / 200.0);
+        assert_eq!((s.launches_per_step, s.device_to_host_per_step), (1.0, 0.5));
+        assert_eq!(s.top_kernels, vec![Entry { name: "gemv".into(), calls_per_step: 1.0, us_per_step: 30.0 }]);
+        assert_eq!(s.top_ops, vec![Entry { name: "aten::mm".into(), calls_per_step: 1.0, us_per_step: 12.0 }]);
+    }
+
+    /// The real profiler, once at a time: a second start is refused while one runs, a dropped
+    /// one stops (another can start), and a finished one writes a trace of what ran.
+    #[test]
+    fn one_profiler_at_a_time_and_its_trace_holds_the_operators() {
+        let first = Profiler::start(Device::Cpu).unwrap();
+        assert!(Profiler::start(Device::Cpu).is_err());
+        drop(first);
+        let p = Profiler::start(Device::Cpu).unwrap();
+        let x = tch::Tensor::ones([32, 32], (tch::Kind::Float, Device::Cpu));
+        let _ = x.matmul(&x).softmax(-1, tch::Kind::Float);
+        let path = std::env::temp_dir().join(format!("topr-profile-real-{}.json", std::process::id()));
+        p.finish(&path).unwrap();
+        let s = summarize(&path, 1, 1e3, 50).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        for op in ["aten::matmul", "aten::softmax"] {
+            assert!(s.top_ops.iter().any(|o| o.name == op && o.calls_per_step >= 1.0), "{op} not in {:?}", s.top_ops);
+        }
+        assert_eq!((s.kernels_per_step, s.device_to_host_per_step), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_summary_refuses_what_is_not_a_trace() {
+        let path = std::env::temp_dir().join(format!("topr-profile-bad-{}.json", std::process::id()));
+        std::fs::write(&path, "{\"events\": []}").unwrap();
+        assert!(format!("{:#}", summarize(&path, 1, 1.0, 1).unwrap_err()).contains("no traceEvents"));
+        assert!(summarize(&path, 0, 1.0, 1).is_err());
+        std::fs::remove_file(&path).unwrap();
+        assert!(summarize(&path, 1, 1.0, 1).is_err());
+    }
+}
