@@ -11,7 +11,8 @@
 # limit is cut to what is left, and a stage that would get under 30 s is skipped (status
 # "skipped" in stages.jsonl), so that a run ends inside a machine's time however slow a stage is.
 # The stages run in the order of what matters most: the generation figures, transformers eager,
-# the demo, transformers compiled, parity, the objectives and data parallelism, the losses.
+# the demo, transformers compiled, parity, the profile of a decoding step, the objectives and
+# data parallelism, the losses.
 # --pack FILE: after every stage, OUT_DIR (without the models, which live elsewhere) is written to
 # FILE as a gzipped tar, replaced atomically: a run killed at any point leaves one whole file of
 # what had finished, for machines that send back only a few files. report.py can redraw the
@@ -85,7 +86,8 @@ start=$(date +%s)
 if [ "$size" = full ]; then
     big=(--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 --max-positions 2048 --vocab-size 128256)
     small=(--layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 768 --max-positions 512)
-    bench=(--new-tokens 128 --gen-batch 1,16,64,256 --train-batch 16 --train-len 1024 --sample-prompts 64 --sample-slots 64 --sample-stop-every 64 --profile-batch 1,64)
+    bench=(--new-tokens 128 --gen-batch 1,16,64,256 --train-batch 16 --train-len 1024 --sample-prompts 64 --sample-slots 64 --sample-stop-every 64)
+    profile=(--new-tokens 32 --gen-batch 1 --train-batch 1 --train-len 16 --profile-batch 1,64)
     bench_hf=(128 16 1024 --gen-batch 1,16,64,256)
     bench_hf_compiled=(128 16 1024 --gen-batch 1,64 --mode static-compile)
     parity=(--prompts 4 --len 64 --new-tokens 32)
@@ -96,7 +98,8 @@ if [ "$size" = full ]; then
 else
     big=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --max-positions 256 --vocab-size 2048)
     small=(--layers 1 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 --max-positions 256)
-    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64 --sample-prompts 4 --sample-slots 4 --sample-stop-every 64 --profile-batch 1)
+    bench=(--new-tokens 8 --gen-batch 1,4 --train-batch 2 --train-len 64 --sample-prompts 4 --sample-slots 4 --sample-stop-every 64)
+    profile=(--new-tokens 8 --gen-batch 1 --train-batch 1 --train-len 16 --profile-batch 1)
     bench_hf=(8 2 64 --gen-batch 1,4)
     bench_hf_compiled=(8 2 64 --gen-batch 1 --mode static-compile)
     parity=(--prompts 2 --len 16 --new-tokens 8)
@@ -182,10 +185,8 @@ stage init-small 60 "$bin" init --out "$W/small" "${small[@]}"
 stage peak 60 "$bin" check peak "${dev[@]}" "${peak[@]}"
 # Generation eager and replaying CUDA graphs of the decoding step, side by side (--cuda-graphs:
 # on a CUDA device `bench` measures both), with the share of the bandwidth limit; the sampling
-# workload with continuous and with draining batches; and a short generation at batch 1 and 64
-# recorded by libtorch's profiler, each summarised in a line (kernels and launches a step, the
-# device's busy share, copies to the host; its traces stay in the work folder, too large to keep).
-stage bench 300 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}" --cuda-graphs --profile "$W/profiles"
+# workload with continuous and with draining batches.
+stage bench 300 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${bench[@]}" --cuda-graphs
 # transformers on the same model, sizes and dtype, where python3 has it (the GPU machine's image
 # does; CI's torch-only venv does not, and the stage is then left out of the report).
 if limited 120 "$PY" -c 'import transformers' 2>/dev/null; then
@@ -205,6 +206,12 @@ if [ "$device" != cpu ] && limited 120 "$PY" -c 'import transformers' 2>/dev/nul
         --device "${device/cuda:*/cuda}" --dtype "${half[1]}"
 fi
 stage parity 240 "$bin" check parity --model "$W/big" "${dev[@]}" "${parity[@]}"
+# Where a decoding step's time goes: a short generation at batch 1 and 64, eager and replaying
+# graphs, recorded by libtorch's profiler (bench --profile, in a process of its own: a profiler
+# that fails, or CUPTI staying attached after it, touches no other stage's figures), each run
+# summarised in a line (kernels and launches a step, the device's busy share, copies to the host,
+# the costliest kernels). Its traces, a few MB each, are left in the work folder and removed.
+stage profile 120 "$bin" bench --model "$W/big" "${dev[@]}" "${half[@]}" "${profile[@]}" --cuda-graphs --profile "$W/profiles"
 
 # Every objective a few steps, with AdamW and with Adafactor, on the small model's graded samples.
 # A random model answers nothing right: the first completion of every question is marked correct,

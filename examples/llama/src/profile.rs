@@ -1,9 +1,9 @@
 //! Where the time goes: libtorch's profiler (Kineto, the one behind `torch.profiler`), which tch
 //! does not wrap, through a small C++ file (`csrc/profile.cpp`), and a summary of its trace.
 //!
-//! [`Profiler::start`] records every libtorch operator this process runs on the CPU and, on a
-//! CUDA device, the CUDA runtime's calls and each kernel the GPU ran (through CUPTI, kernels
-//! replayed from CUDA graphs included); [`Profiler::finish`] writes the record as a Chrome trace
+//! [`Profiler::start`] records the libtorch operators the calling thread runs and, on a CUDA
+//! device, the CUDA runtime's calls and each kernel the GPU ran (through CUPTI, kernels replayed
+//! from CUDA graphs included); [`Profiler::finish`] writes the record as a Chrome trace
 //! (open it in Perfetto or `chrome://tracing`), the file `torch.profiler`'s
 //! `export_chrome_trace` writes. [`summarize`] reads such a trace back into the figures that say
 //! whether a decoding step is bound by its kernels or by launching them: the kernels' count and
@@ -30,23 +30,25 @@ const ERR_CAP: usize = 1024;
 static RUNNING: AtomicBool = AtomicBool::new(false);
 
 /// A running profiler: started by [`Profiler::start`], stopped by [`Profiler::finish`] (which
-/// writes the trace) or, without a trace, when dropped. One at a time in a process.
+/// writes the trace) or, without a trace, when dropped. One at a time in a process, and bound to
+/// the thread that started it (libtorch records operators per thread): it is not `Send`.
 pub struct Profiler {
     running: bool,
+    _thread: std::marker::PhantomData<*const ()>,
 }
 
 impl Profiler {
-    /// Starts recording the libtorch operators of this process and, when `device` is a CUDA
+    /// Starts recording the libtorch operators of the calling thread and, when `device` is a CUDA
     /// device, the CUDA activity of every device. Refused while another profiler runs.
     ///
     /// ```
-    /// use topr_llama::profile::{Profiler, summarize};
+    /// use topr_llama::profile::{Profiler, Window, summarize};
     /// let p = Profiler::start(tch::Device::Cpu)?;
     /// let x = tch::Tensor::ones([64, 64], (tch::Kind::Float, tch::Device::Cpu));
     /// let _ = x.matmul(&x);
     /// let trace = std::env::temp_dir().join(format!("profile-doc-{}.json", std::process::id()));
     /// p.finish(&trace)?;
-    /// let s = summarize(&trace, 1, 1e3, 5)?;
+    /// let s = summarize(&trace, Window::All { steps: 1, wall_us: 1e3 }, 5)?;
     /// assert!(s.top_ops.iter().any(|o| o.name == "aten::matmul"));
     /// # std::fs::remove_file(&trace)?;
     /// # Ok::<(), anyhow::Error>(())
@@ -63,7 +65,7 @@ impl Profiler {
             RUNNING.store(false, Ordering::SeqCst);
             bail!("starting libtorch's profiler failed: {}", crate::onednn::shim_message(&err));
         }
-        Ok(Self { running: true })
+        Ok(Self { running: true, _thread: std::marker::PhantomData })
     }
 
     /// Stops recording and writes the trace (Chrome's JSON trace format) to `trace`.
@@ -108,12 +110,12 @@ pub struct Entry {
     pub us_per_step: f64,
 }
 
-/// What a trace of `steps` steps that took `wall_us` says (see [`summarize`]).
+/// What a trace says of the steps of its [`Window`] (see [`summarize`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Summary {
     /// The steps the trace holds (what "per step" divides by).
     pub steps: u64,
-    /// The wall time of the profiled work, per step, in microseconds (measured by the caller).
+    /// The wall time of the window, per step, in microseconds.
     pub wall_us_per_step: f64,
     /// GPU kernels run, per step (0 on the CPU).
     pub kernels_per_step: f64,
@@ -133,31 +135,46 @@ pub struct Summary {
     pub top_ops: Vec<Entry>,
 }
 
-/// Reads a Chrome trace written by [`Profiler::finish`] (or by `torch.profiler`) of `steps`
-/// steps that took `wall_us` microseconds in all, and returns its [`Summary`] with the `top`
-/// kernels and operators by time. Events are Chrome's complete events (`"ph": "X"`) with
-/// Kineto's categories: `kernel` (GPU kernels), `cpu_op` (libtorch operators), `cuda_runtime`
-/// (the runtime's calls: `cudaLaunchKernel`, `cudaGraphLaunch`, …) and `gpu_memcpy` (copies; a
-/// name with `DtoH` goes to the host).
-pub fn summarize(trace: &Path, steps: u64, wall_us: f64, top: usize) -> Result<Summary> {
-    if steps == 0 || !(wall_us > 0.0) {
-        bail!("summarize: steps ({steps}) and the wall time ({wall_us} µs) must be positive");
-    }
+/// Which part of a trace [`summarize`] reads, and what a step of it is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Window {
+    /// Every event: `steps` steps that took `wall_us` microseconds in all (measured by the
+    /// caller).
+    All { steps: u64, wall_us: f64 },
+    /// The events that start at or after the first event named `name` (e.g. `cudaGraphLaunch`:
+    /// the replays of a recorded decoding step, without the prefill, the eager first step and the
+    /// recording before them), one step per such event; the wall time is the span from its start
+    /// to the end of the last event.
+    From(&'static str),
+}
+
+/// Reads a Chrome trace written by [`Profiler::finish`] (or by `torch.profiler`) and returns the
+/// [`Summary`] of its `window`, with the `top` kernels and operators by time. Events are Chrome's
+/// complete events (`"ph": "X"`) with Kineto's categories: `kernel` (GPU kernels), `cpu_op`
+/// (libtorch operators), `cuda_runtime` and `cuda_driver` (the runtime's and driver's calls:
+/// `cudaLaunchKernel`, `cuLaunchKernelEx`, `cudaGraphLaunch`, …) and `gpu_memcpy` (copies; a name
+/// with `DtoH` goes to the host). An error for a file that is not such a trace, a window without
+/// steps, or no event of a [`Window::From`]'s name.
+pub fn summarize(trace: &Path, window: Window, top: usize) -> Result<Summary> {
     let file = std::fs::File::open(trace).with_context(|| format!("opening the trace {}", trace.display()))?;
     let json: serde_json::Value = serde_json::from_reader(std::io::BufReader::new(file))
         .with_context(|| format!("{}: not a JSON trace", trace.display()))?;
     let Some(events) = json.get("traceEvents").and_then(|e| e.as_array()) else {
         bail!("{}: no traceEvents list", trace.display());
     };
+    // (category, name, start, duration) of the complete events.
+    let complete: Vec<(&str, &str, f64, f64)> = events
+        .iter()
+        .filter(|e| e.get("ph").and_then(|p| p.as_str()) == Some("X"))
+        .map(|e| {
+            let num = |k: &str| e.get(k).and_then(|d| d.as_f64()).unwrap_or(0.0);
+            (e["cat"].as_str().unwrap_or(""), e["name"].as_str().unwrap_or(""), num("ts"), num("dur"))
+        })
+        .collect();
+    let (from, steps, wall_us) = bounds(&complete, window).with_context(|| format!("{}", trace.display()))?;
     let per = |x: f64| x / steps as f64;
-    let (mut kernels, mut launches, mut to_host) = (Tally::default(), 0u64, 0u64);
-    let mut ops = Tally::default();
-    for e in events {
-        if e.get("ph").and_then(|p| p.as_str()) != Some("X") {
-            continue;
-        }
-        let (cat, name) = (e["cat"].as_str().unwrap_or(""), e["name"].as_str().unwrap_or(""));
-        let dur = e.get("dur").and_then(|d| d.as_f64()).unwrap_or(0.0);
+    let (mut kernels, mut ops, mut launches, mut to_host) = (Tally::default(), Tally::default(), 0u64, 0u64);
+    for &(cat, name, _, dur) in complete.iter().filter(|e| e.2 >= from) {
         match cat {
             "kernel" => kernels.add(name, dur),
             "cpu_op" => ops.add(name, dur),
@@ -191,6 +208,26 @@ pub fn summarize(trace: &Path, steps: u64, wall_us: f64, top: usize) -> Result<S
         top_kernels: entries(&kernels),
         top_ops: entries(&ops),
     })
+}
+
+/// Where `window` starts in `complete` (category, name, start, duration), its steps and its wall
+/// time in microseconds.
+fn bounds(complete: &[(&str, &str, f64, f64)], window: Window) -> Result<(f64, u64, f64)> {
+    let (from, steps, wall_us) = match window {
+        Window::All { steps, wall_us } => (f64::NEG_INFINITY, steps, wall_us),
+        Window::From(name) => {
+            let marks: Vec<f64> = complete.iter().filter(|e| e.1 == name).map(|e| e.2).collect();
+            let Some(first) = marks.iter().copied().reduce(f64::min) else {
+                bail!("no {name} event to count steps from");
+            };
+            let last = complete.iter().map(|e| e.2 + e.3).fold(first, f64::max);
+            (first, marks.len() as u64, last - first)
+        }
+    };
+    if steps == 0 || !(wall_us > 0.0) {
+        bail!("the window's steps ({steps}) and wall time ({wall_us} µs) must be positive");
+    }
+    Ok((from, steps, wall_us))
 }
 
 /// Calls and summed durations, in all and by name.
@@ -238,8 +275,13 @@ mod tests {
         ]});
         let path = std::env::temp_dir().join(format!("topr-profile-test-{}.json", std::process::id()));
         std::fs::write(&path, trace.to_string()).unwrap();
-        let s = summarize(&path, 2, 200.0, 1).unwrap();
+        let s = summarize(&path, Window::All { steps: 2, wall_us: 200.0 }, 1).unwrap();
+        // From the first graph launch (ts 50) on: one step, 50 to 100 µs.
+        let g = summarize(&path, Window::From("cudaGraphLaunch"), 5).unwrap();
+        assert!(summarize(&path, Window::From("cudaNothing"), 5).is_err());
         std::fs::remove_file(&path).unwrap();
+        assert_eq!((g.steps, g.wall_us_per_step, g.kernels_per_step, g.kernel_us_per_step), (1, 50.0, 2.0, 10.0));
+        assert_eq!((g.launches_per_step, g.device_to_host_per_step, g.top_ops.len()), (1.0, 1.0, 0));
         assert_eq!((s.steps, s.wall_us_per_step, s.kernels_per_step, s.kernel_us_per_step), (2, 100.0, 2.0, 35.0));
         assert_eq!(s.device_busy_share, 70.0 / 200.0);
         assert_eq!((s.launches_per_step, s.device_to_host_per_step), (1.0, 0.5));
@@ -259,7 +301,7 @@ mod tests {
         let _ = x.matmul(&x).softmax(-1, tch::Kind::Float);
         let path = std::env::temp_dir().join(format!("topr-profile-real-{}.json", std::process::id()));
         p.finish(&path).unwrap();
-        let s = summarize(&path, 1, 1e3, 50).unwrap();
+        let s = summarize(&path, Window::All { steps: 1, wall_us: 1e3 }, 50).unwrap();
         std::fs::remove_file(&path).unwrap();
         for op in ["aten::matmul", "aten::softmax"] {
             assert!(s.top_ops.iter().any(|o| o.name == op && o.calls_per_step >= 1.0), "{op} not in {:?}", s.top_ops);
@@ -271,9 +313,12 @@ mod tests {
     fn a_summary_refuses_what_is_not_a_trace() {
         let path = std::env::temp_dir().join(format!("topr-profile-bad-{}.json", std::process::id()));
         std::fs::write(&path, "{\"events\": []}").unwrap();
-        assert!(format!("{:#}", summarize(&path, 1, 1.0, 1).unwrap_err()).contains("no traceEvents"));
-        assert!(summarize(&path, 0, 1.0, 1).is_err());
+        let all = |steps| Window::All { steps, wall_us: 1.0 };
+        assert!(format!("{:#}", summarize(&path, all(1), 1).unwrap_err()).contains("no traceEvents"));
+        std::fs::write(&path, "{\"traceEvents\": []}").unwrap();
+        assert!(summarize(&path, all(0), 1).is_err());
+        assert!(summarize(&path, all(1), 1).is_ok());
         std::fs::remove_file(&path).unwrap();
-        assert!(summarize(&path, 1, 1.0, 1).is_err());
+        assert!(summarize(&path, all(1), 1).is_err());
     }
 }

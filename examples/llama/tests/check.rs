@@ -258,6 +258,7 @@ fn bench_profiles_generation_into_traces_and_summaries() {
         let trace = std::fs::read_to_string(traces.join(x["trace"].as_str().unwrap())).unwrap();
         assert!(trace.contains("\"topr::next_tokens\"") && trace.contains("\"aten::embedding\""), "{x}");
         assert!(s["wall_us_per_step"].as_f64().unwrap() > 0.0, "{x}");
+        assert!(x["unprofiled_wall_us_per_token"].as_f64().unwrap() > 0.0 && x["tokens"] == 32, "{x}");
     }
     std::fs::remove_dir_all(&traces).unwrap();
 }

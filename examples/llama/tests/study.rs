@@ -297,17 +297,30 @@ fn the_study_comparison_script_agrees_with_the_report() {
         String::from_utf8(out.stdout).unwrap()
     };
     let itself = compare("docs/study/iterated", "docs/study/iterated");
-    // The report's cells (docs/study/iterated/tables.md): TOPR 0.140 ± 0.009 at iteration 1,
-    // 0.191 ± 0.009 at 5; SFT 0.168 ± 0.013 at 2.
-    for row in [
-        "| topr-p0.5 | 1 | 0.140 ± 0.009 (5) | 0.140 ± 0.009 (5) | +0.000 ± 0.012 | +0.0 |",
-        "| topr-p0.5 | 5 | 0.191 ± 0.009 (5) | 0.191 ± 0.009 (5) | +0.000 ± 0.013 | +0.0 |",
-        "| sft | 2 | 0.168 ± 0.013 (5) | 0.168 ± 0.013 (5) | +0.000 ± 0.018 | +0.0 |",
-    ] {
-        assert!(itself.contains(row), "{row} not in\n{itself}");
-    }
+    // Every cell of the report's accuracy columns (docs/study/iterated/tables.md: per claim, the
+    // rows `| arm | seeds | iteration 0 | … |`) is the script's mean ± SE of the same arm and
+    // iteration, in the same claim's section, and its difference to itself is zero.
     let tables = std::fs::read_to_string(repo.join("docs/study/iterated/tables.md")).unwrap();
-    assert!(tables.contains("| topr-p0.5 | 5 | 0.019 ± 0.005 | 0.140 ± 0.009 | 0.159 ± 0.016 |"), "{tables}");
+    let mut checked = 0;
+    for (claim, iterations) in [("negatives", 3), ("iterated", 6)] {
+        let section = |text: &str| -> String {
+            let start = text.find(&format!("## {claim}\n")).unwrap_or_else(|| panic!("no {claim} in\n{text}"));
+            let rest = &text[start + 4..];
+            rest[..rest.find("\n## ").unwrap_or(rest.len())].to_string()
+        };
+        let (report, script) = (section(&tables), section(&itself));
+        for arm in report.lines().filter(|l| l.starts_with("| topr-p0.5 | 5 |") || l.starts_with("| sft | 5 |")) {
+            let cells: Vec<&str> = arm.split('|').map(str::trim).collect();
+            for i in 0..iterations {
+                let row = format!("| {} | {i} | {} (5) | {} (5) |", cells[1], cells[3 + i], cells[3 + i]);
+                assert!(script.contains(&row), "{row} not in\n{script}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 3 + 3 + 6, "{tables}");
+    let rows: Vec<&str> = itself.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| arm")).collect();
+    assert!(rows.len() == 12 && rows.iter().all(|l| l.contains("| +0.000 ± ") && l.ends_with("| +0.0 |")), "{itself}");
     // Two runs that differ, written here: means 0.2 and 0.3 over 3 seeds, each SE
     // sqrt(0.01 / 3) = 0.0577, the difference's SE 0.0816 (+1.2 of it).
     let tmp = std::env::temp_dir().join(format!("llama_compare_{}", std::process::id()));

@@ -8,9 +8,9 @@
 //! with `--prompt-pairs N`, N alternating pairs of a step on half-prompt sequences through every
 //! position's logits and through the completion's only.
 //! On a CUDA device, generation is measured eagerly and with CUDA graphs, side by side, with
-//! the share of the memory-bandwidth limit each achieves. With `--profile DIR`, a short greedy
-//! generation at each `--profile-batch` is recorded by libtorch's profiler: a trace a run in DIR
-//! and a summary line each (where a decoding step's time goes).
+//! the share of the memory-bandwidth limit each achieves. With `--profile DIR`, last, a short
+//! greedy generation at each `--profile-batch` is recorded by libtorch's profiler: a trace a run
+//! in DIR and a summary line each (where a decoding step's time goes).
 
 use super::check::sync;
 use anyhow::{Context, Result};
@@ -19,16 +19,10 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 use topr_llama::generate::{self, Sampling};
 use topr_llama::model::{Kernels, Llama};
-use topr_llama::profile::{self, Profiler};
+use topr_llama::profile::{self, Profiler, Window};
 use topr_llama::tokenizer::Tokenizer;
 
-/// Where `bench --profile` writes its traces, and the batch sizes it profiles.
-pub struct ProfileAt<'a> {
-    pub dir: &'a Path,
-    pub batches: &'a [usize],
-}
-
-#[allow(clippy::too_many_arguments)]
+/// Measures generation and training; returns whether CUDA graphs were measured and none failed.
 pub fn run(
     m: &mut Llama,
     tok: &Tokenizer,
@@ -36,8 +30,7 @@ pub fn run(
     gen_batches: &[usize],
     train_batch: i64,
     train_len: i64,
-    profile: Option<ProfileAt>,
-) -> Result<()> {
+) -> Result<bool> {
     if train_len > m.cfg.max_position_embeddings {
         anyhow::bail!("--train-len {train_len} exceeds the model's context of {}", m.cfg.max_position_embeddings);
     }
@@ -48,16 +41,8 @@ pub fn run(
         serde_json::json!({"what": "peak", "impl": "topr-loss", "kind": format!("{:?}", m.kind()), "n": n, "tflops": peak})
     );
     let graphs = generation(m, tok, new_tokens, gen_batches, peak)?;
-    if let Some(at) = profile {
-        // A profiler that fails (CUPTI refused, a trace that cannot be written) costs its lines
-        // only: the training measurements still run.
-        let before = m.cuda_graphs();
-        if let Err(error) = caught(|| profile_generation(m, tok, new_tokens, graphs, &at)) {
-            println!("{}", serde_json::json!({"what": "profile", "impl": "topr-loss", "error": error}));
-        }
-        m.set_cuda_graphs(before);
-    }
-    training(m, train_batch, train_len, peak)
+    training(m, train_batch, train_len, peak)?;
+    Ok(graphs)
 }
 
 /// The roofline fields of a throughput line: FLOPs a token, achieved TFLOP/s, share of `peak`.
@@ -174,42 +159,73 @@ fn generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, batches: &[usize]
 /// The prompt of the generation measurements.
 const STORY: &str = "Tell me a long story about a dragon.";
 
-/// `--profile`: greedy generation of up to 32 tokens at each of `at.batches`, eagerly and (when
-/// `graphs`) replaying CUDA graphs, recorded by libtorch's profiler after an identical run (which
-/// records the graphs); each trace goes to `at.dir/generate-bB-MODE.json` and its summary
-/// ([`profile::summarize`]: kernels and launches a step, the device's busy share, copies to the
-/// host, the costliest kernels and operators) to one JSON line. A step here is one generated
-/// token, the prefill's share included.
-fn profile_generation(m: &mut Llama, tok: &Tokenizer, new_tokens: i64, graphs: bool, at: &ProfileAt) -> Result<()> {
-    std::fs::create_dir_all(at.dir).with_context(|| format!("creating {}", at.dir.display()))?;
+/// `--profile`: greedy generation of up to 32 tokens at each of `batches`, eagerly and (when
+/// `graphs`) replaying CUDA graphs, run once without and once with libtorch's profiler; each
+/// trace goes to `dir/generate-bB-MODE.json` and its summary ([`profile::summarize`]: kernels and
+/// launches a step, the device's busy share, copies to the host, the costliest kernels and
+/// operators) to one JSON line, beside the unprofiled run's wall time a step. Eagerly a step is
+/// one generated token, the prefill's share included; with graphs it is one replay, counted from
+/// the first (the prefill, the eager first step and the recording, which every call makes, left
+/// out). Called last: a profiler that fails costs its own lines (an error line each, the later
+/// runs eager after a failed recording), and one that crashes the process loses nothing else.
+pub fn profile(
+    m: &mut Llama,
+    tok: &Tokenizer,
+    new_tokens: i64,
+    mut graphs: bool,
+    dir: &Path,
+    batches: &[usize],
+) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let prompt = tok.prompt_ids(STORY, true)?;
     let s = Sampling::greedy(new_tokens.min(32));
-    for &batch in at.batches {
-        for cuda_graphs in [false, true] {
+    // Every eager run first: profiling graphs is the less proven path (Kineto and CUPTI have had
+    // bugs with CUDA graphs), and a hang there should find the eager lines printed.
+    for cuda_graphs in [false, true] {
+        for &batch in batches {
             if cuda_graphs && !graphs {
                 continue;
             }
             m.set_cuda_graphs(cuda_graphs);
             let prompts = vec![prompt.clone(); batch];
-            generate::generate(m, &prompts, &s, &[], 0)?;
-            sync(m.device());
-            let profiler = Profiler::start(m.device())?;
-            let t0 = Instant::now();
-            let out = generate::generate(m, &prompts, &s, &[], 0)?;
-            sync(m.device());
-            let wall_us = t0.elapsed().as_secs_f64() * 1e6;
             let name = format!("generate-b{batch}-{}.json", if cuda_graphs { "graphs" } else { "eager" });
-            let trace = at.dir.join(&name);
-            profiler.finish(&trace)?;
-            let steps = out.iter().map(|c| c.tokens.len()).max().unwrap_or(0).max(1) as u64;
-            let summary = profile::summarize(&trace, steps, wall_us, 12)?;
-            println!(
-                "{}",
-                serde_json::json!({"what": "profile", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "trace": name, "summary": summary})
-            );
+            let line = match caught(|| profile_one(m, &prompts, &s, &dir.join(&name))) {
+                Ok(line) => line,
+                Err(error) => {
+                    graphs &= !cuda_graphs;
+                    serde_json::json!({"error": error})
+                }
+            };
+            let head = serde_json::json!({"what": "profile", "impl": "topr-loss", "batch": batch, "cuda_graphs": cuda_graphs, "trace": name});
+            println!("{}", with(head, line));
         }
     }
+    m.set_cuda_graphs(false);
     Ok(())
+}
+
+/// One run of [`profile`]: the fields of its line.
+fn profile_one(m: &Llama, prompts: &[Vec<i64>], s: &Sampling, trace: &Path) -> Result<serde_json::Value> {
+    let timed = |m: &Llama| -> Result<(Vec<generate::Completion>, f64)> {
+        let t0 = Instant::now();
+        let out = generate::generate(m, prompts, s, &[], 0)?;
+        sync(m.device());
+        Ok((out, t0.elapsed().as_secs_f64() * 1e6))
+    };
+    sync(m.device());
+    let (_, unprofiled_us) = timed(m)?;
+    let profiler = Profiler::start(m.device())?;
+    let (out, wall_us) = timed(m)?;
+    profiler.finish(trace)?;
+    let steps = out.iter().map(|c| c.tokens.len()).max().unwrap_or(0).max(1) as u64;
+    let window = if m.cuda_graphs() { Window::From("cudaGraphLaunch") } else { Window::All { steps, wall_us } };
+    let summary = profile::summarize(trace, window, 12)?;
+    let mut line = serde_json::json!({"tokens": steps, "unprofiled_wall_us_per_token": unprofiled_us / steps as f64, "summary": summary});
+    if m.device().is_cuda() && summary.kernels_per_step == 0.0 {
+        line["warning"] =
+            "no GPU kernel in the trace: CUPTI unavailable? Only the host's operators were recorded".into();
+    }
+    Ok(line)
 }
 
 /// Runs `f`, turning its error or a panic inside it (a libtorch operation's) into the message.

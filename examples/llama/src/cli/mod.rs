@@ -269,8 +269,8 @@ pub enum Command {
         /// that continuous batching is for.
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = args::whole(0i64, 1 << 30))]
         sample_stop_every: i64,
-        /// Also record a short greedy generation (up to 32 tokens) at each --profile-batch with
-        /// libtorch's profiler (Kineto, as torch.profiler), eagerly and with CUDA graphs: one
+        /// Last, also record a short greedy generation (up to 32 tokens) at each --profile-batch
+        /// with libtorch's profiler (Kineto, as torch.profiler), eagerly and with CUDA graphs: one
         /// Chrome trace a run in this folder (open it in Perfetto) and one summary line each
         /// (kernels and launches a step, the device's busy share, copies to the host, the
         /// costliest kernels and operators). The profiler logs a few lines of its own on stderr
@@ -602,11 +602,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             profile_batch,
         } => {
             let (mut m, tok) = c::load(&model)?;
-            let at = profile.as_deref().map(|dir| bench::ProfileAt { dir, batches: &profile_batch });
-            bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len, at)?;
+            let graphs = bench::run(&mut m, &tok, new_tokens, &gen_batch, train_batch, train_len)?;
             bench::sampling(&m, &tok, sample_prompts, sample_slots, new_tokens, sample_stop_every)?;
             bench::prompt_pairs(&m, train_batch, train_len, prompt_pairs)?;
-            bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)
+            bench::kernel_pairs(&mut m, train_batch, train_len, kernel_pairs)?;
+            match profile {
+                Some(dir) => bench::profile(&mut m, &tok, new_tokens, graphs, &dir, &profile_batch),
+                None => Ok(()),
+            }
         }
         Command::Check { what } => match what {
             CheckCommand::Parity { model, device, prompts, len, new_tokens } => {
