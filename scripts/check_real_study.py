@@ -234,6 +234,22 @@ def main():
             a, b = over_seeds[1], over_questions[1]
             larger = "–" if math.isnan(a) or math.isnan(b) else "seeds" if a > b else "questions" if a < b else "equal"
             check(f"{claim} {arm} larger SE", row["larger SE"], larger)
+        # Each seed apart: greedy pass@1 (invalid) of the initial model and of each arm after
+        # each iteration.
+        per_seed = [(h, r) for h, r in found[2:] if len(h) > 1 and h[1] == "seed 0"]
+        check(f"{claim} per-seed table", len(per_seed), 1)
+        for header, rows in per_seed[:1]:
+            check(f"{claim} per-seed columns", header, ["arm"] + [f"seed {s}" for s in all_seeds])
+            cell = lambda s, arm, i: f"{accuracy(s, arm, i):.3f} ({invalid(s, arm, i):.3f})" if finished(s, arm, i) else "–"
+            labels = ["initial model"] + [f"{arm} at iteration {i}" for arm in arms for i in range(1, iters + 1)]
+            check(f"{claim} per-seed rows", list(rows), labels)
+            for s in all_seeds:
+                initial = next((cell(s, a, 0) for a in arms if finished(s, a, 0)), "–")
+                check(f"{claim} seed {s} initial", dict(zip(header, rows["initial model"]))[f"seed {s}"], initial)
+                for arm in arms:
+                    for i in range(1, iters + 1):
+                        row = dict(zip(header, rows[f"{arm} at iteration {i}"]))
+                        check(f"{claim} seed {s} {arm} iteration {i}", row[f"seed {s}"], cell(s, arm, i))
         # The sampled evaluation, where the claim has one.
         for header, rows in found[2:]:
             if header[0] != "model":

@@ -467,6 +467,7 @@ fn claim_section(
     writeln!(md)?;
     if c.is_real() {
         real_section(s, &table, &arms, iters, md)?;
+        seeds_table(s, &table, &arms, iters, md)?;
     }
     sampled_section(md, c, sampled, s)?;
     if iters >= 3 {
@@ -606,6 +607,42 @@ fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize
             vs(over_seeds),
             vs(over_questions).replace(" (one seed)", "")
         )?;
+    }
+    writeln!(md)?;
+    Ok(())
+}
+
+/// A real-model claim's seeds one by one: each seed's greedy pass@1 (its invalid rate in
+/// parentheses) at iteration 0 (the initial model, as the first arm that has it recorded it) and
+/// each arm's at every later iteration, so that the spread over seeds behind every mean is in view.
+fn seeds_table(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize, md: &mut String) -> Result<()> {
+    writeln!(
+        md,
+        "Each seed: greedy pass@1 and, in parentheses, the share of invalid answers, of the initial \
+         model and of each arm after each iteration (`–`: not finished):\n"
+    )?;
+    let mut header = "| arm |".to_string();
+    for seed in &s.seeds {
+        write!(header, " seed {seed} |")?;
+    }
+    writeln!(md, "{header}\n|{}", "---|".repeat(s.seeds.len() + 1))?;
+    let cell = |r: Option<&StudyRow>| match r {
+        Some(r) => format!("{:.3} ({:.3})", r.accuracy, r.invalid_rate),
+        None => "–".into(),
+    };
+    let mut line = "| initial model |".to_string();
+    for &seed in &s.seeds {
+        write!(line, " {} |", cell(arms.iter().find_map(|a| table.at(&a.name, seed, 0))))?;
+    }
+    writeln!(md, "{line}")?;
+    for arm in arms {
+        for i in 1..=iters {
+            let mut line = format!("| {} at iteration {i} |", arm.name);
+            for &seed in &s.seeds {
+                write!(line, " {} |", cell(table.at(&arm.name, seed, i)))?;
+            }
+            writeln!(md, "{line}")?;
+        }
     }
     writeln!(md)?;
     Ok(())
