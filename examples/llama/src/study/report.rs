@@ -626,22 +626,23 @@ fn seeds_table(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize,
         write!(header, " seed {seed} |")?;
     }
     writeln!(md, "{header}\n|{}", "---|".repeat(s.seeds.len() + 1))?;
-    let cell = |r: Option<&StudyRow>| match r {
-        Some(r) => format!("{:.3} ({:.3})", r.accuracy, r.invalid_rate),
-        None => "–".into(),
+    // One line: its label, then each seed's accuracy and invalid rate (`–` where none is recorded).
+    let mut line = |label: &str, at: &dyn Fn(u64) -> Option<(f64, f64)>| -> Result<()> {
+        write!(md, "| {label} |")?;
+        for &seed in &s.seeds {
+            match at(seed) {
+                Some((accuracy, invalid)) => write!(md, " {accuracy:.3} ({invalid:.3}) |")?,
+                None => write!(md, " – |")?,
+            }
+        }
+        writeln!(md)?;
+        Ok(())
     };
-    let mut line = "| initial model |".to_string();
-    for &seed in &s.seeds {
-        write!(line, " {} |", cell(arms.iter().find_map(|a| table.at(&a.name, seed, 0))))?;
-    }
-    writeln!(md, "{line}")?;
+    let figures = |r: &StudyRow| (r.accuracy, r.invalid_rate);
+    line("initial model", &|seed| arms.iter().find_map(|a| table.at(&a.name, seed, 0)).map(figures))?;
     for arm in arms {
         for i in 1..=iters {
-            let mut line = format!("| {} at iteration {i} |", arm.name);
-            for &seed in &s.seeds {
-                write!(line, " {} |", cell(table.at(&arm.name, seed, i)))?;
-            }
-            writeln!(md, "{line}")?;
+            line(&format!("{} at iteration {i}", arm.name), &|seed| table.at(&arm.name, seed, i).map(figures))?;
         }
     }
     writeln!(md)?;
