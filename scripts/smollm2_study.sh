@@ -84,6 +84,16 @@ copy_records() {
             *data.jsonl) grep -qF -e "$key" -e "$here" "$f.run.json" 2>/dev/null || continue ;;
             *data.jsonl.run.json) grep -qF -e "$key" -e "$here" "$f" || continue ;;
         esac
+        # A later iteration's data set (sampled from a model of the work directory) is never put
+        # back: in a work directory restored from the records it is missing while its iteration's
+        # training record is there, and the training it recorded stands (an iteration made again
+        # loses its whole folder first).
+        case "$f" in
+            *data.jsonl | *data.jsonl.run.json)
+                if [ -e "$work/$(dirname "$f")/train.done.json" ] || [ -e "$work/$(dirname "$f")/train.done.recorded.json" ]; then
+                    continue
+                fi ;;
+        esac
         printf '%s\n' "$f"
     done)
     [ -z "$gone" ] || (cd "$out" && printf '%s\n' "$gone" | while IFS= read -r f; do rm -f "$f"; done)
@@ -116,6 +126,10 @@ restore_records() {
             cp "$from/$f" "$work/$f"
         fi
     done
+    # The grid's wall times go on in the new work directory (a copy would otherwise lose them).
+    if [ -f "$from/times.txt" ] && [ ! -e "$work/times.txt" ]; then
+        cp "$from/times.txt" "$work/times.txt"
+    fi
 }
 case "$only" in
     --copy-records) copy_records; report; exit 0 ;;

@@ -156,8 +156,12 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     let (work, records, back) = (tmp.join("work"), tmp.join("records"), tmp.join("back"));
     let here = format!("{{\"model\": {{\"path\": \"{}/models/smollm2-135m-instruct\"}}}}", repo.display());
     let elsewhere = "{\"model\": {\"path\": \"/elsewhere/models/smollm2-135m-instruct\"}}";
+    // The iterated arm's second data set was sampled from its first model, in the work directory.
+    let first_model = format!("{{\"model\": {{\"path\": \"{}/seed-0/arm/iter-1/model\"}}}}", work.display());
     let files: &[(&str, &str)] = &[
         ("study.json", "{}"),
+        // The grid's wall times, which a restore puts back so that the grid's log goes on.
+        ("times.txt", "study: 1 s\n"),
         // The tables and plots, drawn from the records where they are copied, not copied.
         ("study.md", "# drawn by the grid's binary"),
         ("study.jsonl", "{}\n"),
@@ -171,8 +175,10 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
         ("seed-0/arm/iter-1/train.done.json", "{}"),
         ("seed-0/arm/iter-1/model/config.json", "{}"),
         ("seed-0/arm/iter-2/data.jsonl", "{}\n"),
-        ("seed-0/arm/iter-2/data.jsonl.run.json", &here),
-        ("seed-0/arm/iter-2/state/progress.json", "{}"),
+        ("seed-0/arm/iter-2/data.jsonl.run.json", &first_model),
+        ("seed-0/arm/iter-2/train.done.json", "{}"),
+        ("seed-0/arm/iter-2/model/config.json", "{}"),
+        ("seed-0/arm/iter-3/state/progress.json", "{}"),
         ("seed-1/shared/h1/iter-1-data.jsonl", "{}\n"),
         ("seed-1/shared/h1/iter-1-data.jsonl.run.json", elsewhere),
     ];
@@ -200,23 +206,30 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
         "seed-0/arm/iter-1/train.done.json",
         "seed-0/arm/iter-2/data.jsonl",
         "seed-0/arm/iter-2/data.jsonl.run.json",
+        "seed-0/arm/iter-2/train.done.json",
         "seed-0/shared/h0/iter-1-data.jsonl",
         "seed-0/shared/h0/iter-1-data.jsonl.run.json",
         "seed-1/shared/h1/iter-1-data.jsonl",
         "seed-1/shared/h1/iter-1-data.jsonl.run.json",
         "study.json",
+        "times.txt",
     ];
     assert_eq!(listed(&records), copied);
     script("--restore-records", &back);
-    let restored: Vec<&str> = copied.iter().copied().filter(|f| !f.starts_with("seed-1")).collect();
+    // Not another clone's data set, nor one sampled from a model that the records do not keep.
+    let restored: Vec<&str> =
+        copied.iter().copied().filter(|f| !f.starts_with("seed-1") && !f.starts_with("seed-0/arm/iter-2/data")).collect();
     assert_eq!(listed(&back), restored);
+    // The machine is lost: the restored work directory takes the old one's place. Its records are
+    // copied unchanged, the second data set included, whose training record is still there.
+    std::fs::remove_dir_all(&work).unwrap();
+    std::fs::rename(&back, &work).unwrap();
+    script("--copy-records", &work);
+    assert_eq!(listed(&records), copied);
     // A stage made again (a rebuilt iteration 1 that differed from its record): the study removed
     // its later iteration from the work directory, and the records drop it too, so that a restore
     // never brings it back; another clone's data set, which is never restored here, stays.
-    for f in ["seed-0/arm/iter-2/data.jsonl", "seed-0/arm/iter-2/data.jsonl.run.json"] {
-        std::fs::remove_file(work.join(f)).unwrap();
-    }
-    std::fs::remove_dir_all(work.join("seed-1")).unwrap();
+    std::fs::remove_dir_all(work.join("seed-0/arm/iter-2")).unwrap();
     std::fs::write(work.join("seed-0/arm/iter-1/train.done.json"), "{\"again\": true}").unwrap();
     // A plot, which a restore does not bring back, stays whether the work directory has it or not.
     std::fs::write(records.join("seed-0/arm/iterations.png"), "png").unwrap();
