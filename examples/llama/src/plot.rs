@@ -40,10 +40,34 @@ fn font() -> Result<()> {
     .map_err(anyhow::Error::msg)
 }
 
-/// One line of a panel.
+/// One line of a panel, with an error bar at each point where `errors` gives one.
 pub struct Series {
     pub label: String,
     pub points: Vec<(f64, f64)>,
+    /// The half-height of the error bar at each point, in the points' order (a standard error
+    /// over seeds, say); none where it is missing, zero or not finite.
+    pub errors: Vec<f64>,
+}
+
+impl Series {
+    /// A line through `points`, without error bars.
+    pub fn new(label: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
+        Self { label: label.into(), points, errors: vec![] }
+    }
+
+    /// The same line with an error bar of half-height `errors[i]` at point `i`.
+    pub fn with_errors(self, errors: Vec<f64>) -> Self {
+        Self { errors, ..self }
+    }
+
+    /// The points with their error bars' half-heights, where both are drawable.
+    fn bars(&self) -> impl Iterator<Item = (f64, f64, f64)> + '_ {
+        self.points
+            .iter()
+            .zip(&self.errors)
+            .filter(|((x, y), e)| x.is_finite() && y.is_finite() && e.is_finite() && **e > 0.0)
+            .map(|(&(x, y), &e)| (x, y, e))
+    }
 }
 
 /// One chart: title, axis names and its lines.
@@ -99,7 +123,7 @@ fn emptiest_corner(points: &[(f64, f64)], (x0, x1): (f64, f64), (y0, y1): (f64, 
     .map_or(SeriesLabelPosition::UpperRight, |(_, p)| p)
 }
 
-fn range(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
+fn range(values: impl Iterator<Item = f64>) -> (f64, f64) {
     let (lo, hi) =
         values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
     if !lo.is_finite() {
@@ -109,6 +133,13 @@ fn range(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
     // ticks stay readable.
     let pad = ((hi - lo) * 0.05).max(0.05 * hi.abs().max(lo.abs())).max(if hi == lo { 0.05 } else { 0.0 });
     (lo - pad, hi + pad)
+}
+
+/// The y range of `series`: their points and the ends of their error bars.
+fn y_range(series: &[Series]) -> (f64, f64) {
+    let points = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+    let ends = series.iter().flat_map(|s| s.bars().flat_map(|(_, y, e)| [y - e, y + e]));
+    range(points.chain(ends))
 }
 
 /// plotters' drawing errors, as anyhow errors.
@@ -130,9 +161,8 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     root.fill(&WHITE).map_err(drawing)?;
     let areas = root.split_evenly((rows, cols));
     for (panel, area) in panels.iter().zip(areas.iter()) {
-        let all = panel.series.iter().flat_map(|s| s.points.iter().copied());
-        let (x0, x1) = range(all.clone().map(|p| p.0));
-        let (y0, y1) = range(all.map(|p| p.1));
+        let (x0, x1) = range(panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
+        let (y0, y1) = y_range(&panel.series);
         let mut chart = ChartBuilder::on(area)
             .caption(&panel.title, ("sans-serif", 18))
             .margin(10)
@@ -165,6 +195,11 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             if pts.len() <= 30 {
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(drawing)?;
             }
+            chart
+                .draw_series(
+                    s.bars().map(|(x, y, e)| ErrorBar::new_vertical(x, y - e, y, y + e, colour.stroke_width(1), 8)),
+                )
+                .map_err(drawing)?;
         }
         if panel.series.len() > 1 || !panel.series.iter().all(|s| s.label.is_empty()) {
             chart
@@ -202,12 +237,12 @@ fn step_panels(runs: &[(String, Vec<StepRecord>)]) -> Vec<Panel> {
                 let points: Vec<(f64, f64)> =
                     rows.iter().map(|r| (offset + r.step as f64, metric(r).unwrap_or(f64::NAN))).collect();
                 offset += rows.len() as f64;
-                Series { label: label(name), points }
+                Series::new(label(name), points)
             })
             .collect()
     };
     let one = |metric: StepMetric, label: &str| -> Series {
-        let mut s = Series { label: label.into(), points: vec![] };
+        let mut s = Series::new(label, vec![]);
         for row in line(metric, &|_| String::new()) {
             s.points.extend(row.points);
         }
@@ -276,9 +311,9 @@ pub fn plot_iterations(work: &Path) -> Result<PathBuf> {
         x: "iteration".into(),
         y: "share of problems".into(),
         series: vec![
-            Series { label: "accuracy".into(), points: per_iter(|r| Some(r.accuracy)) },
-            Series { label: "invalid answers".into(), points: per_iter(|r| Some(r.invalid_rate)) },
-            Series { label: "positives in the sampled data".into(), points: per_iter(|r| r.data_positive_fraction) },
+            Series::new("accuracy", per_iter(|r| Some(r.accuracy))),
+            Series::new("invalid answers", per_iter(|r| Some(r.invalid_rate))),
+            Series::new("positives in the sampled data", per_iter(|r| r.data_positive_fraction)),
         ],
     }];
     let mut runs = vec![];
@@ -300,5 +335,23 @@ pub fn report(what: &str, f: impl FnOnce() -> Result<PathBuf>) {
     match f() {
         Ok(p) => eprintln!("wrote {what} plot {}", p.display()),
         Err(e) => eprintln!("no {what} plot: {e:#}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bars_are_drawn_where_finite_and_positive_and_the_range_holds_their_ends() {
+        let s = Series::new("arm", vec![(0.0, 0.5), (1.0, 0.6), (2.0, f64::NAN), (3.0, 0.55), (4.0, 0.52)])
+            .with_errors(vec![0.3, f64::NAN, 0.2, 0.0]);
+        // The second has no finite error, the third no finite point, the fourth a zero error and
+        // the fifth none at all.
+        assert_eq!(s.bars().collect::<Vec<_>>(), vec![(0.0, 0.5, 0.3)]);
+        let (lo, hi) = y_range(std::slice::from_ref(&s));
+        assert!(lo < 0.2 && hi > 0.8, "{lo} {hi}");
+        let (lo, hi) = y_range(&[Series::new("arm", s.points.clone())]);
+        assert!(lo > 0.4 && hi < 0.7, "{lo} {hi}");
     }
 }

@@ -217,8 +217,11 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     assert_eq!(listed(&records), copied);
     script("--restore-records", &back);
     // Not another clone's data set, nor one sampled from a model that the records do not keep.
-    let restored: Vec<&str> =
-        copied.iter().copied().filter(|f| !f.starts_with("seed-1") && !f.starts_with("seed-0/arm/iter-2/data")).collect();
+    let restored: Vec<&str> = copied
+        .iter()
+        .copied()
+        .filter(|f| !f.starts_with("seed-1") && !f.starts_with("seed-0/arm/iter-2/data"))
+        .collect();
     assert_eq!(listed(&back), restored);
     // The machine is lost: the restored work directory takes the old one's place. Its records are
     // copied unchanged, the second data set included, whose training record is still there.

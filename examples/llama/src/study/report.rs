@@ -300,10 +300,10 @@ fn verifier_table(rows: &[VerifierRow], md: &mut String) -> Result<Vec<Series>> 
             fmt((mean_se(&se_q).0, f64::NAN)).replace(" (one seed)", "")
         )?;
         if !name.starts_with("verifier −") && !name.starts_with("judgement") {
-            series.push(Series {
-                label: name.split(' ').next().unwrap_or(name).to_string(),
-                points: rows.iter().map(|r| (r.seed as f64, pick(&r.summary).mean)).collect(),
-            });
+            series.push(Series::new(
+                name.split(' ').next().unwrap_or(name),
+                rows.iter().map(|r| (r.seed as f64, pick(&r.summary).mean)).collect(),
+            ));
         }
     }
     let base: Vec<f64> = rows.iter().map(|r| r.summary.positive_fraction).collect();
@@ -428,9 +428,10 @@ impl ClaimRows<'_> {
 }
 
 /// An arm's curves over the iterations: mean accuracy and mean invalid rate over seeds.
+/// An arm's means over seeds at each iteration, with their standard errors over seeds.
 struct Curves {
-    accuracy: Vec<(f64, f64)>,
-    invalid: Vec<(f64, f64)>,
+    accuracy: Series,
+    invalid: Series,
 }
 
 /// Claim `c`'s section of `study.md` (its table, the sampled evaluation, the gains of each
@@ -453,16 +454,16 @@ fn claim_section(
     let arms = c.arms();
     let table = ClaimRows { claim: c, rows };
     let (mut panels_acc, mut panels_inv) = (vec![], vec![]);
-    // Raw share of positives -> (p̃, mean accuracy at the last iteration), for the
-    // composition claim's accuracy-against-p̃ panel.
-    let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
+    // Raw share of positives -> (p̃, mean accuracy at the last iteration, its SE over seeds),
+    // for the composition claim's accuracy-against-p̃ panel.
+    let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64, f64)>> = Default::default();
     for arm in &arms {
-        let (curves, pooled) = arm_line(s, &table, arm, &arms[0], iters, md)?;
+        let (curves, (pooled, se)) = arm_line(s, &table, arm, &arms[0], iters, md)?;
         if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
-            composition.entry(format!("{raw}")).or_default().push((p, pooled));
+            composition.entry(format!("{raw}")).or_default().push((p, pooled, se));
         }
-        panels_acc.push(Series { label: arm.name.clone(), points: curves.accuracy });
-        panels_inv.push(Series { label: arm.name.clone(), points: curves.invalid });
+        panels_acc.push(curves.accuracy);
+        panels_inv.push(curves.invalid);
     }
     writeln!(md)?;
     if c.is_real() {
@@ -475,13 +476,13 @@ fn claim_section(
     }
     let mut panels = vec![
         Panel {
-            title: format!("{}: held-out accuracy (mean over seeds)", c.name()),
+            title: format!("{}: held-out accuracy (mean ± SE over seeds)", c.name()),
             x: "iteration".into(),
             y: "greedy pass@1".into(),
             series: panels_acc,
         },
         Panel {
-            title: format!("{}: invalid answers (mean over seeds)", c.name()),
+            title: format!("{}: invalid answers (mean ± SE over seeds)", c.name()),
             x: "iteration".into(),
             y: "share of problems".into(),
             series: panels_inv,
@@ -503,7 +504,8 @@ fn claim_section(
 }
 
 /// `arm`'s line of its claim's table (`first` the claim's reference arm); returns its curves
-/// and its mean accuracy at the last iteration over the seeds that reached it.
+/// and its mean accuracy at the last iteration over the seeds that reached it, with its
+/// standard error over those seeds.
 fn arm_line(
     s: &StudySettings,
     table: &ClaimRows,
@@ -511,19 +513,21 @@ fn arm_line(
     first: &Arm,
     iters: usize,
     md: &mut String,
-) -> Result<(Curves, f64)> {
+) -> Result<(Curves, (f64, f64))> {
     let at = |name: &str, sd: u64, i: usize| table.at(name, sd, i);
     let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
     let mut line = format!("| {} | {} |", arm.name, seeds.len());
-    let mut curves = Curves { accuracy: vec![], invalid: vec![] };
+    let mut curves = Curves { accuracy: Series::new(&arm.name, vec![]), invalid: Series::new(&arm.name, vec![]) };
     // Every column over the same seeds: those that finished the arm's last iteration.
     for i in 0..=iters {
         let v: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.accuracy).collect();
         let w: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
         write!(line, " {} |", fmt(mean_se(&v)))?;
         if !v.is_empty() {
-            curves.accuracy.push((i as f64, mean_se(&v).0));
-            curves.invalid.push((i as f64, mean_se(&w).0));
+            for (line, (m, se)) in [(&mut curves.accuracy, mean_se(&v)), (&mut curves.invalid, mean_se(&w))] {
+                line.points.push((i as f64, m));
+                line.errors.push(se);
+            }
         }
     }
     let per_seed = |f: &dyn Fn(u64) -> Option<f64>| seeds.iter().filter_map(|&sd| f(sd)).collect::<Vec<f64>>();
@@ -532,9 +536,9 @@ fn arm_line(
     let invalid = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.invalid_rate));
     let last = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.accuracy));
     let positives = per_seed(&|sd| at(&arm.name, sd, 1)?.data_positive_fraction);
-    let pooled = mean_se(&last).0;
+    let pooled = mean_se(&last);
     let n_q = (last.len() * table.claim.eval_n(s.scale)) as f64;
-    let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
+    let se_q = if n_q > 0.0 { (pooled.0 * (1.0 - pooled.0) / n_q).sqrt() } else { f64::NAN };
     writeln!(
         md,
         "{line} {} | {} | {} | {} | {} |",
@@ -654,17 +658,18 @@ fn seeds_table(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize,
 fn composition_panel(
     c: Claim,
     iters: usize,
-    composition: std::collections::BTreeMap<String, Vec<(f64, f64)>>,
+    composition: std::collections::BTreeMap<String, Vec<(f64, f64, f64)>>,
 ) -> Panel {
     Panel {
-        title: format!("{}: accuracy at iteration {iters} against p~", c.name()),
+        title: format!("{}: accuracy at iteration {iters} against p~ (mean ± SE over seeds)", c.name()),
         x: "effective proportion of positives p~".into(),
         y: "greedy pass@1".into(),
         series: composition
             .into_iter()
             .map(|(raw, mut points)| {
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                Series { label: format!("raw share of positives {raw}"), points }
+                Series::new(format!("raw share of positives {raw}"), points.iter().map(|&(p, m, _)| (p, m)).collect())
+                    .with_errors(points.iter().map(|&(_, _, se)| se).collect())
             })
             .collect(),
     }
@@ -692,8 +697,8 @@ pub(super) fn training_panels(s: &StudySettings, arms: &[Arm]) -> Result<Vec<Pan
             }
         }
         let points = |f: fn(&(f64, f64, usize)) -> f64| by_step.iter().map(|(k, v)| (*k as f64, f(v))).collect();
-        ratio.push(Series { label: arm.name.clone(), points: points(|v| v.0 / v.2 as f64) });
-        norm.push(Series { label: arm.name.clone(), points: points(|v| v.1 / v.2 as f64) });
+        ratio.push(Series::new(&arm.name, points(|v| v.0 / v.2 as f64)));
+        norm.push(Series::new(&arm.name, points(|v| v.1 / v.2 as f64)));
     }
     Ok(vec![
         Panel {
