@@ -126,11 +126,30 @@ restore_records() {
             cp "$from/$f" "$work/$f"
         fi
     done
-    # The grid's wall times go on in the new work directory (a copy would otherwise lose them).
-    if [ -f "$from/times.txt" ] && [ ! -e "$work/times.txt" ]; then
-        cp "$from/times.txt" "$work/times.txt"
-    fi
+    # The grid's logs of wall time go on in the new work directory (a copy would otherwise lose
+    # them).
+    local log
+    for log in times.txt progress.txt; do
+        if [ -f "$from/$log" ] && [ ! -e "$work/$log" ]; then
+            cp "$from/$log" "$work/$log"
+        fi
+    done
 }
+# Passes the study's stderr through, and appends its progress lines (`[study N s] seed S, arm A
+# (k/n)`: the start of each arm) to WORK/progress.txt with the date and time: each arm's wall
+# time is the gap to the next line.
+stamp_progress() {
+    local line
+    while IFS= read -r line; do
+        printf '%s\n' "$line"
+        case "$line" in
+            '[study '*) printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$line" >> "$work/progress.txt" ;;
+        esac
+    done
+}
+# The rest runs for hours: braced, so that bash has read all of it before it starts (an edit of
+# this file meanwhile changes nothing of a grid in progress), and it exits before reading on.
+{
 case "$only" in
     --copy-records) copy_records; report; exit 0 ;;
     --restore-records) mkdir -p "$work"; restore_records; exit 0 ;;
@@ -170,7 +189,12 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # the first finished. TOPR's second iteration stays in the first pass because it starts from the
 # first iteration's weights, which the records do not keep: trained again on another CPU, they
 # could differ in the last bits, and the study would then redo the arm's evaluations.
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+printf '%s start: commit %s, %s, %s cores\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$commit" "${cpu:-unknown CPU}" \
+    "$(nproc)" >> "$work/progress.txt"
 for pass_claims in real-negatives,real-iterated "$claims"; do
     /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" "$work/bin/llama" study \
-        --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds"
+        --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds" 2> >(stamp_progress >&2)
 done
+exit
+}

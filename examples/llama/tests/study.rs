@@ -160,8 +160,9 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     let first_model = format!("{{\"model\": {{\"path\": \"{}/seed-0/arm/iter-1/model\"}}}}", work.display());
     let files: &[(&str, &str)] = &[
         ("study.json", "{}"),
-        // The grid's wall times, which a restore puts back so that the grid's log goes on.
+        // The grid's logs of wall time, which a restore puts back so that they go on.
         ("times.txt", "study: 1 s\n"),
+        ("progress.txt", "2026-12-05T18:00:00Z [study 0 s] seed 0, arm arm (1/1)\n"),
         // The tables and plots, drawn from the records where they are copied, not copied.
         ("study.md", "# drawn by the grid's binary"),
         ("study.jsonl", "{}\n"),
@@ -202,6 +203,7 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     };
     script("--copy-records", &work);
     let copied = [
+        "progress.txt",
         "seed-0/arm/iter-1/data.jsonl.run.json",
         "seed-0/arm/iter-1/train.done.json",
         "seed-0/arm/iter-2/data.jsonl",
