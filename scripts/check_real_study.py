@@ -25,7 +25,7 @@ HELD_OUT = 256  # held-out questions a seed (Scale::real().eval_n)
 # Each claim's arms, in the study's order (examples/llama/src/study/claims.rs).
 ARMS = {
     "real-negatives": ["real-topr-p0.5", "real-sft", "real-reinforce", "real-tis-p0.5"],
-    "real-composition": ["real-topr-p0.05", "real-topr-p0.1", "real-topr-p0.2", "real-topr-p0.5"],
+    "real-composition": ["real-topr-p0.5", "real-topr-p0.05", "real-topr-p0.1", "real-topr-p0.2"],
     "real-iterated": ["real-topr-p0.5"],
 }
 
@@ -250,6 +250,18 @@ def main():
                     for i in range(1, iters + 1):
                         row = dict(zip(header, rows[f"{arm} at iteration {i}"]))
                         check(f"{claim} seed {s} {arm} iteration {i}", row[f"seed {s}"], cell(s, arm, i))
+        # Each iteration's own gain, from 2 iterations on: per seed (the seeds that have both
+        # iterations), its accuracy minus the previous iteration's.
+        gains = [(h, r) for h, r in found[2:] if len(h) > 1 and h[1] == "0 → 1"]
+        check(f"{claim} gains table", len(gains), 1 if iters >= 2 else 0)
+        for header, rows in gains:
+            check(f"{claim} gains rows", list(rows), arms)
+            for arm in arms:
+                row = dict(zip(header, rows[arm]))
+                for i in range(1, iters + 1):
+                    both = [s for s in all_seeds if finished(s, arm, i) and finished(s, arm, i - 1)]
+                    d = [accuracy(s, arm, i) - accuracy(s, arm, i - 1) for s in both]
+                    check(f"{claim} {arm} gain {i - 1} → {i}", row[f"{i - 1} → {i}"], fmt(mean_se(d)))
         # The sampled evaluation, where the claim has one.
         for header, rows in found[2:]:
             if header[0] != "model":

@@ -172,7 +172,8 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
             .map_err(drawing)?;
         // Steps and iterations are whole numbers: label them so, one tick per iteration.
         let ticks = if panel.x == "iteration" { ((x1 - x0).round() as usize + 1).clamp(2, 12) } else { 10 };
-        let whole = panel.series.iter().flat_map(|s| &s.points).all(|p| p.0.fract() == 0.0);
+        let mut xs = panel.series.iter().flat_map(|s| &s.points).map(|p| p.0).peekable();
+        let whole = xs.peek().is_some() && xs.all(|x| x.fract() == 0.0);
         let x_label = |x: &f64| if whole { format!("{x:.0}") } else { format!("{x:.2}") };
         chart
             .configure_mesh()

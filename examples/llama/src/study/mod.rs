@@ -551,7 +551,7 @@ mod tests {
         let comp = Claim::RealComposition.arms();
         assert_eq!(comp.iter().map(|a| a.p_tilde().unwrap()).collect::<Vec<_>>(), REAL_P_TILDES);
         // Its p̃ = 0.5 arm is the negatives claim's TOPR arm; the iterated claim continues it.
-        assert_eq!(comp[3], neg[0]);
+        assert_eq!(comp[0], neg[0]);
         let it = &Claim::RealIterated.arms()[0];
         assert_eq!((it.name.as_str(), it.iterations), ("real-topr-p0.5", Some(claims::REAL_ITERATIONS)));
         assert_eq!(Claim::RealNegatives.iterations(3), 1);

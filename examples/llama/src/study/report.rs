@@ -427,7 +427,6 @@ impl ClaimRows<'_> {
     }
 }
 
-/// An arm's curves over the iterations: mean accuracy and mean invalid rate over seeds.
 /// An arm's means over seeds at each iteration, with their standard errors over seeds.
 struct Curves {
     accuracy: Series,
@@ -454,13 +453,19 @@ fn claim_section(
     let arms = c.arms();
     let table = ClaimRows { claim: c, rows };
     let (mut panels_acc, mut panels_inv) = (vec![], vec![]);
-    // Raw share of positives -> (p̃, mean accuracy at the last iteration, its SE over seeds),
-    // for the composition claim's accuracy-against-p̃ panel.
-    let mut composition: std::collections::BTreeMap<String, Vec<(f64, f64, f64)>> = Default::default();
+    // A line of the accuracy-against-p̃ panel (the composition claims') -> its arms' p̃ and names.
+    let mut composition: std::collections::BTreeMap<String, Vec<(f64, &str)>> = Default::default();
     for arm in &arms {
-        let (curves, (pooled, se)) = arm_line(s, &table, arm, &arms[0], iters, md)?;
-        if let (Some(p), Some(raw)) = (arm.p_tilde(), arm.raw_share()) {
-            composition.entry(format!("{raw}")).or_default().push((p, pooled, se));
+        let curves = arm_line(s, &table, arm, &arms[0], iters, md)?;
+        // The demo's composition arms by the raw share their data are subsampled to; the real
+        // model's on its own samples, not subsampled.
+        let line = match (arm.p_tilde(), arm.raw_share()) {
+            (Some(p), Some(raw)) => Some((format!("raw share of positives {raw}"), p)),
+            (Some(p), None) if c == Claim::RealComposition => Some(("the model's own samples".to_string(), p)),
+            _ => None,
+        };
+        if let Some((label, p)) = line {
+            composition.entry(label).or_default().push((p, &arm.name));
         }
         panels_acc.push(curves.accuracy);
         panels_inv.push(curves.invalid);
@@ -471,7 +476,7 @@ fn claim_section(
         seeds_table(s, &table, &arms, iters, md)?;
     }
     sampled_section(md, c, sampled, s)?;
-    if iters >= 3 {
+    if iters >= 2 {
         step_gains(md, &arms, &s.seeds, iters, |arm, seed, i| table.at(arm, seed, i).map(|r| r.accuracy))?;
     }
     let mut panels = vec![
@@ -489,7 +494,7 @@ fn claim_section(
         },
     ];
     if !composition.is_empty() {
-        panels.push(composition_panel(c, iters, composition));
+        panels.push(composition_panel(&table, &s.seeds, iters, composition));
     }
     if arms.iter().any(|a| a.epochs > 1) {
         panels.extend(training_panels(s, &arms)?);
@@ -503,9 +508,7 @@ fn claim_section(
     Ok(())
 }
 
-/// `arm`'s line of its claim's table (`first` the claim's reference arm); returns its curves
-/// and its mean accuracy at the last iteration over the seeds that reached it, with its
-/// standard error over those seeds.
+/// `arm`'s line of its claim's table (`first` the claim's reference arm); returns its curves.
 fn arm_line(
     s: &StudySettings,
     table: &ClaimRows,
@@ -513,7 +516,7 @@ fn arm_line(
     first: &Arm,
     iters: usize,
     md: &mut String,
-) -> Result<(Curves, (f64, f64))> {
+) -> Result<Curves> {
     let at = |name: &str, sd: u64, i: usize| table.at(name, sd, i);
     let seeds: Vec<u64> = s.seeds.iter().copied().filter(|&sd| at(&arm.name, sd, iters).is_some()).collect();
     let mut line = format!("| {} | {} |", arm.name, seeds.len());
@@ -536,9 +539,9 @@ fn arm_line(
     let invalid = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.invalid_rate));
     let last = per_seed(&|sd| Some(at(&arm.name, sd, iters)?.accuracy));
     let positives = per_seed(&|sd| at(&arm.name, sd, 1)?.data_positive_fraction);
-    let pooled = mean_se(&last);
+    let pooled = mean_se(&last).0;
     let n_q = (last.len() * table.claim.eval_n(s.scale)) as f64;
-    let se_q = if n_q > 0.0 { (pooled.0 * (1.0 - pooled.0) / n_q).sqrt() } else { f64::NAN };
+    let se_q = if n_q > 0.0 { (pooled * (1.0 - pooled) / n_q).sqrt() } else { f64::NAN };
     writeln!(
         md,
         "{line} {} | {} | {} | {} | {} |",
@@ -548,7 +551,7 @@ fn arm_line(
         fmt(mean_se(&positives)),
         if se_q.is_nan() { "–".into() } else { format!("{se_q:.3}") }
     )?;
-    Ok((curves, pooled))
+    Ok(curves)
 }
 
 /// A real-model claim's second table, at the last iteration: the share of right answers among
@@ -653,25 +656,39 @@ fn seeds_table(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize,
     Ok(())
 }
 
-/// The composition claim's panel: accuracy at the last iteration against p̃, a curve per raw
-/// share of positives.
+/// The composition claims' panel: accuracy at the last iteration against p̃, a line per raw
+/// share of positives (its arms' p̃ and names), each point the mean ± SE over the seeds that
+/// finished every arm of its line, so that a line never joins means over different seeds.
 fn composition_panel(
-    c: Claim,
+    table: &ClaimRows,
+    seeds: &[u64],
     iters: usize,
-    composition: std::collections::BTreeMap<String, Vec<(f64, f64, f64)>>,
+    composition: std::collections::BTreeMap<String, Vec<(f64, &str)>>,
 ) -> Panel {
+    let series = composition.into_iter().map(|(label, mut arms)| {
+        arms.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let common: Vec<u64> =
+            seeds.iter().copied().filter(|&sd| arms.iter().all(|(_, a)| table.at(a, sd, iters).is_some())).collect();
+        let stats: Vec<(f64, (f64, f64))> = arms
+            .iter()
+            .map(|&(p, a)| {
+                (
+                    p,
+                    mean_se(
+                        &common.iter().filter_map(|&sd| Some(table.at(a, sd, iters)?.accuracy)).collect::<Vec<_>>(),
+                    ),
+                )
+            })
+            .filter(|(_, (m, _))| m.is_finite())
+            .collect();
+        Series::new(format!("{label} ({} seeds)", common.len()), stats.iter().map(|&(p, (m, _))| (p, m)).collect())
+            .with_errors(stats.iter().map(|&(_, (_, se))| se).collect())
+    });
     Panel {
-        title: format!("{}: accuracy at iteration {iters} against p~ (mean ± SE over seeds)", c.name()),
+        title: format!("accuracy at iteration {iters} against p~ (± SE)"),
         x: "effective proportion of positives p~".into(),
         y: "greedy pass@1".into(),
-        series: composition
-            .into_iter()
-            .map(|(raw, mut points)| {
-                points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                Series::new(format!("raw share of positives {raw}"), points.iter().map(|&(p, m, _)| (p, m)).collect())
-                    .with_errors(points.iter().map(|&(_, _, se)| se).collect())
-            })
-            .collect(),
+        series: series.collect(),
     }
 }
 
