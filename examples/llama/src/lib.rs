@@ -71,6 +71,7 @@ pub mod shard;
 pub mod stage;
 pub mod stats;
 pub mod study;
+pub mod subnormal;
 pub mod task;
 pub mod tokenizer;
 pub mod train;

@@ -28,6 +28,11 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     keep_freed_memory();
+    // Before libtorch starts its threads, which inherit it (`topr_llama::subnormal`);
+    // TOPR_SUBNORMALS=keep leaves them as they are (for comparisons).
+    if std::env::var_os("TOPR_SUBNORMALS").is_none_or(|v| v != "keep") {
+        topr_llama::subnormal::flush_subnormals();
+    }
     let parsed = match cli::Cli::try_parse() {
         Ok(parsed) => parsed,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version

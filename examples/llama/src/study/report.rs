@@ -453,20 +453,8 @@ fn claim_section(
     let arms = c.arms();
     let table = ClaimRows { claim: c, rows };
     let (mut panels_acc, mut panels_inv) = (vec![], vec![]);
-    // A line of the accuracy-against-p̃ panel (the composition claims') -> its arms' p̃ and names.
-    let mut composition: std::collections::BTreeMap<String, Vec<(f64, &str)>> = Default::default();
     for arm in &arms {
         let curves = arm_line(s, &table, arm, &arms[0], iters, md)?;
-        // The demo's composition arms by the raw share their data are subsampled to; the real
-        // model's on its own samples, not subsampled.
-        let line = match (arm.p_tilde(), arm.raw_share()) {
-            (Some(p), Some(raw)) => Some((format!("raw share of positives {raw}"), p)),
-            (Some(p), None) if c == Claim::RealComposition => Some(("the model's own samples".to_string(), p)),
-            _ => None,
-        };
-        if let Some((label, p)) = line {
-            composition.entry(label).or_default().push((p, &arm.name));
-        }
         panels_acc.push(curves.accuracy);
         panels_inv.push(curves.invalid);
     }
@@ -493,9 +481,7 @@ fn claim_section(
             series: panels_inv,
         },
     ];
-    if !composition.is_empty() {
-        panels.push(composition_panel(&table, &s.seeds, iters, composition));
-    }
+    panels.extend(composition_panel(&table, &arms, &s.seeds, iters));
     if arms.iter().any(|a| a.epochs > 1) {
         panels.extend(training_panels(s, &arms)?);
     }
@@ -656,15 +642,25 @@ fn seeds_table(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize,
     Ok(())
 }
 
-/// The composition claims' panel: accuracy at the last iteration against p̃, a line per raw
-/// share of positives (its arms' p̃ and names), each point the mean ± SE over the seeds that
-/// finished every arm of its line, so that a line never joins means over different seeds.
-fn composition_panel(
-    table: &ClaimRows,
-    seeds: &[u64],
-    iters: usize,
-    composition: std::collections::BTreeMap<String, Vec<(f64, &str)>>,
-) -> Panel {
+/// The composition claims' panel (`None` for the others): accuracy at the last iteration
+/// against p̃, a line per raw share of positives (the demo's arms by the share their data are
+/// subsampled to; the real model's on its own samples), each point the mean ± SE over the seeds
+/// that finished every arm of its line, so that a line never joins means over different seeds.
+fn composition_panel(table: &ClaimRows, arms: &[Arm], seeds: &[u64], iters: usize) -> Option<Panel> {
+    let mut composition: std::collections::BTreeMap<String, Vec<(f64, &str)>> = Default::default();
+    for arm in arms {
+        let line = match (arm.p_tilde(), arm.raw_share()) {
+            (Some(p), Some(raw)) => Some((format!("raw share of positives {raw}"), p)),
+            (Some(p), None) if table.claim == Claim::RealComposition => Some(("the model's own samples".into(), p)),
+            _ => None,
+        };
+        if let Some((label, p)) = line {
+            composition.entry(label).or_default().push((p, arm.name.as_str()));
+        }
+    }
+    if composition.is_empty() {
+        return None;
+    }
     let series = composition.into_iter().map(|(label, mut arms)| {
         arms.sort_by(|a, b| a.0.total_cmp(&b.0));
         let common: Vec<u64> =
@@ -684,12 +680,12 @@ fn composition_panel(
         Series::new(format!("{label} ({} seeds)", common.len()), stats.iter().map(|&(p, (m, _))| (p, m)).collect())
             .with_errors(stats.iter().map(|&(_, (_, se))| se).collect())
     });
-    Panel {
+    Some(Panel {
         title: format!("accuracy at iteration {iters} against p~ (± SE)"),
         x: "effective proportion of positives p~".into(),
         y: "greedy pass@1".into(),
         series: series.collect(),
-    }
+    })
 }
 
 /// For claims of several epochs on one data set: per optimiser step of iteration 1, the mean
