@@ -189,12 +189,23 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # the first finished. TOPR's second iteration stays in the first pass because it starts from the
 # first iteration's weights, which the records do not keep: trained again on another CPU, they
 # could differ in the last bits, and the study would then redo the arm's evaluations.
+# Subnormal floats flushed to zero in the grid's binary, which predates the binary doing so
+# itself (topr_llama::subnormal): a collapsing arm's probabilities below 1.2e-38 put the CPU on its
+# slow path (naive REINFORCE's steps went from 11 s to about 200 s). Preloaded from
+# scripts/flush_subnormals.c; TOPR_STUDY_SUBNORMALS=keep runs without it. Since
+# 2026-12-05T19:24Z (progress.txt says which arms ran with it); before, every arm kept them.
+preload=
+if [ "${TOPR_STUDY_SUBNORMALS:-flush}" != keep ]; then
+    gcc -O2 -shared -fPIC -o "$work/bin/flush_subnormals.so" scripts/flush_subnormals.c
+    preload="$work/bin/flush_subnormals.so"
+fi
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-printf '%s start: commit %s, %s, %s cores\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$commit" "${cpu:-unknown CPU}" \
-    "$(nproc)" >> "$work/progress.txt"
+printf '%s start: commit %s, %s, %s cores, subnormals %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$commit" \
+    "${cpu:-unknown CPU}" "$(nproc)" "$([ -n "$preload" ] && echo flushed || echo kept)" >> "$work/progress.txt"
 for pass_claims in real-negatives,real-iterated "$claims"; do
-    /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" "$work/bin/llama" study \
-        --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds" 2> >(stamp_progress >&2)
+    /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" env LD_PRELOAD="$preload" \
+        "$work/bin/llama" study --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds" \
+        2> >(stamp_progress >&2)
 done
 exit
 }
