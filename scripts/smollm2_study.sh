@@ -9,7 +9,9 @@
 #   scripts/smollm2_study.sh --restore-records [WORK]   # only put docs/study/real/'s back into WORK
 #
 # TOPR_STUDY_RECORDS names another records folder than docs/study/real (for tests);
-# TOPR_STUDY_REPORT=0 copies the records without drawing their tables (for tests).
+# TOPR_STUDY_REPORT=0 copies the records without drawing their tables (for tests);
+# TOPR_STUDY_SUBNORMALS=keep runs the grid's binary without subnormals flushed (see below).
+# WORK/progress.txt logs when each arm starts and on which CPU; WORK/times.txt each pass's time.
 # SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
 # same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
