@@ -148,6 +148,12 @@ def sampled(seed, arm, i, k):
     return out
 
 
+def larger_se(over_seeds, over_questions):
+    """Which standard error of a paired difference is the larger ("–": one is missing)."""
+    a, b = over_seeds, over_questions
+    return "–" if math.isnan(a) or math.isnan(b) else "seeds" if a > b else "questions" if a < b else "equal"
+
+
 def tables(md):
     """study.md's tables, by section: a list of (header cells, {first cell: row cells})."""
     out = {}
@@ -231,9 +237,7 @@ def main():
                 row["− first (SE over questions)"],
                 fmt(over_questions).replace(" (one seed)", ""),
             )
-            a, b = over_seeds[1], over_questions[1]
-            larger = "–" if math.isnan(a) or math.isnan(b) else "seeds" if a > b else "questions" if a < b else "equal"
-            check(f"{claim} {arm} larger SE", row["larger SE"], larger)
+            check(f"{claim} {arm} larger SE", row["larger SE"], larger_se(over_seeds[1], over_questions[1]))
         # Each seed apart: greedy pass@1 (invalid) of the initial model and of each arm after
         # each iteration.
         per_seed = [(h, r) for h, r in found[2:] if len(h) > 1 and h[1] == "seed 0"]
@@ -296,6 +300,10 @@ def main():
                         row[m],
                         fmt(mean_se([v[j] for v in by_question])).replace(" (one seed)", ""),
                     )
+                row = dict(zip(header, rows[f"{arm} − {first}, larger SE"]))
+                for j, m in enumerate(measures):
+                    se = [mean_se([v[j] for v in d])[1] for d in (by_seed, by_question)]
+                    check(f"{claim} {arm} larger SE {m}", row[m], larger_se(*se))
     for w in wrong:
         print(w)
     print(f"{checked} cells checked, {len(wrong)} differ")

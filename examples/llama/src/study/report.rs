@@ -174,7 +174,8 @@ pub(super) fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s:
          questions (mean ± SE over seeds; k = {k}). maj@k: a vote among the valid answers, a tie between \
          `t` leading answers scoring `1/t` for each correct one (the expected score of a random \
          tie-break); no valid answer scores 0. Each other arm minus {first}, paired by seed (SE over \
-         seeds), and paired by question over all seeds' questions (SE over questions):\n",
+         seeds), and paired by question over all seeds' questions (SE over questions), and which \
+         of the two standard errors is the larger:\n",
         first = arms[0].name
     )?;
     let mut header = "| model | seeds |".to_string();
@@ -185,23 +186,22 @@ pub(super) fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s:
     let at = |arm: &str, i: usize| -> Vec<&SampledRow> {
         mine.iter().copied().filter(|r| r.arm == arm && r.iteration == i).collect()
     };
-    let mut line = |label: String, seeds: usize, v: Vec<Vec<f64>>, one: &str| -> Result<()> {
+    let line = |label: String, seeds: usize, v: &[Vec<f64>], one: &str| -> Result<String> {
         let mut l = format!("| {label} | {seeds} |");
-        for m in &v {
+        for m in v {
             write!(l, " {} |", fmt(mean_se(m)).replace(" (one seed)", one))?;
         }
-        writeln!(md, "{l}")?;
-        Ok(())
+        Ok(l)
     };
     let columns = |rows: Vec<[f64; 6]>| -> Vec<Vec<f64>> {
         (0..SAMPLED_METRICS.len()).map(|j| rows.iter().map(|v| v[j]).collect()).collect()
     };
     let values = |rs: &[&SampledRow]| columns(rs.iter().map(|r| r.values()).collect());
     let initial = at(&arms[0].name, 0);
-    line("initial model".into(), initial.len(), values(&initial), " (one seed)")?;
+    writeln!(md, "{}", line("initial model".into(), initial.len(), &values(&initial), " (one seed)")?)?;
     for arm in &arms {
         let rs = at(&arm.name, last);
-        line(format!("{} at iteration {last}", arm.name), rs.len(), values(&rs), " (one seed)")?;
+        writeln!(md, "{}", line(format!("{} at iteration {last}", arm.name), rs.len(), &values(&rs), " (one seed)")?)?;
     }
     let first = at(&arms[0].name, last);
     for arm in arms.iter().skip(1) {
@@ -217,11 +217,34 @@ pub(super) fn sampled_section(md: &mut String, c: Claim, rows: &[SampledRow], s:
         let per_question =
             diffs(&|a, b| pair_by_id(&a.by_question, &b.by_question).into_iter().map(|(x, y)| minus(x, y)).collect());
         let name = format!("{} − {}", arm.name, arms[0].name);
-        line(format!("{name}, paired by seed"), paired.len(), columns(per_seed), " (one seed)")?;
-        line(format!("{name}, paired by question"), paired.len(), columns(per_question), "")?;
+        let (by_seed, by_question) = (columns(per_seed), columns(per_question));
+        writeln!(md, "{}", line(format!("{name}, paired by seed"), paired.len(), &by_seed, " (one seed)")?)?;
+        writeln!(md, "{}", line(format!("{name}, paired by question"), paired.len(), &by_question, "")?)?;
+        writeln!(md, "{}", larger_row(&name, paired.len(), &by_seed, &by_question)?)?;
     }
     writeln!(md)?;
     Ok(())
+}
+
+/// The sampled table's row saying, for each measure of a paired difference, which standard
+/// error is the larger: over seeds (`by_seed`: one value a seed) or over questions.
+fn larger_row(name: &str, seeds: usize, by_seed: &[Vec<f64>], by_question: &[Vec<f64>]) -> Result<String> {
+    let mut l = format!("| {name}, larger SE | {seeds} |");
+    for (a, b) in by_seed.iter().zip(by_question) {
+        write!(l, " {} |", larger_se(mean_se(a).1, mean_se(b).1))?;
+    }
+    Ok(l)
+}
+
+/// Which standard error of a paired difference is the larger, over seeds (`a`) or over
+/// questions (`b`): `–` when either is missing (one seed).
+fn larger_se(a: f64, b: f64) -> &'static str {
+    match (a, b) {
+        (a, b) if a.is_nan() || b.is_nan() => "–",
+        (a, b) if a > b => "seeds",
+        (a, b) if a < b => "questions",
+        _ => "equal",
+    }
 }
 
 /// One seed's verifier result, a line of `verifier.jsonl`.
@@ -585,12 +608,7 @@ fn real_section(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize
             }
         }
         let (over_seeds, over_questions) = (mean_se(&per_seed), mean_se(&per_question));
-        let larger = match (over_seeds.1, over_questions.1) {
-            (a, b) if a.is_nan() || b.is_nan() || arm == &arms[0] => "–",
-            (a, b) if a > b => "seeds",
-            (a, b) if a < b => "questions",
-            _ => "equal",
-        };
+        let larger = if arm == &arms[0] { "–" } else { larger_se(over_seeds.1, over_questions.1) };
         let vs = |m: (f64, f64)| if arm == &arms[0] { "—".to_string() } else { fmt(m) };
         writeln!(
             md,
