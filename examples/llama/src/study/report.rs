@@ -536,9 +536,9 @@ fn arm_line(
         let w: Vec<f64> = seeds.iter().filter_map(|&sd| at(&arm.name, sd, i)).map(|r| r.invalid_rate).collect();
         write!(line, " {} |", fmt(mean_se(&v)))?;
         if !v.is_empty() {
-            for (line, (m, se)) in [(&mut curves.accuracy, mean_se(&v)), (&mut curves.invalid, mean_se(&w))] {
-                line.points.push((i as f64, m));
-                line.errors.push(se);
+            for (curve, (m, se)) in [(&mut curves.accuracy, mean_se(&v)), (&mut curves.invalid, mean_se(&w))] {
+                curve.points.push((i as f64, m));
+                curve.errors.push(se);
             }
         }
     }
@@ -683,20 +683,16 @@ fn composition_panel(table: &ClaimRows, arms: &[Arm], seeds: &[u64], iters: usiz
         arms.sort_by(|a, b| a.0.total_cmp(&b.0));
         let common: Vec<u64> =
             seeds.iter().copied().filter(|&sd| arms.iter().all(|(_, a)| table.at(a, sd, iters).is_some())).collect();
-        let stats: Vec<(f64, (f64, f64))> = arms
-            .iter()
-            .map(|&(p, a)| {
-                (
-                    p,
-                    mean_se(
-                        &common.iter().filter_map(|&sd| Some(table.at(a, sd, iters)?.accuracy)).collect::<Vec<_>>(),
-                    ),
-                )
-            })
-            .filter(|(_, (m, _))| m.is_finite())
-            .collect();
-        Series::new(format!("{label} ({} seeds)", common.len()), stats.iter().map(|&(p, (m, _))| (p, m)).collect())
-            .with_errors(stats.iter().map(|&(_, (_, se))| se).collect())
+        let mut curve = Series::new(format!("{label} ({} seeds)", common.len()), vec![]);
+        for (p, a) in arms {
+            let last: Vec<f64> = common.iter().filter_map(|&sd| Some(table.at(a, sd, iters)?.accuracy)).collect();
+            if !last.is_empty() {
+                let (m, se) = mean_se(&last);
+                curve.points.push((p, m));
+                curve.errors.push(se);
+            }
+        }
+        curve
     });
     Some(Panel {
         title: format!("accuracy at iteration {iters} against p~ (± SE)"),
