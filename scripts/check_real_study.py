@@ -28,6 +28,8 @@ ARMS = {
     "real-composition": ["real-topr-p0.5", "real-topr-p0.05", "real-topr-p0.1", "real-topr-p0.2"],
     "real-iterated": ["real-topr-p0.5"],
 }
+# The claims with a sampled evaluation, and its samples a question (Claim::sampled_k).
+SAMPLED_K = {"real-negatives": 4}
 
 
 def jsonl(path):
@@ -266,11 +268,17 @@ def main():
                     both = [s for s in all_seeds if finished(s, arm, i) and finished(s, arm, i - 1)]
                     d = [accuracy(s, arm, i) - accuracy(s, arm, i - 1) for s in both]
                     check(f"{claim} {arm} gain {i - 1} → {i}", row[f"{i - 1} → {i}"], fmt(mean_se(d)))
-        # The sampled evaluation, where the claim has one.
+        # The sampled evaluation, where the claim has one: its table is there as soon as one of
+        # its arms' sampled evaluations is in the records.
+        k = SAMPLED_K.get(claim)
+        has_sampled = k is not None and any(
+            sampled(s, a, i, k) is not None for s in all_seeds for a in arms for i in range(iters + 1)
+        )
+        check(f"{claim} sampled tables", sum(h[0] == "model" for h, _ in found[2:]), int(has_sampled))
         for header, rows in found[2:]:
             if header[0] != "model":
                 continue
-            k = int(re.search(r"k = (\d+)", md[md.index(f"## {claim}") :]).group(1))
+            check(f"{claim} sampled k", re.search(r"k = (\d+)", md[md.index(f"## {claim}") :]).group(1), str(k))
             measures = header[2:]
 
             def line(label, values, one=" (one seed)"):
@@ -301,6 +309,7 @@ def main():
                         fmt(mean_se([v[j] for v in by_question])).replace(" (one seed)", ""),
                     )
                 row = dict(zip(header, rows[f"{arm} − {first}, larger SE"]))
+                check(f"{claim} {arm} larger SE seeds", row["seeds"], str(len(mine)))
                 for j, m in enumerate(measures):
                     se = [mean_se([v[j] for v in d])[1] for d in (by_seed, by_question)]
                     check(f"{claim} {arm} larger SE {m}", row[m], larger_se(*se))

@@ -12,6 +12,7 @@
 # TOPR_STUDY_REPORT=0 copies the records without drawing their tables (for tests);
 # TOPR_STUDY_SUBNORMALS=keep runs the grid's binary without subnormals flushed (see below).
 # WORK/progress.txt logs when each arm starts and on which CPU; WORK/times.txt each pass's time.
+# Both go on across machines: a copy or a restore merges the two logs' lines (never drops one).
 # SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
 # same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
@@ -22,8 +23,9 @@
 # its restored data set, or one sampled again), checked against its record.
 # After the study (or when interrupted), the records of what finished — settings, per-question
 # results, evaluation summaries, training metrics, each arm's plot, and the sampled data sets
-# (each once: a seed's first, in its shared/ folder, and the iterated arm's later ones; about 4 MB
-# each), so that a restored grid need not sample them again; never model weights — are copied to
+# (each once, about 4 MB each: a seed's first, in its shared/ folder, which a restored grid takes
+# instead of sampling it again, and the iterated arm's later ones, records only: they were sampled
+# from a model of the work directory, which a new one trains again); never model weights — are copied to
 # docs/study/real/, and the study's tables and plots there (study.md, study.jsonl,
 # study-sampled.jsonl, claim-*.png) are drawn from those records with this clone's `llama` (`study
 # --report-only`): the statistics are those of the current version, the runs those of the grid's
@@ -58,7 +60,7 @@ copy_records() {
     # A seed's arms hold copies of its shared first data set (iter-1/data.jsonl): the shared
     # folder's (iter-1-data.jsonl) is copied, theirs not.
     (cd "$work" && find . -type f ! -path '*/model/*' ! -path '*/state*' ! -name '*.lock' \
-        ! -path './bin/*' ! -path './src/*' \
+        ! -path './bin/*' ! -path './src/*' ! -path ./times.txt ! -path ./progress.txt \
         ! -path ./study.md ! -path ./study.jsonl ! -path ./study-sampled.jsonl ! -path './claim-*.png' \( \
         \( \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.txt' \) \
             ! -name 'data.jsonl' ! -path '*/shared/*' \) \
@@ -68,6 +70,7 @@ copy_records() {
         mkdir -p "$out/$(dirname "$f")"
         cp "$work/$f" "$out/$f"
     done
+    merge_logs "$work" "$out"
     # A record the work directory no longer has is a stage the study made again (an iteration
     # whose rebuilt training differed from its record, and the iterations after it): it goes, so
     # that a restore never brings back a result of the model before. A data set sampled in a clone
@@ -130,11 +133,23 @@ restore_records() {
     done
     # The grid's logs of wall time go on in the new work directory (a copy would otherwise lose
     # them).
+    merge_logs "$from" "$work"
+}
+# Merges the grid's logs of wall time of folder $1 into folder $2's: $2's lines, then those of
+# $1 that $2 lacks (counted: a line twice in $1 and once in $2 is added once), so that two
+# machines that took turns on one grid lose no line, and merging again adds nothing.
+# progress.txt's lines, each dated, are then put in order of their dates (stable: lines of one
+# second keep their order).
+merge_logs() {
     local log
     for log in times.txt progress.txt; do
-        if [ -f "$from/$log" ] && [ ! -e "$work/$log" ]; then
-            cp "$from/$log" "$work/$log"
+        [ -f "$1/$log" ] || continue
+        awk 'NR == FNR { n[$0]++; print; next } n[$0] > 0 { n[$0]--; next } { print }' \
+            "$2/$log" "$1/$log" 2> /dev/null > "$2/$log.part" || cp "$1/$log" "$2/$log.part"
+        if [ "$log" = progress.txt ]; then
+            LC_ALL=C sort -s -k1,1 "$2/$log.part" > "$2/$log.sorted" && mv "$2/$log.sorted" "$2/$log.part"
         fi
+        mv "$2/$log.part" "$2/$log"
     done
 }
 # Passes the study's stderr through, and appends its progress lines (`[study N s] seed S, arm A
@@ -142,7 +157,7 @@ restore_records() {
 # time is the gap to the next line.
 stamp_progress() {
     local line
-    while IFS= read -r line; do
+    while IFS= read -r line || [ -n "$line" ]; do
         printf '%s\n' "$line"
         case "$line" in
             '[study '*) printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$line" >> "$work/progress.txt" ;;
@@ -200,14 +215,21 @@ preload=
 if [ "${TOPR_STUDY_SUBNORMALS:-flush}" != keep ]; then
     gcc -O2 -shared -fPIC -o "$work/bin/flush_subnormals.so" scripts/flush_subnormals.c
     preload="$work/bin/flush_subnormals.so"
+else
+    # A grid pinned at a commit whose binary flushes them itself keeps them only when told.
+    export TOPR_SUBNORMALS=keep
 fi
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
 printf '%s start: commit %s, %s, %s cores, subnormals %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$commit" \
     "${cpu:-unknown CPU}" "$(nproc)" "$([ -n "$preload" ] && echo flushed || echo kept)" >> "$work/progress.txt"
 for pass_claims in real-negatives,real-iterated "$claims"; do
+    status=0
     /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" env LD_PRELOAD="$preload" \
         "$work/bin/llama" study --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds" \
-        2> >(stamp_progress >&2)
+        2> >(stamp_progress >&2) || status=$?
+    # The pass's last progress line is written before the records are copied.
+    wait $! 2> /dev/null || true
+    [ "$status" = 0 ] || exit "$status"
 done
 exit
 }

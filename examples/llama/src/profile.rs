@@ -224,7 +224,7 @@ fn bounds(complete: &[(&str, &str, f64, f64)], window: Window) -> Result<(f64, u
             (first, marks.len() as u64, last - first)
         }
     };
-    if steps == 0 || !(wall_us > 0.0) {
+    if steps == 0 || wall_us.is_nan() || wall_us <= 0.0 {
         bail!("the window's steps ({steps}) and wall time ({wall_us} µs) must be positive");
     }
     Ok((from, steps, wall_us))

@@ -27,14 +27,27 @@
 /// changed and it returns `false`).
 ///
 /// Call it first in `main`, before any tensor work: libtorch's thread pools, started later,
-/// inherit the setting; threads started before it keep theirs.
+/// inherit the setting. Threads started before it keep theirs with GNU OpenMP (libgomp, which
+/// PyTorch's Linux wheels ship); Intel's OpenMP instead copies the starting thread's setting into
+/// its workers at each parallel region (`KMP_INHERIT_FP_CONTROL`).
+///
+/// # Safety
+///
+/// Rust and LLVM compile float code for the default floating-point environment, in which
+/// subnormals are kept; this is why the standard library deprecated `_mm_setcsr`. After this
+/// call, an operation the compiler evaluated while compiling (constant folding) can give a
+/// subnormal where the same operation at run time gives zero, and the compiler may move float
+/// operations across the call. The caller must call it before the float work whose results may
+/// change (first in `main`, before any thread starts), in a program none of whose results rely on
+/// values below 1.2 × 10⁻³⁸ being kept.
 ///
 /// ```
 /// use topr_llama::subnormal::{flush_subnormals, subnormals_flushed};
 ///
 /// // On its own thread, so that the example changes nothing else.
 /// std::thread::spawn(|| {
-///     if flush_subnormals() {
+///     // SAFETY: first on a thread of its own; nothing here relies on subnormals being kept.
+///     if unsafe { flush_subnormals() } {
 ///         assert!(subnormals_flushed());
 ///         let tiny = std::hint::black_box(f32::MIN_POSITIVE);
 ///         assert_eq!(tiny / 2.0, 0.0); // subnormal result, flushed
@@ -43,7 +56,7 @@
 /// .join()
 /// .unwrap();
 /// ```
-pub fn flush_subnormals() -> bool {
+pub unsafe fn flush_subnormals() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         let csr = mxcsr::read() | mxcsr::FLUSH;
@@ -100,7 +113,8 @@ mod tests {
     fn flushing_sets_both_bits_on_this_thread_only() {
         let (before, flushed, tiny) = std::thread::spawn(|| {
             let before = subnormals_flushed();
-            let has = flush_subnormals();
+            // SAFETY: first on a thread of its own, whose only float work reads the flush.
+            let has = unsafe { flush_subnormals() };
             let tiny = std::hint::black_box(f32::MIN_POSITIVE) / 2.0;
             (before, has && subnormals_flushed(), tiny)
         })

@@ -245,6 +245,27 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     let done = std::fs::read_to_string(records.join("seed-0/arm/iter-1/train.done.json")).unwrap();
     assert_eq!(done, "{\"again\": true}");
     assert!(!records.join("seed-0/arm/iter-2").exists());
+    // Two machines took turns: each log has lines the other lacks. Both directions merge them,
+    // progress.txt in order of its dates, and merging again adds nothing.
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap();
+    let (first, other, mine) = (
+        "2026-12-05T18:00:00Z [study 0 s] seed 0, arm arm (1/1)\n",
+        "2026-12-05T19:00:00Z [study 5 s] seed 1, arm arm (1/1)\n",
+        "2026-12-05T18:30:00Z [study 9 s] seed 0, arm arm (1/1)\n",
+    );
+    std::fs::write(records.join("progress.txt"), format!("{first}{other}")).unwrap();
+    std::fs::write(work.join("progress.txt"), format!("{first}{mine}")).unwrap();
+    std::fs::write(records.join("times.txt"), "study: 1 s\nstudy: 3 s\n").unwrap();
+    std::fs::write(work.join("times.txt"), "study: 1 s\nstudy: 2 s\n").unwrap();
+    for _ in 0..2 {
+        script("--copy-records", &work);
+        assert_eq!(read(records.join("progress.txt")), format!("{first}{mine}{other}"));
+        assert_eq!(read(records.join("times.txt")), "study: 1 s\nstudy: 3 s\nstudy: 2 s\n");
+    }
+    std::fs::write(records.join("times.txt"), "study: 1 s\nstudy: 3 s\nstudy: 3 s\n").unwrap();
+    script("--restore-records", &work);
+    assert_eq!(read(work.join("progress.txt")), format!("{first}{mine}{other}"));
+    assert_eq!(read(work.join("times.txt")), "study: 1 s\nstudy: 2 s\nstudy: 3 s\nstudy: 3 s\n");
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 

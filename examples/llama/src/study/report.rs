@@ -660,7 +660,8 @@ fn seeds_table(s: &StudySettings, table: &ClaimRows, arms: &[Arm], iters: usize,
     Ok(())
 }
 
-/// The composition claims' panel (`None` for the others): accuracy at the last iteration
+/// The composition claims' panel (`None` for the others, and while no line has a seed that
+/// finished every arm of it): accuracy at the last iteration
 /// against p̃, a line per raw share of positives (the demo's arms by the share their data are
 /// subsampled to; the real model's on its own samples), each point the mean ± SE over the seeds
 /// that finished every arm of its line, so that a line never joins means over different seeds.
@@ -694,11 +695,16 @@ fn composition_panel(table: &ClaimRows, arms: &[Arm], seeds: &[u64], iters: usiz
         }
         curve
     });
+    // A line no seed has finished yet draws nothing: no legend entry for it either.
+    let series: Vec<Series> = series.filter(|c| !c.points.is_empty()).collect();
+    if series.is_empty() {
+        return None;
+    }
     Some(Panel {
         title: format!("accuracy at iteration {iters} against p~ (± SE)"),
         x: "effective proportion of positives p~".into(),
         y: "greedy pass@1".into(),
-        series: series.collect(),
+        series,
     })
 }
 
@@ -752,7 +758,11 @@ pub(super) fn step_gains(
     iters: usize,
     accuracy: impl Fn(&str, u64, usize) -> Option<f64>,
 ) -> Result<()> {
-    writeln!(md, "Gain of each iteration (its accuracy minus the previous one's, per seed):\n")?;
+    writeln!(
+        md,
+        "Gain of each iteration (its accuracy minus the previous one's, per seed; mean ± SE over the seeds that have both, \
+         which may include a seed whose last iteration the tables above do not count yet):\n"
+    )?;
     let mut header = "| arm |".to_string();
     for i in 1..=iters {
         write!(header, " {} → {i} |", i - 1)?;
