@@ -148,7 +148,9 @@ fn drawing(e: impl std::fmt::Debug) -> anyhow::Error {
 }
 
 /// Draws `panels` on a grid of `cols` columns into the PNG `path`, atomically (drawn into a
-/// temporary PNG beside it, renamed once whole).
+/// temporary PNG beside it, renamed once whole). A series's colour is its place in its panel, so
+/// that the same arms keep their colours across panels; a series with no finite point is left out,
+/// legend entry included.
 pub fn draw(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     font()?;
     crate::io::replace_with(path, |tmp| draw_into(tmp, panels, cols))
@@ -188,6 +190,11 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
         for (k, s) in panel.series.iter().enumerate() {
             let colour = COLOURS[k % COLOURS.len()];
             let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.1.is_finite()).collect();
+            // A series with nothing to draw (an arm no seed has finished yet) gets no legend
+            // entry; the others keep their colours.
+            if pts.is_empty() {
+                continue;
+            }
             chart
                 .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(1)))
                 .map_err(drawing)?

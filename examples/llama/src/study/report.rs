@@ -695,9 +695,8 @@ fn composition_panel(table: &ClaimRows, arms: &[Arm], seeds: &[u64], iters: usiz
         }
         curve
     });
-    // A line no seed has finished yet draws nothing: no legend entry for it either.
-    let series: Vec<Series> = series.filter(|c| !c.points.is_empty()).collect();
-    if series.is_empty() {
+    let series: Vec<Series> = series.collect();
+    if series.iter().all(|c| c.points.is_empty()) {
         return None;
     }
     Some(Panel {
