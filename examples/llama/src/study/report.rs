@@ -684,7 +684,8 @@ fn composition_panel(table: &ClaimRows, arms: &[Arm], seeds: &[u64], iters: usiz
         arms.sort_by(|a, b| a.0.total_cmp(&b.0));
         let common: Vec<u64> =
             seeds.iter().copied().filter(|&sd| arms.iter().all(|(_, a)| table.at(a, sd, iters).is_some())).collect();
-        let mut curve = Series::new(format!("{label} ({} seeds)", common.len()), vec![]);
+        let n = common.len();
+        let mut curve = Series::new(format!("{label} ({n} seed{})", if n == 1 { "" } else { "s" }), vec![]);
         for (p, a) in arms {
             let last: Vec<f64> = common.iter().filter_map(|&sd| Some(table.at(a, sd, iters)?.accuracy)).collect();
             if !last.is_empty() {
