@@ -163,68 +163,74 @@ fn draw_into(path: &Path, panels: &[Panel], cols: usize) -> Result<()> {
     root.fill(&WHITE).map_err(drawing)?;
     let areas = root.split_evenly((rows, cols));
     for (panel, area) in panels.iter().zip(areas.iter()) {
-        let (x0, x1) = range(panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
-        let (y0, y1) = y_range(&panel.series);
-        let mut chart = ChartBuilder::on(area)
-            .caption(&panel.title, ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(55)
-            .build_cartesian_2d(x0..x1, y0..y1)
-            .map_err(drawing)?;
-        // Steps and iterations are whole numbers: label them so, one tick per iteration.
-        let ticks = if panel.x == "iteration" { ((x1 - x0).round() as usize + 1).clamp(2, 12) } else { 10 };
-        let mut xs = panel.series.iter().flat_map(|s| &s.points).map(|p| p.0).peekable();
-        let whole = xs.peek().is_some() && xs.all(|x| x.fract() == 0.0);
-        let x_label = |x: &f64| if whole { format!("{x:.0}") } else { format!("{x:.2}") };
-        chart
-            .configure_mesh()
-            .x_labels(ticks)
-            .x_label_formatter(&x_label)
-            .light_line_style(WHITE)
-            .x_desc(panel.x.as_str())
-            .y_desc(panel.y.as_str())
-            .label_style(("sans-serif", 12))
-            .draw()
-            .map_err(drawing)?;
-        for (k, s) in panel.series.iter().enumerate() {
-            let colour = COLOURS[k % COLOURS.len()];
-            let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.1.is_finite()).collect();
-            // A series with nothing to draw (an arm no seed has finished yet) gets no legend
-            // entry; the others keep their colours.
-            if pts.is_empty() {
-                continue;
-            }
-            chart
-                .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(1)))
-                .map_err(drawing)?
-                .label(s.label.as_str())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
-            if pts.len() <= 30 {
-                chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(drawing)?;
-            }
-            chart
-                .draw_series(
-                    s.bars().map(|(x, y, e)| ErrorBar::new_vertical(x, y - e, y, y + e, colour.stroke_width(1), 8)),
-                )
-                .map_err(drawing)?;
-        }
-        if panel.series.len() > 1 || !panel.series.iter().all(|s| s.label.is_empty()) {
-            chart
-                .configure_series_labels()
-                .label_font(("sans-serif", 12))
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .position(emptiest_corner(
-                    &panel.series.iter().flat_map(|s| s.points.iter().copied()).collect::<Vec<_>>(),
-                    (x0, x1),
-                    (y0, y1),
-                ))
-                .draw()
-                .map_err(drawing)?;
-        }
+        draw_panel(area, panel)?;
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Draws one panel into its area: axes, one line per series with its error bars, a legend.
+fn draw_panel(area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>, panel: &Panel) -> Result<()> {
+    let (x0, x1) = range(panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
+    let (y0, y1) = y_range(&panel.series);
+    let mut chart = ChartBuilder::on(area)
+        .caption(&panel.title, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(drawing)?;
+    // Steps and iterations are whole numbers: label them so, one tick per iteration.
+    let ticks = if panel.x == "iteration" { ((x1 - x0).round() as usize + 1).clamp(2, 12) } else { 10 };
+    let mut xs = panel.series.iter().flat_map(|s| &s.points).map(|p| p.0).peekable();
+    let whole = xs.peek().is_some() && xs.all(|x| x.fract() == 0.0);
+    let x_label = |x: &f64| if whole { format!("{x:.0}") } else { format!("{x:.2}") };
+    chart
+        .configure_mesh()
+        .x_labels(ticks)
+        .x_label_formatter(&x_label)
+        .light_line_style(WHITE)
+        .x_desc(panel.x.as_str())
+        .y_desc(panel.y.as_str())
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(drawing)?;
+    for (k, s) in panel.series.iter().enumerate() {
+        let colour = COLOURS[k % COLOURS.len()];
+        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.1.is_finite()).collect();
+        // A series with nothing to draw (an arm no seed has finished yet) gets no legend
+        // entry; the others keep their colours.
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(1)))
+            .map_err(drawing)?
+            .label(s.label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)));
+        if pts.len() <= 30 {
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(drawing)?;
+        }
+        chart
+            .draw_series(
+                s.bars().map(|(x, y, e)| ErrorBar::new_vertical(x, y - e, y, y + e, colour.stroke_width(1), 8)),
+            )
+            .map_err(drawing)?;
+    }
+    if panel.series.len() > 1 || !panel.series.iter().all(|s| s.label.is_empty()) {
+        chart
+            .configure_series_labels()
+            .label_font(("sans-serif", 12))
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(emptiest_corner(
+                &panel.series.iter().flat_map(|s| s.points.iter().copied()).collect::<Vec<_>>(),
+                (x0, x1),
+                (y0, y1),
+            ))
+            .draw()
+            .map_err(drawing)?;
+    }
     Ok(())
 }
 
