@@ -224,11 +224,14 @@ printf '%s start: commit %s, %s, %s cores, subnormals %s\n' "$(date -u +%Y-%m-%d
     "${cpu:-unknown CPU}" "$(nproc)" "$([ -n "$preload" ] && echo flushed || echo kept)" >> "$work/progress.txt"
 for pass_claims in real-negatives,real-iterated "$claims"; do
     status=0
-    /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" env LD_PRELOAD="$preload" \
-        "$work/bin/llama" study --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds" \
-        2> >(stamp_progress >&2) || status=$?
+    # In a group, so that the shell itself opens the process substitution and sets $! to it (on
+    # a plain external command the child opens it and $! stays unset, which `set -u` refuses).
+    {
+        /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" env LD_PRELOAD="$preload" \
+            "$work/bin/llama" study --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds"
+    } 2> >(stamp_progress >&2) || status=$?
     # The pass's last progress line is written before the records are copied.
-    wait $! 2> /dev/null || true
+    wait "$!" 2> /dev/null || true
     [ "$status" = 0 ] || exit "$status"
 done
 exit
