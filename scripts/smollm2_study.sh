@@ -15,7 +15,9 @@
 # Both go on across machines: a copy or a restore merges the two logs' lines (never drops one).
 # SEEDS: the number of seeds (default 5; the seeds 0..SEEDS). WORK: the study's work directory
 # (default ~/.cache/topr-loss/runs/smollm2-study, outside the clone, so that a later clone on the
-# same machine resumes it). Resumable: rerun the same command; finished stages are reused, an
+# same machine resumes it; a relative WORK or TOPR_STUDY_RECORDS is taken from the folder the
+# script is called from). Stop it with Ctrl-C or `kill PID`: it stops the study, then copies the
+# records of what finished. Resumable: rerun the same command; finished stages are reused, an
 # interrupted training resumes from its last saved step. A seed takes several hours on 2 cores.
 # On another machine (or after WORK is lost), the records committed in docs/study/real/ are put
 # back into WORK first (never over a file WORK has): finished iterations are not run again, and
@@ -39,14 +41,25 @@
 # git worktree at WORK/src — and copied to WORK/bin/llama, which every resume runs, so that a
 # later version of the sampler (other random streams) never mixes into a grid started before it.
 set -euo pipefail
+# WORK and TOPR_STUDY_RECORDS are taken from the folder the script is called from; the rest of the
+# script runs in the clone's root, with both made absolute (the records' clean-up compares them
+# from inside the records folder).
+caller=$PWD
+absolute() {
+    case "$1" in
+        /*) printf '%s\n' "$1" ;;
+        *) printf '%s/%s\n' "$caller" "$1" ;;
+    esac
+}
 cd "$(dirname "$0")/.."
 only=
 case "${1:-}" in
     --copy-records | --restore-records) only=$1; shift; set -- 5 "$@" ;;
 esac
-records="${TOPR_STUDY_RECORDS:-docs/study/real}"
+records=$PWD/docs/study/real
+[ -z "${TOPR_STUDY_RECORDS:-}" ] || records=$(absolute "$TOPR_STUDY_RECORDS")
 seeds="${1:-5}"
-work="${2:-$HOME/.cache/topr-loss/runs/smollm2-study}"
+work=$(absolute "${2:-$HOME/.cache/topr-loss/runs/smollm2-study}")
 model=models/smollm2-135m-instruct
 claims=real-negatives,real-composition,real-iterated
 # A data set's record names the model it was sampled from by its path: the base model's key in
@@ -155,14 +168,29 @@ merge_logs() {
 # Passes the study's stderr through, and appends its progress lines (`[study N s] seed S, arm A
 # (k/n)`: the start of each arm) to WORK/progress.txt with the date and time: each arm's wall
 # time is the gap to the next line.
+# A line it fails to write is lost, never the study: were it to stop, the study would die of
+# SIGPIPE at its next line.
 stamp_progress() {
     local line
     while IFS= read -r line || [ -n "$line" ]; do
-        printf '%s\n' "$line"
+        printf '%s\n' "$line" || true
         case "$line" in
-            '[study '*) printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$line" >> "$work/progress.txt" ;;
+            '[study '*) printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$line" >> "$work/progress.txt" || true ;;
         esac
     done
+}
+# One pass of the study over claims $1, its stderr through stamp_progress; it returns once the
+# pass's last progress line is written, so that the records copied after it have it. In a group,
+# so that the shell itself opens the process substitution and sets $! to it (on a plain external
+# command the child opens it and $! stays unset, which `set -u` refuses).
+run_pass() {
+    local status=0
+    {
+        /usr/bin/time -f "study ($1): %e s" -a -o "$work/times.txt" env LD_PRELOAD="$preload" \
+            "$work/bin/llama" study --work "$work" --model "$model" --claims "$1" --seeds "$seeds"
+    } 2> >(stamp_progress >&2) || status=$?
+    wait "$!" 2> /dev/null || true
+    return "$status"
 }
 # The rest runs for hours: braced, so that bash has read all of it before it starts (an edit of
 # this file meanwhile changes nothing of a grid in progress), and it exits before reading on.
@@ -184,14 +212,15 @@ if [ ! -x "$work/bin/llama" ]; then
     mkdir -p "$work/bin"
     if [ "$commit" = "$(git rev-parse HEAD)" ] && git diff --quiet HEAD -- src examples dist Cargo.toml; then
         cargo build --release -p topr-llama
-        built=target/release/llama
+        built=${CARGO_TARGET_DIR:-target}/release/llama
     else
         # The grid's own commit, built beside the clone (in a target folder of its own).
         [ -d "$work/src" ] || git worktree add --detach "$work/src" "$commit"
         (cd "$work/src" && CARGO_TARGET_DIR="$OLDPWD/target/study-grid" cargo build --release -p topr-llama)
         built=target/study-grid/release/llama
     fi
-    cp "$built" "$work/bin/llama.part" && mv "$work/bin/llama.part" "$work/bin/llama"
+    cp "$built" "$work/bin/llama.part"
+    mv "$work/bin/llama.part" "$work/bin/llama"
     echo "$commit" > "$work/bin/commit.txt"
 fi
 echo "study binary: $work/bin/llama, built from commit $(cat "$work/bin/commit.txt")"
@@ -215,23 +244,29 @@ preload=
 if [ "${TOPR_STUDY_SUBNORMALS:-flush}" != keep ]; then
     gcc -O2 -shared -fPIC -o "$work/bin/flush_subnormals.so" scripts/flush_subnormals.c
     preload="$work/bin/flush_subnormals.so"
+    # The loader splits LD_PRELOAD at spaces and colons, and would run the grid unflushed.
+    case "$preload" in
+        *[[:space:]:]*) echo "smollm2_study.sh: the work directory's path ($work) has a space or a colon, which LD_PRELOAD cannot name; choose another WORK" >&2; exit 2 ;;
+    esac
 else
     # A grid pinned at a commit whose binary flushes them itself keeps them only when told.
     export TOPR_SUBNORMALS=keep
 fi
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+cpu=$(awk -F': *' '/^model name/ { print $2; exit }' /proc/cpuinfo)
 printf '%s start: commit %s, %s, %s cores, subnormals %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$commit" \
     "${cpu:-unknown CPU}" "$(nproc)" "$([ -n "$preload" ] && echo flushed || echo kept)" >> "$work/progress.txt"
+# Each pass runs as a job of its own process group, so that a TERM, HUP or INT sent to this
+# script stops the study (the whole group) before the EXIT trap copies its records; bash alone
+# would run the trap at once and leave the study running, writing what the trap copies.
 for pass_claims in real-negatives,real-iterated "$claims"; do
     status=0
-    # In a group, so that the shell itself opens the process substitution and sets $! to it (on
-    # a plain external command the child opens it and $! stays unset, which `set -u` refuses).
-    {
-        /usr/bin/time -f "study ($pass_claims): %e s" -a -o "$work/times.txt" env LD_PRELOAD="$preload" \
-            "$work/bin/llama" study --work "$work" --model "$model" --claims "$pass_claims" --seeds "$seeds"
-    } 2> >(stamp_progress >&2) || status=$?
-    # The pass's last progress line is written before the records are copied.
-    wait "$!" 2> /dev/null || true
+    set -m
+    run_pass "$pass_claims" &
+    pass=$!
+    set +m
+    trap 'kill -TERM -- -"$pass" 2> /dev/null || true; wait "$pass" || true; exit 143' TERM HUP INT
+    wait "$pass" || status=$?
+    trap - TERM HUP INT
     [ "$status" = 0 ] || exit "$status"
 done
 exit

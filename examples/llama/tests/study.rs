@@ -266,6 +266,25 @@ fn the_grid_scripts_records_hold_each_data_set_once_and_come_back_only_to_the_sa
     script("--restore-records", &work);
     assert_eq!(read(work.join("progress.txt")), format!("{first}{mine}{other}"));
     assert_eq!(read(work.join("times.txt")), "study: 1 s\nstudy: 2 s\nstudy: 3 s\nstudy: 3 s\n");
+    // A relative WORK and records folder are taken from the caller's folder, and give the same
+    // records as absolute ones (the clean-up once looked for the work directory's files from
+    // inside the records folder, found none, and removed every record).
+    let copy = |work_arg: &str, records_arg: &str| {
+        let out = Command::new("bash")
+            .arg(repo.join("scripts/smollm2_study.sh"))
+            .args(["--copy-records", work_arg])
+            .current_dir(&tmp)
+            .env("TOPR_STUDY_RECORDS", records_arg)
+            .env("TOPR_STUDY_REPORT", "0")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{work_arg}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    copy(work.to_str().unwrap(), tmp.join("absolute").to_str().unwrap());
+    copy("work", "relative");
+    copy("work", "relative");
+    assert!(!listed(&tmp.join("absolute")).is_empty());
+    assert_eq!(listed(&tmp.join("relative")), listed(&tmp.join("absolute")));
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
