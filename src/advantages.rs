@@ -269,8 +269,10 @@ pub fn group_advantages_with(
 ///   [`GroupAdvantage::DrGrpo`] without `norm_adv_by_std_in_grpo`; [`SingletonGroup::ZeroMeanUnitStd`]).
 ///
 /// # Errors
-/// As [`group_advantages_with`] and [`whiten`]; [`LossError::InvalidArgument`] naming `weights`
-/// for a count other than `D` or a non-finite weight; the tensor checks for `mask`.
+/// As [`group_advantages_with`]; [`LossError::InvalidArgument`] naming `weights` for a count
+/// other than `D` or a non-finite weight; the tensor checks for `mask`, and
+/// [`LossError::EmptyBatch`] naming it when it has fewer than two real tokens (the whitening
+/// needs a variance); [`LossError::NonFiniteLoss`] when the weighted sums overflow the dtype.
 ///
 /// # Example
 /// ```
@@ -307,6 +309,7 @@ pub fn gdpo_advantages(
     if let Some(w) = weights.iter().find(|w| !w.is_finite()) {
         return Err(bad("weights", *w, "a weight must be finite"));
     }
+    validate::dense_tensor(mask, "mask")?;
     validate::rank(mask, "mask", 2, "[G·K, T]: each completion's token mask")?;
     validate::same_device(mask, "mask", rewards.device(), "rewards")?;
     if mask.size()[0] != g * k {
@@ -327,7 +330,10 @@ pub fn gdpo_advantages(
     }
     let sum = sum.ok_or_else(|| bad("weights", 0.0, "at least one reward dimension is needed"))?;
     let per_token = sum.f_reshape([g * k, 1])?.f_expand([g * k, mask.size()[1]], false)?;
+    // The whitening's own errors name its arguments: too few real tokens is the mask's fault, and
+    // a non-finite value the weighted sums' (finite rewards and weights too large for the dtype).
     whiten(&per_token, Some(mask), 1e-8)
+        .map_err(|e| crate::token_advantages::rename(e, "values", "mask", per_token.kind()))
 }
 
 /// Pass@k advantages: in each group only the best completion gets an advantage, the margin of
@@ -549,28 +555,7 @@ pub fn opo_advantages(rewards: &Tensor, lengths: &Tensor, singleton: SingletonGr
     let kind = validate::compute_kind(&[validate::float_tensor(rewards, "rewards")?]);
     let shape = validate::rank(rewards, "rewards", 2, "[G, K]: G prompts, K completions each")?;
     validate::non_empty(&shape, "rewards", "completion")?;
-    validate::dense_tensor(lengths, "lengths")?;
-    let length_kind = lengths.f_kind().ok();
-    if !matches!(
-        length_kind,
-        Some(
-            Kind::Uint8
-                | Kind::Int8
-                | Kind::Int16
-                | Kind::Int
-                | Kind::Int64
-                | Kind::Half
-                | Kind::BFloat16
-                | Kind::Float
-                | Kind::Double
-        )
-    ) {
-        return Err(LossError::WrongDtype {
-            argument: "lengths",
-            found: length_kind.map_or("unknown".into(), |k| format!("{k:?}")),
-            expected: "an integer or floating dtype",
-        });
-    }
+    validate::real_tensor(lengths, "lengths")?;
     validate::same_shape(lengths, "lengths", &shape, "the shape of `rewards`")?;
     validate::same_device(lengths, "lengths", rewards.device(), "rewards")?;
     validate::finite(rewards, "rewards", None)?;

@@ -377,7 +377,7 @@ pub fn proximal_logprobs_with_checks(
     checks: Checks,
 ) -> Result<Tensor, LossError> {
     let x = token_inputs::check(TokenArgs {
-        logp: &logp.f_detach()?,
+        logp: &validate::detached(logp, "logp")?,
         other: (logp_behaviour, "logp_behaviour"),
         weights: None,
         mask,
@@ -385,7 +385,7 @@ pub fn proximal_logprobs_with_checks(
         checks,
     })?;
     let shape = x.mask.size();
-    validate::dense_tensor(staleness, "staleness")?;
+    validate::real_tensor(staleness, "staleness")?;
     if staleness.dim() == 2 {
         validate::same_shape(staleness, "staleness", &shape, "the shape of `logp` (per-token staleness)")?;
     } else {
@@ -484,7 +484,7 @@ pub fn m2po_mask(
 ) -> Result<Tensor, LossError> {
     validate::positive(tau, "tau", "M2PO's second-moment budget must be finite and > 0 (the paper uses 0.04)")?;
     let x = token_inputs::check(TokenArgs {
-        logp: &logp_proximal.f_detach()?,
+        logp: &validate::detached(logp_proximal, "logp_proximal")?,
         other: (logp_behaviour, "logp_behaviour"),
         weights: None,
         mask,

@@ -98,7 +98,7 @@ pub fn kl_penalized_rewards(
     cfg.validate()?;
     validate::float_tensor(token_scores, "token_scores")?;
     validate::rank(token_scores, "token_scores", 2, "[B, T] token-level scores")?;
-    let logp = logp.f_detach()?;
+    let logp = validate::detached(logp, "logp")?;
     let x = token_inputs::check(TokenArgs {
         logp: &logp,
         other: (logp_ref, "logp_ref"),

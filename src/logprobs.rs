@@ -591,6 +591,15 @@ fn logits_backward(
 
 fn check_fused(hidden: &Tensor, weight: &Tensor) -> Result<(Kind, [i64; 2], i64), LossError> {
     let kinds = [validate::float_tensor(hidden, "hidden")?, validate::float_tensor(weight, "weight")?];
+    // The chunks' products `h Wᵀ` run in the inputs' own dtype, which libtorch's matmul wants
+    // the same on both sides.
+    if kinds[0] != kinds[1] {
+        return Err(LossError::WrongDtype {
+            argument: "weight",
+            found: format!("{:?}", kinds[1]),
+            expected: "the dtype of `hidden`",
+        });
+    }
     let s = validate::rank(hidden, "hidden", 3, "[B, T, H] last hidden states")?;
     let w = validate::rank(weight, "weight", 2, "[V, H] output projection (lm_head)")?;
     validate::non_empty(&w, "weight", "vocabulary entry")?;
@@ -623,7 +632,8 @@ fn check_fused(hidden: &Tensor, weight: &Tensor) -> Result<(Kind, [i64; 2], i64)
 /// * `labels`, `mask`, `cfg` — as [`token_logprobs`].
 ///
 /// # Errors
-/// As [`token_logprobs`], plus [`LossError::ShapeMismatch`] when `weight` is not `[V, H]`.
+/// As [`token_logprobs`], plus [`LossError::ShapeMismatch`] when `weight` is not `[V, H]` and
+/// [`LossError::WrongDtype`] when its dtype is not `hidden`'s.
 ///
 /// # Example
 /// ```

@@ -191,7 +191,8 @@ fn check_ranges(clean: &[Tensor]) -> Result<(), LossError> {
     let stats = stats.iter().map(|s| s.f_to_kind(Kind::Double)).collect::<Result<Vec<_>, _>>()?;
     let v = crate::checks::read_vec(&Tensor::f_stack(&stats, 0)?)?;
     if v[0] > tol {
-        let first_index = first_true(&clean[0].f_gt(tol)?)?;
+        // In f64, as `v[0]` was compared (see `validate::all_finite_sums_and_log_probs`).
+        let first_index = first_true(&clean[0].f_to_kind(Kind::Double)?.f_gt(tol)?)?;
         return Err(LossError::PositiveLogProb { argument: "logp_mu", max: v[0], first_index });
     }
     if v[1] < -tol || v[2] > 1.0 + tol {

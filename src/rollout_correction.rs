@@ -402,7 +402,7 @@ pub fn rollout_weights(
     cfg: &RolloutCorrection,
 ) -> Result<RolloutWeights, LossError> {
     cfg.validate()?;
-    let x = check(&logp.f_detach()?, logp_rollout, mask, cfg.checks)?;
+    let x = check(&validate::detached(logp, "logp")?, logp_rollout, mask, cfg.checks)?;
     weights_of(&x, cfg)
 }
 
@@ -843,7 +843,7 @@ pub fn rollout_rejection_mask_all(
     for rule in rules {
         rule.validate()?;
     }
-    let x = check(&logp.f_detach()?, logp_rollout, mask, Checks::Full)?;
+    let x = check(&validate::detached(logp, "logp")?, logp_rollout, mask, Checks::Full)?;
     let mut kept = x.mask.shallow_clone();
     for rule in rules {
         kept = kept.f_logical_and(&rule_keeps(&x, rule)?)?;
@@ -930,7 +930,7 @@ pub fn off_policy_sequence_mask(
         });
     }
     let x = token_inputs::check(TokenArgs {
-        logp: &logp.f_detach()?,
+        logp: &validate::detached(logp, "logp")?,
         other: (logp_rollout, "logp_rollout"),
         weights: Some((advantages, "advantages")),
         mask,

@@ -580,7 +580,7 @@ pub fn bapo_clip_bounds(
     mask: &Tensor,
     cfg: &BapoConfig,
 ) -> Result<OnDevice<BapoBounds>, LossError> {
-    let (x, r) = bapo_inputs(&logp.f_detach()?, logp_mu, advantages, mask, cfg)?;
+    let (x, r) = bapo_inputs(&validate::detached(logp, "logp")?, logp_mu, advantages, mask, cfg)?;
     let w = search(&x, &r, cfg)?;
     OnDevice::new(&[w.low, w.high, w.balance, w.positive, w.negative, w.steps])
 }

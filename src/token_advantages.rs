@@ -256,7 +256,7 @@ pub fn remax_advantages(
 
 /// Renames the argument of an error from [`whiten`] to the caller's; a non-finite value there can
 /// only come from returns that overflowed the compute dtype.
-fn rename(e: LossError, from: &'static str, to: &'static str, kind: Kind) -> LossError {
+pub(crate) fn rename(e: LossError, from: &'static str, to: &'static str, kind: Kind) -> LossError {
     match e {
         LossError::EmptyBatch { argument, found, unit } if argument == from => {
             LossError::EmptyBatch { argument: to, found, unit }

@@ -35,6 +35,41 @@ pub(crate) fn dense_tensor(t: &Tensor, argument: &'static str) -> Result<(), Los
     Ok(())
 }
 
+/// Checks that `t` is defined, dense, and of an integer or floating dtype (not bool or complex):
+/// counts and lengths given in whatever real dtype the caller has.
+pub(crate) fn real_tensor(t: &Tensor, argument: &'static str) -> Result<(), LossError> {
+    dense_tensor(t, argument)?;
+    let kind = t.f_kind().ok();
+    if matches!(
+        kind,
+        Some(
+            Kind::Uint8
+                | Kind::Int8
+                | Kind::Int16
+                | Kind::Int
+                | Kind::Int64
+                | Kind::Half
+                | Kind::BFloat16
+                | Kind::Float
+                | Kind::Double
+        )
+    ) {
+        return Ok(());
+    }
+    Err(LossError::WrongDtype {
+        argument,
+        found: kind.map_or("unknown".into(), |k| format!("{k:?}")),
+        expected: "an integer or floating dtype",
+    })
+}
+
+/// `t` detached from the graph, once it is known to be defined and dense (an error naming
+/// `argument` otherwise, rather than libtorch's own).
+pub(crate) fn detached(t: &Tensor, argument: &'static str) -> Result<Tensor, LossError> {
+    dense_tensor(t, argument)?;
+    Ok(t.f_detach()?)
+}
+
 /// Checks the rank of `t` and returns its shape.
 pub(crate) fn rank(
     t: &Tensor,
@@ -172,7 +207,10 @@ pub(crate) fn all_finite_sums_and_log_probs(
     for (c, &max) in log_probs.iter().zip(maxima) {
         // Not NaN here: a NaN where real made a sum above non-finite, and that was refused.
         if max > crate::LOG_PROB_TOLERANCE {
-            let first_index = first_index(&real_or_below(c)?.f_gt(crate::LOG_PROB_TOLERANCE)?)?;
+            // Compared in f64 as `max` was: in the tensor's own dtype the tolerance would round
+            // to that dtype, and an entry at the rounded tolerance would be found by one test only.
+            let first_index =
+                first_index(&real_or_below(c)?.f_to_kind(Kind::Double)?.f_gt(crate::LOG_PROB_TOLERANCE)?)?;
             return Err(LossError::PositiveLogProb { argument: c.argument, max, first_index });
         }
     }

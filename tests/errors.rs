@@ -705,3 +705,72 @@ fn research_losses_name_bad_arguments() {
     let e = top_entropy_mask(&lp, &m, 2.0, Checks::Full).unwrap_err();
     assert!(matches!(e, LossError::InvalidArgument { argument: "rho", .. }), "{e}");
 }
+
+#[test]
+fn a_log_prob_just_above_the_tolerance_in_its_own_dtype_is_named() {
+    // 1e-3 rounds up in f32 (1.0000000475e-3): above the tolerance, compared in f64. Found by the
+    // same comparison that measured it, it is refused as a log-prob above 0, never as an index
+    // error of a search in the tensor's dtype, where the tolerance rounds to the same value.
+    let edge = 1e-3f32;
+    let r = Tensor::from_slice(&[1.0f32, -1.0]);
+    let above = Tensor::from_slice(&[-1.0f32, edge]);
+    let ok = Tensor::from_slice(&[-1.0f32, -2.0]);
+    let e = topr_loss(&above, &ok, &r, &ToprConfig::canonical()).unwrap_err();
+    assert!(
+        matches!(e, LossError::PositiveLogProb { argument: "logp", ref first_index, .. } if first_index == &[1]),
+        "{e}"
+    );
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let e = ppo_clip_loss(&ok.reshape([1, 2]), &above.reshape([1, 2]), &t1(&[1.0]), &m, &PpoConfig::ppo()).unwrap_err();
+    assert!(
+        matches!(e, LossError::PositiveLogProb { argument: "logp_mu", ref first_index, .. } if first_index == &[0, 1]),
+        "{e}"
+    );
+    // The optimal token baseline's own range check (two groups of one completion).
+    let mu = Tensor::from_slice2(&[[-1.0f32, edge], [-1.0, -1.0]]);
+    let sp = mu.full_like(0.5);
+    let m2 = Tensor::from_slice2(&[[true, true], [true, true]]);
+    let e = optimal_token_baseline_advantages(&mu, &sp, &sp, &m2, None, 1, SingletonGroup::OwnMean, 1e-8).unwrap_err();
+    assert!(
+        matches!(e, LossError::PositiveLogProb { argument: "logp_mu", ref first_index, .. } if first_index == &[0, 1]),
+        "{e}"
+    );
+}
+
+#[test]
+fn arguments_checked_before_any_work_are_named() {
+    let lp = Tensor::from_slice2(&[[-1.0f64, -1.0]]);
+    let m = Tensor::from_slice2(&[[true, true]]);
+    let adv = t1(&[1.0]);
+    let undefined = |e: LossError, argument: &str| {
+        assert!(matches!(e, LossError::UnsupportedTensor { argument: a, what: "undefined" } if a == argument), "{e}");
+    };
+    // An undefined log-prob argument that the function detaches first is named, not libtorch's.
+    undefined(kl_penalized_rewards(&Tensor::new(), &lp, &lp, &m, &KlConfig::k1()).unwrap_err(), "logp");
+    let stale = t1(&[2.0]);
+    let method = ProximalApproximation::LogLinear;
+    undefined(proximal_logprobs(&lp, &Tensor::new(), &stale, &m, method).unwrap_err(), "logp");
+    undefined(m2po_mask(&Tensor::new(), &lp, &m, 0.04).unwrap_err(), "logp_proximal");
+    undefined(rollout_weights(&Tensor::new(), &lp, &m, &RolloutCorrection::token_tis(2.0)).unwrap_err(), "logp");
+    let rules = [Rejection::k3(RejectionScope::SequenceMax, 0.01)];
+    undefined(rollout_rejection_mask_all(&Tensor::new(), &lp, &m, &rules).unwrap_err(), "logp");
+    undefined(off_policy_sequence_mask(&Tensor::new(), &lp, &adv, &m, 0.5).unwrap_err(), "logp");
+    undefined(bapo_clip_bounds(&Tensor::new(), &lp, &adv, &m, &BapoConfig::paper()).unwrap_err(), "logp");
+    // A staleness that is neither an integer nor a floating dtype.
+    let e = proximal_logprobs(&lp, &lp, &Tensor::from_slice(&[true]), &m, method).unwrap_err();
+    assert!(matches!(e, LossError::WrongDtype { argument: "staleness", .. }), "{e}");
+    // The fused log-probs multiply in the inputs' dtype: a weight of another dtype is named.
+    let hidden = Tensor::zeros([1, 2, 4], (Kind::BFloat16, tch::Device::Cpu));
+    let weight = Tensor::zeros([3, 4], (Kind::Float, tch::Device::Cpu));
+    let labels = Tensor::from_slice2(&[[0i64, 1]]);
+    let e = fused_token_logprobs(&hidden, &weight, &labels, None, &LogProbConfig::default()).unwrap_err();
+    assert!(matches!(e, LossError::WrongDtype { argument: "weight", .. }), "{e}");
+    // GDPO whitens over the mask's tokens: fewer than two is the mask's fault, and an undefined
+    // mask is named as such.
+    let rewards = Tensor::from_slice(&[1.0f64, 0.0, 0.5, 1.0]).reshape([1, 2, 2]);
+    let one_token = Tensor::from_slice2(&[[true, false], [false, false]]);
+    let (grpo, own) = (GroupAdvantage::grpo(), SingletonGroup::OwnMean);
+    let e = gdpo_advantages(&rewards, &[1.0, 1.0], &one_token, grpo, own).unwrap_err();
+    assert!(matches!(e, LossError::EmptyBatch { argument: "mask", .. }), "{e}");
+    undefined(gdpo_advantages(&rewards, &[1.0, 1.0], &Tensor::new(), grpo, own).unwrap_err(), "mask");
+}
