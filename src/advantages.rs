@@ -332,8 +332,7 @@ pub fn gdpo_advantages(
     let per_token = sum.f_reshape([g * k, 1])?.f_expand([g * k, mask.size()[1]], false)?;
     // The whitening's own errors name its arguments: too few real tokens is the mask's fault, and
     // a non-finite value the weighted sums' (finite rewards and weights too large for the dtype).
-    whiten(&per_token, Some(mask), 1e-8)
-        .map_err(|e| crate::token_advantages::rename(e, "values", "mask", per_token.kind()))
+    whiten(&per_token, Some(mask), 1e-8).map_err(|e| rename(e, "values", "mask", per_token.kind()))
 }
 
 /// Pass@k advantages: in each group only the best completion gets an advantage, the margin of
@@ -643,4 +642,19 @@ pub fn whiten(values: &Tensor, mask: Option<&Tensor>, eps: f64) -> Result<Tensor
     let var = centred.f_square()?.f_sum(None::<Kind>)?.f_div_scalar((count - 1) as f64)?;
     let scale = var.f_add_scalar(eps)?.f_sqrt()?.f_clamp_min(f64::MIN_POSITIVE)?;
     Ok(centred.f_div(&scale)?)
+}
+
+/// Renames the argument of an error from [`whiten`] to the caller's; a non-finite value there can
+/// only come from the caller's sums (returns, weighted advantages) that overflowed the compute
+/// dtype.
+pub(crate) fn rename(e: LossError, from: &'static str, to: &'static str, kind: Kind) -> LossError {
+    match e {
+        LossError::EmptyBatch { argument, found, unit } if argument == from => {
+            LossError::EmptyBatch { argument: to, found, unit }
+        }
+        LossError::NonFinite { argument, .. } if argument == from => {
+            LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(kind) }
+        }
+        other => other,
+    }
 }

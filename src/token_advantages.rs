@@ -12,7 +12,7 @@
 //! ignored (it may hold NaN), and its advantage and return are 0. An outcome reward sits on the
 //! completion's last real token.
 
-use crate::advantages::{GroupAdvantage, SingletonGroup, group_advantages_with, whiten};
+use crate::advantages::{GroupAdvantage, SingletonGroup, group_advantages_with, rename, whiten};
 use crate::aggregate::masked_fill_zero;
 use crate::error::LossError;
 use crate::validate;
@@ -252,20 +252,6 @@ pub fn remax_advantages(
     let advantages = masked_fill_zero(&returns.f_sub(&baseline)?, &m)?;
     finite_results(&[&advantages, &returns], k)?;
     Ok(TokenAdvantages { advantages, returns })
-}
-
-/// Renames the argument of an error from [`whiten`] to the caller's; a non-finite value there can
-/// only come from returns that overflowed the compute dtype.
-pub(crate) fn rename(e: LossError, from: &'static str, to: &'static str, kind: Kind) -> LossError {
-    match e {
-        LossError::EmptyBatch { argument, found, unit } if argument == from => {
-            LossError::EmptyBatch { argument: to, found, unit }
-        }
-        LossError::NonFinite { argument, .. } if argument == from => {
-            LossError::NonFiniteLoss { compute_dtype: crate::error::kind_name(kind) }
-        }
-        other => other,
-    }
 }
 
 /// [`LossError::NonFiniteLoss`] unless every entry of `results` is finite (one host read): finite
