@@ -1138,3 +1138,88 @@ fn a_demo_resumed_with_another_warm_up_is_refused() {
     run(&strs(&demo(&["--resume"])));
     assert_eq!(std::fs::read(work.join("topr/iterations.jsonl")).unwrap(), table);
 }
+
+/// Every `llama` command line of the README and the docs names only flags its subcommand has:
+/// each `--flag` after `llama SUB` (or `llama check SUB`) in a code span or a code block is in
+/// `llama SUB --help`, so that a renamed or removed flag cannot stay documented.
+#[test]
+fn the_docs_name_only_flags_the_commands_have() {
+    let repo = common::repo();
+    let mut files = vec![repo.join("README.md")];
+    let docs = std::fs::read_dir(repo.join("docs")).unwrap().map(|e| e.unwrap().path());
+    files.extend(docs.filter(|p| p.extension().is_some_and(|x| x == "md")));
+    let mut help = std::collections::HashMap::new();
+    let (mut checked, mut wrong) = (0, Vec::new());
+    for file in &files {
+        for code in code_of(&std::fs::read_to_string(file).unwrap()) {
+            for (command, flags) in llama_command_lines(&code) {
+                let text = help.entry(command.clone()).or_insert_with(|| help_of(&command));
+                for flag in flags {
+                    checked += 1;
+                    if !has_flag(text, &flag) {
+                        wrong.push(format!("{}: llama {command} --{flag}", file.display()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} documented flags found: is the scan broken?");
+    assert!(wrong.is_empty(), "documented flags the commands do not have:\n{}", wrong.join("\n"));
+}
+
+/// `llama ARGS --help`, or "" when ARGS is no command.
+fn help_of(command: &str) -> String {
+    let out = Command::new(llama()).args(command.split(' ')).arg("--help").output().unwrap();
+    if out.status.success() { String::from_utf8(out.stdout).unwrap() } else { String::new() }
+}
+
+/// Whether `help` lists `--flag` (not only a longer flag that starts with it).
+fn has_flag(help: &str, flag: &str) -> bool {
+    let needle = format!("--{flag}");
+    help.match_indices(&needle)
+        .any(|(i, _)| !help[i + needle.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-'))
+}
+
+/// The code of a Markdown text: each line of a fenced block, and each `code span` elsewhere.
+fn code_of(text: &str) -> Vec<String> {
+    let (mut out, mut fenced) = (Vec::new(), false);
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if fenced {
+            out.push(line.to_string());
+        } else {
+            out.extend(line.split('`').skip(1).step_by(2).map(str::to_string));
+        }
+    }
+    out
+}
+
+/// The `llama` commands of a line of code and the flags each names, up to a comment or the
+/// next command of a chain; a word after `llama` that is no subcommand (`--`, `train|eval`) is
+/// skipped, and so is its line.
+fn llama_command_lines(code: &str) -> Vec<(String, Vec<String>)> {
+    let words: Vec<&str> = code.split_whitespace().collect();
+    let mut out = Vec::new();
+    for (i, w) in words.iter().enumerate() {
+        let Some(&sub) = words.get(i + 1).filter(|_| *w == "llama") else { continue };
+        if !sub.chars().all(|c| c.is_ascii_lowercase() || c == '-') || sub.starts_with('-') {
+            continue;
+        }
+        let mut rest = &words[i + 2..];
+        let mut command = sub.to_string();
+        if sub == "check" && !rest.is_empty() {
+            command = format!("check {}", rest[0]);
+            rest = &rest[1..];
+        }
+        let end = rest.iter().position(|w| w.starts_with('#') || ["&&", "||", "|", ";"].contains(w));
+        let flags = rest[..end.unwrap_or(rest.len())]
+            .iter()
+            .filter_map(|w| w.trim_start_matches(['[', '(']).strip_prefix("--"))
+            .map(|f| f.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect::<String>())
+            .filter(|f| !f.is_empty())
+            .collect();
+        out.push((command, flags));
+    }
+    out
+}
