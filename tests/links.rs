@@ -1,7 +1,8 @@
 //! Every relative link in the repository's Markdown files (README, CHANGELOG, docs/ and the
 //! crates' own notes) points at a file that exists, and a link to a heading (`file.md#heading`,
 //! or `#heading` within a file) at a heading that file has, by GitHub's rule for heading anchors:
-//! lower case, punctuation dropped, spaces turned into hyphens.
+//! lower case, punctuation dropped, spaces turned into hyphens. And every repository path named
+//! in a code span (`scripts/env.sh`) exists.
 
 use std::path::{Path, PathBuf};
 
@@ -130,6 +131,45 @@ fn every_relative_link_in_the_markdown_resolves() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// A repository path named in a code span (`scripts/env.sh`, `src/topr.rs::topr_loss`): a span
+/// of path characters with a `/` whose first folder is one of the repository's. `src/…` and
+/// `tests/…` may be the Llama crate's or the c10d crate's, as the text around them says.
+fn repository_paths(md: &str) -> Vec<String> {
+    const FOLDERS: [&str; 9] = ["src", "tests", "docs", "examples", "scripts", "dist", "benches", ".ci", "csrc"];
+    let spans = prose(md)
+        .lines()
+        .flat_map(|l| l.split('`').skip(1).step_by(2).map(str::to_string).collect::<Vec<_>>())
+        .collect::<Vec<_>>();
+    spans
+        .into_iter()
+        .filter_map(|s| {
+            let path = s.trim().split("::").next()?.trim_end_matches('/').to_string();
+            let plain = path.chars().all(|c| c.is_ascii_alphanumeric() || "_.-/".contains(c));
+            (plain && path.contains('/') && FOLDERS.contains(&path.split('/').next()?)).then_some(path)
+        })
+        .collect()
+}
+
+#[test]
+fn every_repository_path_in_a_code_span_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![];
+    markdown_files(root, &mut files);
+    let (mut checked, mut missing) = (0, vec![]);
+    // The changelog names files that a version removed.
+    for file in files.iter().filter(|f| !f.ends_with("CHANGELOG.md")) {
+        for path in repository_paths(&std::fs::read_to_string(file).unwrap()) {
+            checked += 1;
+            let bases = [root, &root.join("examples/llama"), &root.join("dist"), file.parent().unwrap()];
+            if !bases.iter().any(|b| b.join(&path).exists()) {
+                missing.push(format!("{}: {path}", file.strip_prefix(root).unwrap().display()));
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} paths found: is the scan broken?");
+    assert!(missing.is_empty(), "paths in code spans that do not exist:\n{}", missing.join("\n"));
 }
 
 #[test]
