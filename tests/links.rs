@@ -2,7 +2,8 @@
 //! crates' own notes) points at a file that exists, and a link to a heading (`file.md#heading`,
 //! or `#heading` within a file) at a heading that file has, by GitHub's rule for heading anchors:
 //! lower case, punctuation dropped, spaces turned into hyphens. And every repository path named
-//! in a code span (`scripts/env.sh`) exists.
+//! in a code span (`scripts/env.sh`) exists, and every Rust path (`generate::Shrink`) names words
+//! of the sources.
 
 use std::path::{Path, PathBuf};
 
@@ -170,6 +171,61 @@ fn every_repository_path_in_a_code_span_exists() {
     }
     assert!(checked > 100, "only {checked} paths found: is the scan broken?");
     assert!(missing.is_empty(), "paths in code spans that do not exist:\n{}", missing.join("\n"));
+}
+
+/// The Rust sources of the workspace (build outputs, models and hidden folders aside), as one text.
+fn rust_sources(dir: &Path, out: &mut String) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let (path, name) = (entry.path(), entry.file_name().to_string_lossy().into_owned());
+        if path.is_dir() && !name.starts_with('.') && !["target", "models", "runs", "docs"].contains(&name.as_str()) {
+            rust_sources(&path, out);
+        } else if name.ends_with(".rs") {
+            out.push_str(&std::fs::read_to_string(&path).unwrap());
+        }
+    }
+}
+
+/// Every Rust path in a code span of the README and docs/ (`generate::Shrink`,
+/// `topr_llama::verify`) names things the sources have: each segment is a word of some Rust
+/// file, so that a renamed or removed item cannot stay documented. C++ names (`c10d::…`,
+/// `gloo::…`) and items the performance history names as replaced are left out.
+#[test]
+fn every_rust_path_in_a_code_span_names_words_of_the_sources() {
+    const FOREIGN: [&str; 10] =
+        ["torch", "at", "c10", "c10d", "std", "gloo", "rendezvous", "mkldnn", "aten", "transformers"];
+    const REPLACED: [&str; 1] = ["generate::Release"];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut sources = String::new();
+    rust_sources(root, &mut sources);
+    let words: std::collections::HashSet<&str> =
+        sources.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).collect();
+    let mut files = vec![root.join("README.md")];
+    markdown_files(&root.join("docs"), &mut files);
+    files.retain(|f| f.parent() == Some(root) || f.parent() == Some(&root.join("docs")));
+    let (mut checked, mut unknown) = (0, vec![]);
+    for file in &files {
+        let md = std::fs::read_to_string(file).unwrap();
+        let spans: Vec<String> = prose(&md)
+            .lines()
+            .flat_map(|l| l.split('`').skip(1).step_by(2).map(str::to_string).collect::<Vec<_>>())
+            .collect();
+        for span in spans {
+            let path = span.trim().trim_end_matches("()");
+            let segments: Vec<&str> = path.split("::").collect();
+            let rust = segments.len() > 1
+                && segments.iter().all(|s| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+            if !rust || FOREIGN.contains(&segments[0]) || REPLACED.contains(&path) {
+                continue;
+            }
+            checked += 1;
+            if let Some(s) = segments.iter().find(|s| !words.contains(*s)) {
+                unknown.push(format!("{}: {path} ({s})", file.strip_prefix(root).unwrap().display()));
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} Rust paths found: is the scan broken?");
+    assert!(unknown.is_empty(), "Rust paths naming what no source has:\n{}", unknown.join("\n"));
 }
 
 #[test]
