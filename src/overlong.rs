@@ -99,28 +99,8 @@ pub fn overlong_penalty(
 /// `lengths` checked (defined, dense, integer or floating, non-empty, finite), detached, in f64
 /// for f64 and f32 otherwise.
 fn length_values(lengths: &Tensor) -> Result<Tensor, LossError> {
-    validate::dense_tensor(lengths, "lengths")?;
-    let kind = lengths.f_kind().ok();
-    let compute = match kind {
-        Some(Kind::Double) => Kind::Double,
-        Some(
-            Kind::Uint8
-            | Kind::Int8
-            | Kind::Int16
-            | Kind::Int
-            | Kind::Int64
-            | Kind::Half
-            | Kind::BFloat16
-            | Kind::Float,
-        ) => Kind::Float,
-        _ => {
-            return Err(LossError::WrongDtype {
-                argument: "lengths",
-                found: kind.map_or("unknown".into(), |k| format!("{k:?}")),
-                expected: "an integer or floating dtype",
-            });
-        }
-    };
+    validate::real_tensor(lengths, "lengths")?;
+    let compute = if lengths.f_kind()? == Kind::Double { Kind::Double } else { Kind::Float };
     if lengths.numel() == 0 {
         return Err(LossError::EmptyBatch { argument: "lengths", found: lengths.size(), unit: "completion" });
     }
