@@ -97,7 +97,8 @@ impl Sample {
 pub(crate) enum CutLine {
     /// An error, or with `skip_bad` skipped and counted like any malformed record.
     Refuse,
-    /// Dropped quietly: the sampler resuming its own interrupted file writes it again.
+    /// Dropped quietly, whole or not (its bytes before decoding, so that a cut inside a character
+    /// is no error): the sampler resuming its own interrupted file writes it again.
     Resume,
 }
 
@@ -123,7 +124,12 @@ pub(crate) fn read_records(
     cut: CutLine,
 ) -> Result<(Vec<(String, Sample)>, usize)> {
     crate::io::refuse_device(path)?;
-    let text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
+    // A line cut short by an interrupted write may end inside a character: when that line is to
+    // be dropped anyway, it goes before the text is decoded.
+    if cut == CutLine::Resume && text.last().is_some_and(|&b| b != b'\n') {
+        text.truncate(text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1));
+    }
     let text = String::from_utf8(text).map_err(|e| {
         anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())
     })?;

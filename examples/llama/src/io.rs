@@ -348,9 +348,10 @@ pub fn refuse_overlap(model: &Path, out: &Path, what_out: &str) -> Result<()> {
     )
 }
 
-/// Whether `dir` holds a model (a `config.json` or weights).
+/// Whether `dir` holds a whole model: its `config.json`, which `checkpoint::save` writes last, so
+/// that weights a kill left without it are not taken for a finished model.
 pub fn holds_model(dir: &Path) -> bool {
-    ["config.json", "model.safetensors", "model.safetensors.index.json"].iter().any(|f| dir.join(f).exists())
+    dir.join("config.json").exists()
 }
 
 #[cfg(test)]
@@ -362,6 +363,16 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn weights_without_their_config_are_no_model() {
+        // `checkpoint::save` writes config.json last: weights a kill left alone are no model.
+        let d = scratch("holds");
+        write_file(&d.join("model.safetensors"), "weights").unwrap();
+        assert!(!holds_model(&d));
+        write_file(&d.join("config.json"), "{}").unwrap();
+        assert!(holds_model(&d));
     }
 
     #[test]

@@ -44,10 +44,29 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = cli::run(parsed) {
-        eprintln!("error: {}", cli::message(&e));
-        std::process::exit(1);
+    // A libtorch error that a non-fallible tch call turns into a panic (a CUDA out-of-memory, say)
+    // ends as every other error does: one line, exit code 1. The main thread's panic message is
+    // printed here instead of by the hook (RUST_BACKTRACE set: by the hook too, with its trace);
+    // other threads' panics keep the default report.
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().name() != Some("main") {
+                default(info);
+            }
+        }));
     }
+    let message = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cli::run(parsed))) {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => cli::message(&e),
+        Err(payload) => {
+            let text = payload.downcast_ref::<String>().map(String::as_str);
+            let text = text.or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("a panic without a message");
+            text.lines().find(|l| !l.trim().is_empty()).unwrap_or(text).trim().to_string()
+        }
+    };
+    eprintln!("error: {message}");
+    std::process::exit(1);
 }
 
 /// glibc's allocator serves each large tensor (≥ 128 KiB at first) with a fresh `mmap` and gives

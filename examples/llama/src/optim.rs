@@ -232,7 +232,11 @@ impl Optimizer {
     /// Restores a state written by [`Optimizer::state`]; refuses one that names unknown parameters
     /// or has the wrong shapes.
     pub fn load_state(&mut self, mut s: BTreeMap<String, Tensor>) -> Result<()> {
-        let step = s.remove("step").map(|t| t.int64_value(&[0])).unwrap_or(0);
+        let step = match s.remove("step") {
+            Some(t) if t.numel() == 1 => t.f_int64_value(&[0])?,
+            Some(t) => bail!("optimizer state: \"step\" holds {} values, not one", t.numel()),
+            None => 0,
+        };
         let device = self.params.first().map(|p| p.1.device()).unwrap_or(tch::Device::Cpu);
         let mut state = BTreeMap::new();
         for (k, v) in s {
@@ -241,7 +245,11 @@ impl Optimizer {
             else {
                 bail!("optimizer state names {k:?}, which is not a parameter of this model");
             };
-            let ok = if k.ends_with("_row") {
+            // A factored moment (`_row`, `_col`) belongs to a matrix, never to a vector.
+            let factored = k.ends_with("_row") || k.ends_with("_col");
+            let ok = if factored && p.dim() < 2 {
+                false
+            } else if k.ends_with("_row") {
                 v.size()[..] == p.size()[..p.dim() - 1]
             } else if k.ends_with("_col") {
                 let mut want = p.size();

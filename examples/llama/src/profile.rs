@@ -68,11 +68,14 @@ impl Profiler {
         Ok(Self { running: true, _thread: std::marker::PhantomData })
     }
 
-    /// Stops recording and writes the trace (Chrome's JSON trace format) to `trace`.
+    /// Stops recording and writes the trace (Chrome's JSON trace format) to `trace`, whole or not
+    /// at all (to a temporary file beside it, renamed once the export succeeded).
     pub fn finish(mut self, trace: &Path) -> Result<()> {
-        let path = CString::new(trace.as_os_str().as_encoded_bytes())
-            .with_context(|| format!("{}: a path with a NUL byte", trace.display()))?;
-        self.stop(path.as_ptr()).with_context(|| format!("writing the profiler's trace to {}", trace.display()))
+        crate::io::replace_with(trace, |tmp| {
+            let path = CString::new(tmp.as_os_str().as_encoded_bytes())
+                .with_context(|| format!("{}: a path with a NUL byte", tmp.display()))?;
+            self.stop(path.as_ptr()).context("exporting the profiler's trace")
+        })
     }
 
     fn stop(&mut self, path: *const c_char) -> Result<()> {

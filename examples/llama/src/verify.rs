@@ -213,6 +213,8 @@ pub fn run(model: &Path, at: Placement, s: &VerifySettings) -> Result<VerifySumm
         }
     }
     std::fs::create_dir_all(&s.work).with_context(|| format!("creating {}", s.work.display()))?;
+    // One run at a time in a work directory, as every other command's.
+    let _lock = crate::io::Lock::dir(&s.work)?;
     // 1–2. The solver's graded solutions.
     let layout = VerifyDir::new(&s.work);
     let (solutions, held_solutions) = layout.solutions();

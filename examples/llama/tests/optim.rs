@@ -188,6 +188,15 @@ fn refuses_a_state_of_another_model() {
     state.insert("a.weight.exp_avg_sq_row".into(), Tensor::zeros([7], (Kind::Float, tch::Device::Cpu)));
     let err = Optimizer::new(cfg, params()).load_state(state).unwrap_err().to_string();
     assert!(err.contains("shape"), "{err}");
+    // A damaged state is an error, not a panic: a factored moment of a vector, a step of two values.
+    let mut state = opt.state();
+    state.insert("b.bias.exp_avg_sq_col".into(), Tensor::zeros([4], (Kind::Float, tch::Device::Cpu)));
+    let err = Optimizer::new(cfg, params()).load_state(state).unwrap_err().to_string();
+    assert!(err.contains("b.bias.exp_avg_sq_col"), "{err}");
+    let mut state = opt.state();
+    state.insert("step".into(), Tensor::from_slice(&[1i64, 2]));
+    let err = Optimizer::new(cfg, params()).load_state(state).unwrap_err().to_string();
+    assert!(err.contains("step"), "{err}");
     // An unknown optimiser name is refused by the CLI (tests/cli.rs); a negative weight decay here.
     assert!(OptimizerConfig::adamw(-1.0).is_err());
     assert!(OptimizerConfig::adafactor(f64::NAN).is_err());

@@ -55,6 +55,14 @@ fn sampling_resumes_after_a_kill_and_gives_the_same_data_set() {
     let n2 = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &killed).unwrap();
     assert_eq!(n2, 12, "the incomplete prompt is redone, nothing before it");
     assert_eq!(std::fs::read_to_string(&killed).unwrap(), text, "same seed, same data set");
+    // Killed inside a character of the cut line (completions hold non-ASCII text): the same.
+    let mut bytes = format!("{}\n{}\n{{\"completion\": \"", lines[..9].join("\n"), lines[9]).into_bytes();
+    bytes.push("é".as_bytes()[0]);
+    let killed_utf8 = data.join("killed-utf8.jsonl");
+    std::fs::write(&killed_utf8, bytes).unwrap();
+    std::fs::copy(sample::run_file(&full), sample::run_file(&killed_utf8)).unwrap();
+    let n3 = sample::sample_dataset(&m, &tok, &dir, &problems, &style, &settings(s), &killed_utf8).unwrap();
+    assert_eq!((n3, std::fs::read_to_string(&killed_utf8).unwrap()), (12, text.clone()), "cut inside a character");
     // Other batchings (one prompt, every prompt at once in flight) write the same file.
     for batch_prompts in [1, 7] {
         let other = data.join(format!("batch-{batch_prompts}.jsonl"));

@@ -89,8 +89,12 @@ impl StateDir {
         Ok(())
     }
 
+    /// Removes the state and what a save interrupted by a kill can leave beside it (the previous
+    /// state, a half-written new one), so that a finished run leaves nothing `exists` finds.
     pub fn remove(&self) {
-        let _ = std::fs::remove_dir_all(self.path());
+        for name in ["state", "state.old", "state.tmp"] {
+            let _ = std::fs::remove_dir_all(self.dir.join(name));
+        }
     }
 
     /// The saved state a run with `run` and `o` would resume (`None`: it starts afresh),
@@ -145,7 +149,7 @@ impl MetricsLog {
     /// Opens `path` keeping the lines of steps `1..=step` (a resumed run drops those of steps it
     /// will redo; the kept lines are rewritten atomically).
     pub fn open(path: &Path, step: usize) -> Result<Self> {
-        let kept = keep_metrics(path, step);
+        let kept = keep_metrics(path, step)?;
         crate::io::write_file(path, kept)?;
         Ok(Self { file: Append::open(path)? })
     }
@@ -156,8 +160,12 @@ impl MetricsLog {
 }
 
 /// The metrics lines of steps `1..=step`, as they are in the file.
-fn keep_metrics(path: &Path, step: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+fn keep_metrics(path: &Path, step: usize) -> Result<String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {} to resume it", path.display())),
+    };
     let mut kept = String::new();
     for line in text.lines() {
         let n = serde_json::from_str::<StepRecord>(line).ok().map(|r| r.step);
@@ -166,5 +174,5 @@ fn keep_metrics(path: &Path, step: usize) -> String {
             kept.push('\n');
         }
     }
-    kept
+    Ok(kept)
 }
