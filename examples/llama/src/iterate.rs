@@ -370,8 +370,19 @@ struct Table {
 }
 
 impl Table {
+    /// Opens the table; a last row cut short by an interrupted append is dropped (the loop adds
+    /// the row of every iteration it passes, finished ones from their records, so it comes back).
     fn open(path: &Path) -> Result<Self> {
-        let rows = if path.exists() { crate::metrics::read_jsonl(path)? } else { vec![] };
+        let mut rows = vec![];
+        if path.exists() {
+            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            if bytes.last().is_some_and(|&b| b != b'\n') {
+                let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+                eprintln!("{}: dropping its last row, cut short by an interrupted write", path.display());
+                crate::io::write_file(path, &bytes[..keep])?;
+            }
+            rows = crate::metrics::read_jsonl(path)?;
+        }
         Ok(Self { rows, file: Append::open(path)?, path: path.to_path_buf() })
     }
 

@@ -943,6 +943,10 @@ fn iterate_resumes_only_its_own_settings_and_keeps_every_row() {
     let table = run(&strs(&iterate(&["--iterations", "1", "--resume"])));
     assert_eq!(std::fs::read_to_string(work.join("iterations.jsonl")).unwrap(), rows, "rows were rewritten");
     assert_eq!(table.lines().count(), 4, "the table shows every row of the run:\n{table}");
+    // A last row cut short by an interrupted write is dropped, and the resumed loop writes it again.
+    std::fs::write(work.join("iterations.jsonl"), &rows[..rows.len() - 20]).unwrap();
+    run(&strs(&iterate(&["--iterations", "2", "--resume"])));
+    assert_eq!(std::fs::read_to_string(work.join("iterations.jsonl")).unwrap(), rows, "the cut row comes back");
     refused(
         &strs(&iterate(&["--iterations", "2", "--resume", "--objective", "tis"])),
         &["train.objective topr → tis", "another --work"],
