@@ -210,7 +210,9 @@ impl Loop<'_> {
     /// compared with the recorded one. When they differ (other code, other numerics), that
     /// iteration's evaluation and every later iteration are dropped and made again from the
     /// rebuilt model, so that no record mixes two models.
-    fn rebuild_missing(&self, work: &LoopDir, table: Option<&mut Table>) -> Result<()> {
+    fn rebuild_missing(&self, work: &LoopDir, mut table: Option<&mut Table>) -> Result<()> {
+        // A rebuild that a kill stopped after its training is settled first.
+        self.settle_rebuilt(work, table.as_deref_mut())?;
         let Some(open) = self.first_unfinished(work)? else { return Ok(()) };
         // The open iteration needs μ (iteration open − 1), and its own model when only its
         // evaluation is missing or when it was being trained again from its records.
@@ -222,7 +224,7 @@ impl Loop<'_> {
 
     /// Puts the models of iterations 1 to `upto` back on disk where only their records remain
     /// (see [`Loop::rebuild_missing`]).
-    fn ensure_models(&self, work: &LoopDir, upto: usize, table: Option<&mut Table>) -> Result<()> {
+    fn ensure_models(&self, work: &LoopDir, upto: usize, mut table: Option<&mut Table>) -> Result<()> {
         let at = |i: usize| work.iteration(i);
         let mut start = 1;
         for k in (1..=upto).rev() {
@@ -233,11 +235,47 @@ impl Loop<'_> {
         }
         for k in start..=upto {
             let mu = if k == 1 { self.initial.clone() } else { at(k - 1).model() };
-            if !self.rebuild(k, &mu, &at(k))? {
-                return self.forget_from(work, k, table);
+            self.rebuild(k, &mu, &at(k))?;
+            if self.settle_rebuilt(work, table.as_deref_mut())? {
+                return Ok(());
             }
         }
         Ok(())
+    }
+
+    /// Settles a rebuilt iteration whose recorded summary is still set aside (the rebuild just
+    /// trained it, or a kill stopped the clean-up after it): the record goes only once the
+    /// iteration's evaluation and the later iterations are dropped when the training differs
+    /// from it, so that a kill at any moment leaves a state that settles the same way. Whether
+    /// they were dropped.
+    fn settle_rebuilt(&self, work: &LoopDir, table: Option<&mut Table>) -> Result<bool> {
+        for k in 1..=self.s.iterations {
+            let it = work.iteration(k);
+            let (done, kept) = (it.done(), it.recorded());
+            if !parallel::main_sees(self.group, || kept.exists() && done.exists() && it.has_model())? {
+                continue;
+            }
+            let (recorded, now): (serde_json::Value, serde_json::Value) =
+                (stage::read_done(&kept)?, stage::read_done(&done)?);
+            let same = now == recorded;
+            if parallel::is_main(self.group) {
+                match same {
+                    true => eprintln!("iteration {k}: rebuilt, the same training as recorded"),
+                    false => eprintln!(
+                        "iteration {k}: rebuilt, but its training differs from the record (recorded {recorded}, now {now}): its evaluation and the later iterations are made again"
+                    ),
+                }
+            }
+            if !same {
+                self.forget_from(work, k, table)?;
+            }
+            parallel::on_main(self.group, || {
+                std::fs::remove_file(&kept).with_context(|| format!("removing {}", kept.display()))
+            })?;
+            parallel::barrier(self.group)?;
+            return Ok(!same);
+        }
+        Ok(false)
     }
 
     /// The first iteration that is not trained and evaluated, if any (one whose training was
@@ -253,9 +291,9 @@ impl Loop<'_> {
         Ok(None)
     }
 
-    /// Trains iteration `i` again from μ in `mu_dir` (see [`Loop::rebuild_missing`]); whether
-    /// the training's summary is the recorded one.
-    fn rebuild(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<bool> {
+    /// Trains iteration `i` again from μ in `mu_dir` (see [`Loop::rebuild_missing`]), its
+    /// recorded summary set aside for [`Loop::settle_rebuilt`] to compare.
+    fn rebuild(&self, i: usize, mu_dir: &Path, dir: &IterationDir) -> Result<()> {
         // The recorded summary is set aside (not removed) until the training is made again: a
         // rebuild that stops half-way is taken up again and still compared.
         let (done, kept) = (dir.done(), dir.recorded());
@@ -264,32 +302,31 @@ impl Loop<'_> {
             false => std::fs::rename(&done, &kept).with_context(|| format!("moving {}", done.display())),
         })?;
         parallel::barrier(self.group)?;
-        let recorded: serde_json::Value = stage::read_done(&kept)?;
         if parallel::is_main(self.group) {
             eprintln!(
                 "iteration {i}: its records are here but not its model; training it again from {}",
                 mu_dir.display()
             );
         }
-        let now = serde_json::to_value(self.sample_and_train(i, mu_dir, dir)?)?;
-        let same = now == recorded;
-        parallel::on_main(self.group, || {
-            std::fs::remove_file(&kept).with_context(|| format!("removing {}", kept.display()))
-        })?;
-        if parallel::is_main(self.group) {
-            match same {
-                true => eprintln!("iteration {i}: rebuilt, the same training as recorded"),
-                false => eprintln!(
-                    "iteration {i}: rebuilt, but its training differs from the record (recorded {recorded}, now {now}): its evaluation and the later iterations are made again"
-                ),
-            }
-        }
-        Ok(same)
+        self.sample_and_train(i, mu_dir, dir)?;
+        Ok(())
     }
 
-    /// Drops iteration `k`'s evaluations and every later iteration (folders and table rows).
+    /// Drops iteration `k`'s evaluations and every later iteration (folders and table rows):
+    /// the rows first, each later iteration's done marker before its folder, so that a kill
+    /// half-way leaves nothing that passes for finished ([`Loop::settle_rebuilt`] then does it
+    /// again).
     fn forget_from(&self, work: &LoopDir, k: usize, table: Option<&mut Table>) -> Result<()> {
         parallel::on_main(self.group, || {
+            table.map_or(Ok(()), |t| t.drop_from(k))?;
+            for j in (k + 1..=self.s.iterations).rev() {
+                let later = work.iteration(j);
+                if later.path().exists() {
+                    let _ = std::fs::remove_file(later.done());
+                    std::fs::remove_dir_all(later.path())
+                        .with_context(|| format!("removing {}", later.path().display()))?;
+                }
+            }
             let it = work.iteration(k);
             let evaluations = std::fs::read_dir(it.path())?
                 .filter_map(|e| e.ok().map(|e| e.path()))
@@ -297,14 +334,7 @@ impl Loop<'_> {
             for f in evaluations {
                 std::fs::remove_file(&f).with_context(|| format!("removing {}", f.display()))?;
             }
-            for j in k + 1..=self.s.iterations {
-                let later = work.iteration(j);
-                if later.path().exists() {
-                    std::fs::remove_dir_all(later.path())
-                        .with_context(|| format!("removing {}", later.path().display()))?;
-                }
-            }
-            table.map_or(Ok(()), |t| t.drop_from(k))
+            Ok(())
         })?;
         parallel::barrier(self.group)
     }

@@ -998,7 +998,17 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     std::fs::write(&done, record.to_string()).unwrap();
     std::fs::write(edited.join("iter-1/eval.json"), "{\"stale\": true}").unwrap();
 
+    // As a rebuild of iteration 1 leaves it when a kill stops its clean-up: trained again, with a
+    // record that differs set aside, the evaluation and the later iteration of the record's model
+    // still there. It is settled before anything else: they are made again.
+    let cleanup = dir.join("cleanup");
+    assert!(Command::new("cp").arg("-r").arg(&original).arg(&cleanup).status().unwrap().success());
+    std::fs::write(cleanup.join("iter-1/train.done.recorded.json"), record.to_string()).unwrap();
+
     iterate(&original, "3");
+    let log = iterate(&cleanup, "3");
+    assert!(log.contains("iteration 1: rebuilt, but its training differs from the record"), "{log}");
+    assert!(!cleanup.join("iter-1/train.done.recorded.json").exists());
     let log = iterate(&same, "3");
     assert_eq!(log.matches("the same training as recorded").count(), 2, "{log}");
     let log = iterate(&edited, "3");
@@ -1011,6 +1021,7 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
         assert_eq!(read(&same), read(&original), "{f} of the restored loop");
         assert_eq!(read(&edited), read(&original), "{f} of the loop with an edited record");
         assert_eq!(read(&stopped), read(&original), "{f} of the loop whose rebuild had stopped");
+        assert_eq!(read(&cleanup), read(&original), "{f} of the loop whose clean-up had stopped");
     }
     // The table's rows (their settings record the --iterations of the run that added them).
     let accuracies = |w: &Path| -> Vec<(Value, Value)> {
@@ -1022,6 +1033,7 @@ fn a_loop_restored_from_its_records_resumes_with_the_same_results() {
     assert_eq!(accuracies(&same), accuracies(&original));
     assert_eq!(accuracies(&edited), accuracies(&original));
     assert_eq!(accuracies(&stopped), accuracies(&original));
+    assert_eq!(accuracies(&cleanup), accuracies(&original));
 }
 
 /// `iterate` of the tiny model `m0` in `work` at CI size: 4 problems, 2 samples of 4 tokens each,
