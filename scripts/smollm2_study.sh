@@ -6,6 +6,7 @@
 #   scripts/smollm2_study.sh [SEEDS] [WORK]
 #   scripts/smollm2_study.sh --copy-records [WORK]      # only copy WORK's records to docs/study/real/
 #                                                       # and draw their tables and plots there
+#                                                       # (for the seeds WORK has)
 #   scripts/smollm2_study.sh --restore-records [WORK]   # only put docs/study/real/'s back into WORK
 #
 # TOPR_STUDY_RECORDS names another records folder than docs/study/real (for tests);
@@ -60,6 +61,11 @@ records=$PWD/docs/study/real
 [ -z "${TOPR_STUDY_RECORDS:-}" ] || records=$(absolute "$TOPR_STUDY_RECORDS")
 seeds="${1:-5}"
 work=$(absolute "${2:-$HOME/.cache/topr-loss/runs/smollm2-study}")
+# A copy draws the tables of the seeds the work directory has (the grid's SEEDS).
+if [ "$only" = --copy-records ]; then
+    have=$(find "$work" -maxdepth 1 -type d -name 'seed-*' 2> /dev/null | wc -l)
+    [ "$have" -gt 0 ] && seeds=$have
+fi
 model=models/smollm2-135m-instruct
 claims=real-negatives,real-composition,real-iterated
 # A data set's record names the model it was sampled from by its path: the base model's key in
