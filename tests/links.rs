@@ -134,16 +134,17 @@ fn every_relative_link_in_the_markdown_resolves() {
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
+/// The `code spans` of the text outside fenced code blocks, line by line.
+fn code_spans(md: &str) -> Vec<String> {
+    prose(md).lines().flat_map(|l| l.split('`').skip(1).step_by(2).map(str::to_string).collect::<Vec<_>>()).collect()
+}
+
 /// A repository path named in a code span (`scripts/env.sh`, `src/topr.rs::topr_loss`): a span
 /// of path characters with a `/` whose first folder is one of the repository's. `src/…` and
 /// `tests/…` may be the Llama crate's or the c10d crate's, as the text around them says.
 fn repository_paths(md: &str) -> Vec<String> {
     const FOLDERS: [&str; 9] = ["src", "tests", "docs", "examples", "scripts", "dist", "benches", ".ci", "csrc"];
-    let spans = prose(md)
-        .lines()
-        .flat_map(|l| l.split('`').skip(1).step_by(2).map(str::to_string).collect::<Vec<_>>())
-        .collect::<Vec<_>>();
-    spans
+    code_spans(md)
         .into_iter()
         .filter_map(|s| {
             let path = s.trim().split("::").next()?.trim_end_matches('/').to_string();
@@ -206,11 +207,7 @@ fn every_rust_path_in_a_code_span_names_words_of_the_sources() {
     let (mut checked, mut unknown) = (0, vec![]);
     for file in &files {
         let md = std::fs::read_to_string(file).unwrap();
-        let spans: Vec<String> = prose(&md)
-            .lines()
-            .flat_map(|l| l.split('`').skip(1).step_by(2).map(str::to_string).collect::<Vec<_>>())
-            .collect();
-        for span in spans {
+        for span in code_spans(&md) {
             let path = span.trim().trim_end_matches("()");
             let segments: Vec<&str> = path.split("::").collect();
             let rust = segments.len() > 1

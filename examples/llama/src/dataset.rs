@@ -127,8 +127,8 @@ pub(crate) fn read_records(
     let mut text = std::fs::read(path).with_context(|| format!("opening {}", path.display()))?;
     // A line cut short by an interrupted write may end inside a character: when that line is to
     // be dropped anyway, it goes before the text is decoded.
-    if cut == CutLine::Resume && text.last().is_some_and(|&b| b != b'\n') {
-        text.truncate(text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1));
+    if cut == CutLine::Resume {
+        crate::io::drop_cut_line(&mut text);
     }
     let text = String::from_utf8(text).map_err(|e| {
         anyhow::anyhow!("{}: not UTF-8 text (byte {} of the file)", path.display(), e.utf8_error().valid_up_to())

@@ -348,6 +348,16 @@ pub fn refuse_overlap(model: &Path, out: &Path, what_out: &str) -> Result<()> {
     )
 }
 
+/// Drops a last line that has no end of line (cut short by an interrupted append, possibly inside
+/// a character) from the bytes of a line-based file; whether there was one.
+pub fn drop_cut_line(bytes: &mut Vec<u8>) -> bool {
+    if bytes.last().is_none_or(|&b| b == b'\n') {
+        return false;
+    }
+    bytes.truncate(bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1));
+    true
+}
+
 /// Whether `dir` holds a whole model: its `config.json`, which `checkpoint::save` writes last, so
 /// that weights a kill left without it are not taken for a finished model.
 pub fn holds_model(dir: &Path) -> bool {

@@ -405,11 +405,10 @@ impl Table {
     fn open(path: &Path) -> Result<Self> {
         let mut rows = vec![];
         if path.exists() {
-            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            if bytes.last().is_some_and(|&b| b != b'\n') {
-                let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            let mut bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            if crate::io::drop_cut_line(&mut bytes) {
                 eprintln!("{}: dropping its last row, cut short by an interrupted write", path.display());
-                crate::io::write_file(path, &bytes[..keep])?;
+                crate::io::write_file(path, &bytes)?;
             }
             rows = crate::metrics::read_jsonl(path)?;
         }

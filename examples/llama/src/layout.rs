@@ -143,7 +143,7 @@ impl IterationDir {
     /// Whether the trained model is on disk (a work directory restored from its records has
     /// the done marker and the evaluation, not the weights).
     pub fn has_model(&self) -> bool {
-        self.model().join("config.json").exists()
+        crate::io::holds_model(&self.model())
     }
 
     /// Whether the iteration is finished: trained and evaluated.
