@@ -225,6 +225,26 @@ impl SampleRun {
         let r = self.shard.unwrap_or(Shard::WHOLE).range(batches);
         (r.start * bp).min(self.problems)..(r.end * bp).min(self.problems)
     }
+
+    /// The completions a finished file of this run holds: its shard's problems times the
+    /// samples per prompt.
+    pub fn completions(&self) -> usize {
+        self.shard_problems().len() * self.samples_per_prompt
+    }
+}
+
+/// Refuses the data set `path` holding `records` records when its run record (`OUT.run.json`,
+/// written by `sample`) counts more: an interrupted `sample` left it, and training on it would
+/// train on its first prompts only. A data set without a readable run record (written by hand,
+/// or by `sft-data`) is taken as it is.
+pub fn refuse_unfinished(path: &Path, records: usize) -> Result<()> {
+    let saved = crate::stage::read_record(&run_file(path));
+    let Some(run) = saved.ok().and_then(|v| serde_json::from_value::<SampleRun>(v).ok()) else { return Ok(()) };
+    let want = run.completions();
+    if records < want {
+        bail!(crate::Refusal::UnfinishedData { path: path.to_path_buf(), have: records, want });
+    }
+    Ok(())
 }
 
 /// The file beside a data set `out` that records how it was sampled.
@@ -261,7 +281,7 @@ impl ShardPart {
 
     pub(crate) fn check(&self, path: &Path) -> Result<()> {
         let (records, _) = parse_records(path, &self.text, None, false, CutLine::Refuse)?;
-        let want = self.run.shard_problems().len() * self.run.samples_per_prompt;
+        let want = self.run.completions();
         if records.len() != want {
             bail!(
                 "{}: {} of its {want} completions are sampled (an unfinished shard: rerun its `sample`)",

@@ -137,4 +137,11 @@ pub enum Refusal {
         path.display()
     )]
     RecordTooLong { path: PathBuf, record: usize, id: String, tokens: usize, context: usize },
+    /// A data set whose `sample` was interrupted: its run record counts more completions than
+    /// the file holds.
+    #[error(
+        "{}: {have} of its {want} completions are sampled (an interrupted `sample`: rerun it with the same settings to finish)",
+        path.display()
+    )]
+    UnfinishedData { path: PathBuf, have: usize, want: usize },
 }

@@ -255,7 +255,7 @@ fn is_complete(out: &Path, run: &SampleRun) -> bool {
     let same = crate::stage::read_record(&run_file(out))
         .and_then(|saved| crate::stage::changes(&saved, run, &[]))
         .is_ok_and(|d| d.is_empty());
-    same && read_dataset(out, false).is_ok_and(|(r, _)| r.len() == run.problems * run.samples_per_prompt)
+    same && read_dataset(out, false).is_ok_and(|(r, _)| r.len() == run.completions())
 }
 
 /// Refuses to extend `out` when it was sampled otherwise than `run` (or its record is missing);

@@ -1133,8 +1133,16 @@ fn no_op_or_reversed_training_is_refused() {
     let sft = with(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &["--objective", "sft"]);
     refused(&strs(&sft), &["positives", s(&data)]);
     assert!(!topr_llama::io::holds_model(&out), "SFT on no positive left a model in {}", out.display());
+    // The prefix an interrupted `sample` leaves is refused: it holds the first prompts only.
+    let whole = std::fs::read_to_string(&data).unwrap();
+    let first_three: String = whole.split_inclusive('\n').take(3).collect();
+    std::fs::write(&data, first_three).unwrap();
+    let topr = with(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &["--objective", "topr"]);
+    refused(&strs(&topr), &[s(&data), "3 of its 4 completions", "interrupted `sample`"]);
+    assert!(!out.exists(), "a refused run left {} behind", out.display());
+    std::fs::write(&data, whole).unwrap();
     // TOPR learns from the same negatives.
-    run(&strs(&with(&["train", "--model", s(&m0), "--data", s(&data), "--out", s(&out)], &["--objective", "topr"])));
+    run(&strs(&topr));
     assert!(topr_llama::io::holds_model(&out));
 }
 

@@ -795,5 +795,9 @@ fn refusal(r: &Refusal) -> String {
             "{}: record {record} ({id}) has {tokens} tokens, more than the model's context of {context} (--skip-bad-records skips such records)",
             path.display()
         ),
+        Refusal::UnfinishedData { path, have, want } => format!(
+            "{}: {have} of its {want} completions are sampled (an interrupted `sample`: rerun it with the same flags to finish)",
+            path.display()
+        ),
     }
 }

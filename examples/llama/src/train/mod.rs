@@ -118,6 +118,7 @@ pub struct Summary {
 /// counted with `skip_bad`.
 pub fn load_data(path: &Path, context: usize, vocab: i64, skip_bad: bool) -> Result<Vec<Sample>> {
     let (mut samples, mut skipped) = crate::dataset::read_dataset_for(path, Some(vocab), skip_bad)?;
+    crate::dataset::refuse_unfinished(path, samples.len() + skipped)?;
     let too_long = |s: &Sample| s.prompt_ids.len() + s.completion_ids.len() > context;
     if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| too_long(s)) {
         if !skip_bad {
