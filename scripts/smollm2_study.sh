@@ -37,7 +37,7 @@
 # The grid runs in two passes: the real-negatives and real-iterated claims over every seed, then
 # every claim (the second pass reuses what the first finished; the order changes no number).
 #
-# One binary for every seed: the grid's commit is docs/study/real/commit.txt (written by the
+# One binary for every seed: the grid's commit is commit.txt of the records folder (written by the
 # first run, from HEAD). The binary is built from that commit — here when HEAD is it, else in a
 # git worktree at WORK/src — and copied to WORK/bin/llama, which every resume runs, so that a
 # later version of the sampler (other random streams) never mixes into a grid started before it.
@@ -210,7 +210,7 @@ source scripts/env.sh
 mkdir -p "$work"
 restore_records
 trap 'copy_records; report' EXIT
-pin=docs/study/real/commit.txt
+pin=$records/commit.txt
 mkdir -p "$(dirname "$pin")"
 [ -f "$pin" ] || git rev-parse HEAD > "$pin"
 commit=$(cat "$pin")
