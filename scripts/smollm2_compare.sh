@@ -18,13 +18,7 @@
 # docs/study/real-compare/seed-N/ after each seed, and summarised over seeds by
 # scripts/compare_over_seeds.py.
 set -euo pipefail
-caller=$PWD
-absolute() {
-    case "$1" in
-        /*) printf '%s\n' "$1" ;;
-        *) printf '%s/%s\n' "$caller" "$1" ;;
-    esac
-}
+source "$(dirname "$0")/absolute.sh"
 cd "$(dirname "$0")/.."
 arms="${1:?usage: scripts/smollm2_compare.sh ARMS [SEEDS] [WORK]}"
 seeds="${2:-5}"

@@ -45,13 +45,7 @@ set -euo pipefail
 # WORK and TOPR_STUDY_RECORDS are taken from the folder the script is called from; the rest of the
 # script runs in the clone's root, with both made absolute (the records' clean-up compares them
 # from inside the records folder).
-caller=$PWD
-absolute() {
-    case "$1" in
-        /*) printf '%s\n' "$1" ;;
-        *) printf '%s/%s\n' "$caller" "$1" ;;
-    esac
-}
+source "$(dirname "$0")/absolute.sh"
 cd "$(dirname "$0")/.."
 only=
 case "${1:-}" in
