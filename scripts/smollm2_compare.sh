@@ -30,7 +30,11 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 gcc -O2 -shared -fPIC -o "$work/bin/flush_subnormals.so" scripts/flush_subnormals.c
 for ((seed = 0; seed < seeds; seed++)); do
     from=$work/seed-$seed/real-topr-p0.5
-    data=$(find "$work/seed-$seed/shared" -name iter-1-data.jsonl 2> /dev/null | head -n 1)
+    # The seed's first data set: the one in shared/ whose run record is the TOPR arm's.
+    data=
+    for d in "$work/seed-$seed"/shared/*/iter-1-data.jsonl; do
+        if [ -f "$d" ] && cmp -s "$d.run.json" "$from/iter-1/data.jsonl.run.json"; then data=$d; fi
+    done
     if [ ! -f "$from/iter-1/eval.questions.jsonl" ] || [ -z "$data" ]; then
         echo "smollm2_compare.sh: seed $seed has not finished its TOPR arm's first iteration in $work" >&2
         exit 2
@@ -39,8 +43,8 @@ for ((seed = 0; seed < seeds; seed++)); do
     if [ ! -d "$run" ]; then
         mkdir -p "$work/compare"
         rm -rf "$run.part"
-        cp -r "$from" "$run.part"
-        find "$run.part" -type d \( -name model -o -name state \) -prune -exec rm -rf {} +
+        mkdir "$run.part"
+        tar -C "$from" --exclude=./iter-\*/model --exclude=./iter-\*/state -cf - . | tar -C "$run.part" -xf -
         cp "$data" "$run.part/iter-1/data.jsonl"
         cp "$data.run.json" "$run.part/iter-1/data.jsonl.run.json"
         mv "$run.part" "$run"
