@@ -307,6 +307,31 @@ fn the_committed_real_model_tables_are_recomputed_from_their_records() {
     assert!(checked >= 150, "{text}");
 }
 
+/// The committed summary of the arms trained beside the grid (`docs/study/real-compare/summary.md`,
+/// by `scripts/smollm2_compare.sh`) is what its records give: redrawn by
+/// `scripts/compare_over_seeds.py` in a copy, from the per-question files (each accuracy checked
+/// against `compare.jsonl`), it comes out byte for byte.
+#[test]
+fn the_committed_compare_summary_is_redrawn_from_its_records() {
+    let repo = common::repo();
+    let records = repo.join("docs/study/real-compare");
+    let tmp = std::env::temp_dir().join(format!("llama_compare_summary_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert!(Command::new("cp").arg("-r").arg(&records).arg(&tmp).status().unwrap().success());
+    std::fs::remove_file(tmp.join("summary.md")).unwrap();
+    let out = Command::new("python3")
+        .arg(repo.join("scripts/compare_over_seeds.py"))
+        .arg(&tmp)
+        .arg(repo.join("docs/study/real"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want = std::fs::read_to_string(records.join("summary.md")).unwrap();
+    assert_eq!(std::fs::read_to_string(tmp.join("summary.md")).unwrap(), want);
+    assert!(want.contains("| topr-p0.9 | 5 |"), "{want}");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
 /// The committed real-model tables are what this version draws from the committed records, and
 /// drawing them needs only the records: `--report-only` without `--model` (a clone of the records
 /// has no SmolLM2 weights), in a copy of the records folder.
