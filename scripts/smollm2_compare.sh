@@ -13,8 +13,8 @@
 # paired with TOPR's: compare.md and compare.jsonl give each arm's accuracy and its difference
 # to TOPR (p̃ = 0.5) with its standard error over the questions. The grid's own binary runs it
 # (WORK/bin/llama, subnormals flushed as in the grid), so the arms are trained as the grid's.
-# Resumable: rerun the same command; finished arms are reused. About 17 minutes an arm and a
-# seed on 2 cores. The records (compare-iter-1/ without models) are copied to
+# Resumable: rerun the same command; finished arms are reused. About 12 minutes an arm and a
+# seed on 2 cores of an Intel Xeon (2026-12-06). The records (compare-iter-1/ without models) are copied to
 # docs/study/real-compare/seed-N/ after each seed, and summarised over seeds by
 # scripts/compare_over_seeds.py.
 set -euo pipefail
