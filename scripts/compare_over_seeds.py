@@ -12,7 +12,8 @@ for reference. For each arm, over the seeds that ran it: greedy pass@1, invalid 
 share right among the answers given (mean ± standard error over seeds), and the arm minus TOPR
 (p̃ = 0.5), paired by seed (standard error over seeds) and by seed and question (standard error
 over all those questions), with which standard error is the larger. Every accuracy is recounted
-from the questions and checked against compare.jsonl's; a mismatch stops the script (exit 1).
+from the questions and checked against compare.jsonl's (the run's model's against the grid's
+TOPR records); a mismatch stops the script (exit 1).
 """
 import glob
 import os
@@ -33,18 +34,21 @@ def questions(path):
 
 def main():
     seeds = sorted(int(re.search(r"seed-(\d+)$", d).group(1)) for d in glob.glob(os.path.join(RECORDS, "seed-*")))
+    grid = lambda s, arm: os.path.join(GRID, f"seed-{s}", arm, "iter-1", "eval.questions.jsonl")
     arms = {}  # arm -> {seed: per-question}
     for s in seeds:
         rows = jsonl(os.path.join(RECORDS, f"seed-{s}", "compare.jsonl"))
         for row in rows:
-            if row["arm"] in ("mu", "run"):
+            if row["arm"] == "mu":
                 continue
-            q = questions(os.path.join(RECORDS, f"seed-{s}", row["arm"], "eval.questions.jsonl"))
+            # The run's model is the grid's TOPR arm: the same accuracy as its records.
+            where = grid(s, TOPR) if row["arm"] == "run" else os.path.join(RECORDS, f"seed-{s}", row["arm"], "eval.questions.jsonl")
+            q = questions(where)
             recount = sum(c for c, _ in q.values()) / len(q)
             if abs(recount - row["accuracy"]) > 1e-12:
                 sys.exit(f"seed {s} {row['arm']}: compare.jsonl has accuracy {row['accuracy']}, the questions {recount}")
-            arms.setdefault(row["arm"], {})[s] = q
-    grid = lambda s, arm: os.path.join(GRID, f"seed-{s}", arm, "iter-1", "eval.questions.jsonl")
+            if row["arm"] != "run":
+                arms.setdefault(row["arm"], {})[s] = q
     reference = {TOPR: {}, "real-sft": {}}
     for arm in reference:
         for s in seeds:
