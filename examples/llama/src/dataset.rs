@@ -226,6 +226,13 @@ impl SampleRun {
         (r.start * bp).min(self.problems)..(r.end * bp).min(self.problems)
     }
 
+    /// The run record of the data set `data` (its [`run_file`]).
+    pub fn read(data: &Path) -> Result<Self> {
+        let file = run_file(data);
+        let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))
+    }
+
     /// The completions a finished file of this run holds: its shard's problems times the
     /// samples per prompt.
     pub fn completions(&self) -> usize {
@@ -238,8 +245,7 @@ impl SampleRun {
 /// train on its first prompts only. A data set without a readable run record (written by hand,
 /// or by `sft-data`) is taken as it is.
 pub fn refuse_unfinished(path: &Path, records: usize) -> Result<()> {
-    let saved = crate::stage::read_record(&run_file(path));
-    let Some(run) = saved.ok().and_then(|v| serde_json::from_value::<SampleRun>(v).ok()) else { return Ok(()) };
+    let Ok(run) = SampleRun::read(path) else { return Ok(()) };
     let want = run.completions();
     if records < want {
         bail!(crate::Refusal::UnfinishedData { path: path.to_path_buf(), have: records, want });
@@ -268,11 +274,7 @@ impl ShardPart {
     /// Reads and checks the shard file `path`: every record whole and valid, as many as its
     /// shard's problems times the samples per prompt.
     fn read(path: &Path) -> Result<Self> {
-        let file = run_file(path);
-        let run: SampleRun = serde_json::from_str(
-            &std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?,
-        )
-        .with_context(|| format!("parsing {}", file.display()))?;
+        let run = SampleRun::read(path)?;
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let part = Self { run, text };
         part.check(path)?;
